@@ -1,0 +1,45 @@
+"""The outcome vocabulary and the retry / grade / mask policy. Imports nothing of ours."""
+
+from policy.http_errors import (
+    error_message_of,
+    is_context_overflow,
+    is_retryable,
+    kind_for_http,
+    parse_retry_after,
+)
+from policy.outcome import (
+    KIND_INFO,
+    MAX_ERROR_MESSAGE_CHARS,
+    Decision,
+    FailureKind,
+    KindInfo,
+    Outcome,
+    Status,
+    bound_text,
+    status_for,
+)
+from policy.rules import DEFAULT_RULES, FinalAs, PolicyConfig, Rule, Verdict, backoff_delay, decide
+
+__all__ = [
+    "DEFAULT_RULES",
+    "KIND_INFO",
+    "MAX_ERROR_MESSAGE_CHARS",
+    "Decision",
+    "FailureKind",
+    "FinalAs",
+    "KindInfo",
+    "Outcome",
+    "PolicyConfig",
+    "Rule",
+    "Status",
+    "Verdict",
+    "backoff_delay",
+    "bound_text",
+    "decide",
+    "error_message_of",
+    "is_context_overflow",
+    "is_retryable",
+    "kind_for_http",
+    "parse_retry_after",
+    "status_for",
+]

@@ -1,0 +1,125 @@
+"""The retry / grade / mask policy: a table from failure kind to rule, overridable per run."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policy.outcome import KIND_INFO, Decision, FailureKind, Outcome
+
+
+class FinalAs(StrEnum):
+    """What a final unsuccessful row becomes."""
+
+    MASK = "mask"
+    ACCEPT = "accept"  # a real zero (or the verifier's reward when graded)
+
+
+class Rule(BaseModel):
+    """How the policy treats one failure kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retry: bool = False
+    max_attempts: int = Field(default=3, ge=1, le=100)  # attempts in all, the first one included
+    backoff_base_s: float = Field(default=2.0, ge=0)
+    backoff_cap_s: float = Field(default=60.0, ge=0)
+    grade: bool = False
+    final: FinalAs = FinalAs.MASK
+    stop_run: bool = False  # every other session would fail the same way
+
+
+def _infra(**overrides: object) -> Rule:
+    return Rule(retry=True, grade=False, final=FinalAs.MASK, **overrides)
+
+
+DEFAULT_RULES: dict[FailureKind, Rule] = {
+    FailureKind.NONE: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.MODEL_CONTEXT_LIMIT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.MODEL_OUTPUT_LIMIT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.AGENT_TIMEOUT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.MODEL_REQUEST_ERROR: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.AGENT_NO_RESULT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.RATE_LIMIT_EXCEEDED: _infra(),
+    FailureKind.PROVIDER_UNAVAILABLE: _infra(),
+    FailureKind.TRANSPORT_ERROR: _infra(),
+    FailureKind.SANDBOX_START_FAILED: _infra(),
+    FailureKind.SANDBOX_LOST: _infra(),
+    FailureKind.SETUP_FAILED: _infra(),
+    FailureKind.AGENT_CRASH: _infra(),
+    FailureKind.VERIFIER_ERROR: _infra(),
+    FailureKind.VERIFIER_TIMEOUT: _infra(),
+    FailureKind.CANCELLED: _infra(max_attempts=100),
+    FailureKind.CLEANUP_FAILED: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.PROVIDER_AUTH_ERROR: Rule(retry=False, final=FinalAs.MASK, stop_run=True),
+}
+
+
+class PolicyConfig(BaseModel):
+    """The run's policy: the default table with per-kind overrides from YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: dict[FailureKind, Rule] = Field(default_factory=dict)
+    retry_budget: int = Field(default=1_000, ge=0)  # extra attempts for the whole run
+    group: Literal["none"] = "none"
+
+    @model_validator(mode="after")
+    def _no_graded_infrastructure_zero(self) -> PolicyConfig:
+        for kind, rule in self.rules.items():
+            if KIND_INFO[kind].infrastructure and rule.final is FinalAs.ACCEPT and not rule.grade:
+                raise ValueError(
+                    f"policy.rules.{kind.value}: final 'accept' without grading would train an "
+                    "infrastructure failure as reward 0; use final: mask or grade: true"
+                )
+        return self
+
+    def rule_for(self, kind: FailureKind) -> Rule:
+        return self.rules.get(kind) or DEFAULT_RULES[kind]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str
+    retry_delay_s: float = 0.0
+
+
+def backoff_delay(rule: Rule, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
+    """Exponential backoff with full jitter, capped, never shorter than the endpoint's Retry-After."""
+    ceiling = min(rule.backoff_cap_s, rule.backoff_base_s * (2 ** max(attempt - 1, 0)))
+    delay = rng.uniform(0, ceiling)
+    if retry_after_s is not None:
+        delay = max(delay, retry_after_s)
+    return delay
+
+
+def decide(
+    outcome: Outcome,
+    attempt: int,
+    policy: PolicyConfig,
+    *,
+    budget_left: int,
+    rng: random.Random | None = None,
+) -> Verdict:
+    """The decision for one attempt (1-based ``attempt``) given the run's remaining retry budget."""
+    kind = outcome.failure_kind
+    rule = policy.rule_for(kind)
+    if rule.retry and attempt < rule.max_attempts:
+        if budget_left > 0:
+            delay = backoff_delay(rule, attempt, outcome.retry_after_s, rng or random.Random())
+            return Verdict(Decision.RETRY, f"{kind.value}: attempt {attempt} of {rule.max_attempts}", delay)
+        return Verdict(_final(rule), f"{kind.value}: run retry budget spent")
+    if kind is FailureKind.NONE:
+        return Verdict(Decision.ACCEPT, "completed")
+    if rule.retry:
+        return Verdict(_final(rule), f"{kind.value}: {attempt} attempts used")
+    return Verdict(_final(rule), f"{kind.value}: final as {rule.final.value}")
+
+
+def _final(rule: Rule) -> Decision:
+    return Decision.ACCEPT if rule.final is FinalAs.ACCEPT else Decision.MASK

@@ -1,0 +1,94 @@
+"""The sandbox protocol: where a session's processes run. Session code sees only this page."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TAIL_BYTES = 16_000
+
+
+class SandboxError(Exception):
+    """A sandbox operation failed for a reason of the sandbox's, not the command's."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox never became ready."""
+
+
+class SandboxLostError(SandboxError):
+    """The sandbox died or became unreachable mid-session."""
+
+
+class WorkspaceSpec(BaseModel):
+    """How the workspace is laid out from a task: inline files, then a local directory or git repo."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files: dict[str, str] = Field(default_factory=dict)  # relative path -> text
+    copy_from: str | None = None  # a local directory or git repository copied in whole
+
+
+class SandboxSpec(BaseModel):
+    """What a session asks of its sandbox."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    session_id: str  # the rollout id: unique per attempt
+    ttl_s: float = Field(gt=0)  # deadline plus grace: the backstop against a leaked sandbox
+    workspace: WorkspaceSpec = Field(default_factory=WorkspaceSpec)
+    env: dict[str, str] = Field(default_factory=dict)  # added to the scrubbed base environment
+    memory_limit_mb: int | None = None
+
+
+class ExecResult(BaseModel):
+    """What one command did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None = None
+    timed_out: bool = False
+    duration_s: float
+    stdout_path: str | None = None  # full output, capped, where the provider keeps it
+    stderr_path: str | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """A started sandbox. All paths are inside the sandbox; ``workdir`` is the task's workspace."""
+
+    id: str
+    workdir: str
+    home: str
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        timeout: float,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        name: str = "exec",
+    ) -> ExecResult: ...
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    async def read_file(self, path: str, limit: int) -> bytes: ...
+
+    async def stop(self) -> None: ...
+
+    def descriptor(self) -> dict[str, Any]: ...
+
+
+class SandboxProvider(Protocol):
+    name: str
+
+    async def start(self, spec: SandboxSpec) -> Sandbox: ...
