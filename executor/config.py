@@ -1,0 +1,138 @@
+"""The run configuration: YAML validated by pydantic, so a typo is an error that names the key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from executor.tasks import InputError
+from harnesses.gateway import GatewayConfig
+from policy import PolicyConfig
+
+from harnesses.registry import HARNESSES
+
+
+class HarnessConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "codex"
+    version: str | None = None  # None: the adapter's tested pin
+
+    @model_validator(mode="after")
+    def _known(self) -> HarnessConfig:
+        if self.name not in HARNESSES:
+            raise ValueError(f"unknown harness {self.name!r}; known: {', '.join(sorted(HARNESSES))}")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """The endpoint. ``scripted`` runs the built-in scripted model inside each worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provider: Literal["scripted", "openai"] = "scripted"
+    base_url: str | None = None  # required for openai; ends in /v1
+    api_key_env: str | None = None  # the variable holding the key; the key itself never enters config
+    name: str = "scripted-model"
+    max_output_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> ModelConfig:
+        if self.provider == "openai" and not self.base_url:
+            raise ValueError("model.base_url is required when model.provider is 'openai'")
+        return self
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        value = os.environ.get(self.api_key_env)
+        if value is None:
+            raise InputError(f"model.api_key_env: environment variable {self.api_key_env} is not set")
+        return value
+
+
+class LocalSandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    provider: Literal["local"] = "local"
+    root: str | None = None  # default: <cache>/sandboxes
+    keep: bool = False  # keep each session's directory after the rollout
+
+
+class LimitsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deadline_s: float = Field(default=600.0, gt=0, le=86_400)  # harness end-to-end, per task unless set
+    grace_s: float = Field(default=10.0, ge=0, le=600)
+    setup_timeout_s: float = Field(default=900.0, gt=0)
+
+
+class ConcurrencyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(default=2, ge=1, le=10_000)  # SandboxWorker actors
+    sessions_per_worker: int = Field(default=4, ge=1, le=10_000)
+    max_in_flight: int | None = Field(default=None, ge=1)  # default: workers * sessions_per_worker
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = None  # default: the config file's stem, so the same command resumes
+    tasks: str
+    out: str = "runs"
+    samples: int = Field(default=1, ge=1, le=10_000)
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sandbox: LocalSandboxConfig = Field(default_factory=LocalSandboxConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
+    ray_address: str | None = None  # None: RAY_ADDRESS if set, else a local cluster
+
+    @property
+    def in_flight_cap(self) -> int:
+        c = self.concurrency
+        return c.max_in_flight or c.workers * c.sessions_per_worker
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(root)"
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {str(value)[:80]!r})"
+    return f"{where}: {first['msg']}{shown}"
+
+
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a run config; relative paths in it are relative to the file."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise InputError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: the config must be a mapping of keys")
+    raw.setdefault("run_id", path.stem)
+    for key in ("tasks", "out"):
+        if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
+            raw[key] = str((path.parent / raw[key]).resolve())
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise InputError(f"{path}: {_describe(exc)}") from None
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        data = data.setdefault(key, {})
+    data[leaf] = value

@@ -1,0 +1,271 @@
+"""The driver loop: bounded admission, results as they complete, the policy's decision, bounded retries."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray
+import yaml
+from ray.exceptions import RayActorError, RayError, RayTaskError
+
+from executor.config import RunConfig
+from executor.progress import Progress
+from executor.schema import rows_to_batch, with_decisions
+from executor.session import SessionRequest, lost_row
+from executor.store import ResumeState, RunStore, read_table
+from executor.tasks import Task, load_tasks
+from executor.worker import RemoteSandboxWorker
+from harnesses.install import default_cache_root
+from harnesses.registry import make_harness
+from policy import Decision, FailureKind, Outcome, Status, decide
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 0.25
+CANCEL_GRACE_S = 60.0
+
+
+@dataclass(order=True)
+class _Retry:
+    ready_at: float
+    seq: int
+    task: Task = field(compare=False)
+    sample_index: int = field(compare=False)
+    attempt: int = field(compare=False)
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    run_dir: str
+    rows: int
+    final: int
+    pending: int
+    by_decision: dict[str, int]
+    by_status: dict[str, int]
+    by_failure_kind: dict[str, int]
+    stopped: str | None
+    exit_code: int
+
+
+def connect_ray(cfg: RunConfig) -> None:
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # A local cluster of our own: loopback only, no token to distribute, no dashboard to pay for.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+
+
+class Driver:
+    def __init__(self, cfg: RunConfig) -> None:
+        assert cfg.run_id
+        self.cfg = cfg
+        self.run_dir = Path(cfg.out) / cfg.run_id
+        self.store = RunStore(self.run_dir)
+        self.rng = random.Random()
+        self._seq = itertools.count()
+        self._retries: list[_Retry] = []
+        self._inflight: dict[ray.ObjectRef, tuple[SessionRequest, int]] = {}
+        self._load: list[int] = []
+        self._stopped: str | None = None
+
+    def run(self) -> RunSummary:
+        cfg = self.cfg
+        self._write_config()
+        state = self.store.resume_state()
+        budget = max(cfg.policy.retry_budget - state.retries_used, 0)
+        source = self._requests(state)
+        total = self._count_pending(state)
+        progress = Progress(cfg.run_id or "", total)
+        # Install once here so the first sessions don't all queue on the install lock.
+        make_harness(cfg.harness.name, cfg.harness.version).ensure_installed(default_cache_root())
+        connect_ray(cfg)
+        workers = [
+            RemoteSandboxWorker.options(
+                num_cpus=0,
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=cfg.concurrency.sessions_per_worker + 8,
+                scheduling_strategy="SPREAD",
+            ).remote(cfg.model_dump_json(), str(self.run_dir), i)
+            for i in range(cfg.concurrency.workers)
+        ]
+        self._load = [0] * len(workers)
+        exhausted = False
+        try:
+            while True:
+                while len(self._inflight) < cfg.in_flight_cap and not self._stopped:
+                    now = time.monotonic()
+                    if self._retries and self._retries[0].ready_at <= now:
+                        r = heapq.heappop(self._retries)
+                        self._submit(workers, SessionRequest(cfg.run_id or "", r.task, r.sample_index,
+                                                             r.attempt))
+                        continue
+                    if exhausted:
+                        break
+                    nxt = next(source, None)
+                    if nxt is None:
+                        exhausted = True
+                        continue
+                    self._submit(workers, nxt)
+                progress.in_flight = len(self._inflight)
+                progress.waiting_retry = len(self._retries)
+                if not self._inflight:
+                    if self._stopped or (exhausted and not self._retries):
+                        break
+                    time.sleep(min(max(self._retries[0].ready_at - time.monotonic(), 0.0), WAIT_S))
+                    continue
+                ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=WAIT_S)
+                if ready:
+                    more, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
+                    ready = list(dict.fromkeys(ready + more))
+                for ref in ready:
+                    budget = self._settle(ref, budget, progress)
+                self.store.maybe_flush()
+                progress.tick()
+        except KeyboardInterrupt:
+            self._stopped = "interrupted"
+        finally:
+            self._drain_cancelled()
+            self.store.flush()
+            progress.close()
+        return self._summarize()
+
+    def _requests(self, state: ResumeState) -> Iterator[SessionRequest]:
+        for task in load_tasks(Path(self.cfg.tasks)):
+            for sample in range(self.cfg.samples):
+                key = (task.id, sample)
+                if key not in state.final:
+                    yield SessionRequest(self.cfg.run_id or "", task, sample,
+                                         state.last_attempt.get(key, 0) + 1)
+
+    def _count_pending(self, state: ResumeState) -> int:
+        count = 0
+        for task in load_tasks(Path(self.cfg.tasks)):
+            count += sum((task.id, s) not in state.final for s in range(self.cfg.samples))
+        return count
+
+    def _submit(self, workers: list[Any], req: SessionRequest) -> None:
+        index = min(range(len(workers)), key=self._load.__getitem__)
+        ref = workers[index].run.remote(req.task.model_dump_json(), req.sample_index, req.attempt)
+        self._inflight[ref] = (req, index)
+        self._load[index] += 1
+
+    def _settle(self, ref: ray.ObjectRef, budget: int, progress: Progress) -> int:
+        req, index = self._inflight.pop(ref)
+        self._load[index] -= 1
+        try:
+            batch: pa.RecordBatch = ray.get(ref)
+        except RayActorError as exc:
+            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
+        except RayTaskError as exc:
+            batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
+        except RayError as exc:
+            batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
+        row = batch.to_pylist()[0]
+        kind = FailureKind(row["failure_kind"])
+        outcome = Outcome(status=Status(row["status"]), failure_kind=kind, retry_after_s=row["retry_after_s"])
+        verdict = decide(outcome, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
+        final = verdict.decision is not Decision.RETRY
+        masked = verdict.decision is Decision.MASK
+        decisions = {
+            "decision": [verdict.decision.value],
+            "decision_reason": [verdict.reason],
+            "masked": [masked],
+            "final": [final],
+            "retry_delay_s": [verdict.retry_delay_s if not final else None],
+        }
+        if masked:
+            decisions["reward"] = [None]  # a masked row is never a reward, not even a verified one
+        self.store.append(with_decisions(batch, decisions))
+        progress.record(verdict.decision.value, kind.value, final)
+        if verdict.decision is Decision.RETRY:
+            budget -= 1
+            heapq.heappush(
+                self._retries,
+                _Retry(time.monotonic() + verdict.retry_delay_s, next(self._seq), req.task,
+                       req.sample_index, req.attempt + 1),
+            )
+        if self.cfg.policy.rule_for(kind).stop_run and not self._stopped:
+            self._stopped = f"{kind.value}: {row['error_message'] or ''}"[:500]
+            log.error("stopping the run: %s", self._stopped)
+            for pending in self._inflight:
+                ray.cancel(pending)
+        return budget
+
+    def _lost(self, req: SessionRequest, message: str) -> pa.RecordBatch:
+        return rows_to_batch([lost_row(req, self.cfg.harness.name, self.cfg.sandbox.provider, message)])
+
+    def _drain_cancelled(self) -> None:
+        """Cancelled sessions clean up their sandboxes; wait for that, bounded, and write nothing."""
+        if not self._inflight:
+            return
+        for ref in self._inflight:
+            ray.cancel(ref)
+        ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=CANCEL_GRACE_S)
+        self._inflight.clear()
+
+    def _write_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "config.yaml.tmp"
+        tmp.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        os.replace(tmp, self.run_dir / "config.yaml")
+
+    def _summarize(self) -> RunSummary:
+        table = read_table(self.run_dir, ["status", "failure_kind", "decision", "final", "task_id",
+                                          "sample_index"])
+        cols = table.to_pydict()
+        final_keys = {(t, s) for t, s, f in zip(cols["task_id"], cols["sample_index"], cols["final"],
+                                                 strict=True) if f}
+        expected = self._count_expected()
+        pending = expected - len(final_keys)
+        finals = [i for i, f in enumerate(cols["final"]) if f]
+
+        def count(name: str) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for i in finals:
+                out[cols[name][i]] = out.get(cols[name][i], 0) + 1
+            return out
+
+        exit_code = 0 if not self._stopped and pending == 0 else 1
+        summary = RunSummary(
+            run_id=self.cfg.run_id or "",
+            run_dir=str(self.run_dir),
+            rows=table.num_rows,
+            final=len(final_keys),
+            pending=pending,
+            by_decision=count("decision"),
+            by_status=count("status"),
+            by_failure_kind=count("failure_kind"),
+            stopped=self._stopped,
+            exit_code=exit_code,
+        )
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary.__dict__, indent=2))
+        os.replace(tmp, self.run_dir / "summary.json")
+        return summary
+
+    def _count_expected(self) -> int:
+        return sum(self.cfg.samples for _ in load_tasks(Path(self.cfg.tasks)))

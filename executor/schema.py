@@ -1,0 +1,123 @@
+"""The explicit, versioned Arrow schema of a row: one row per attempt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+
+_TOOL_CALL = pa.struct(
+    [
+        ("name", pa.string()),
+        ("call_id", pa.string()),
+        ("arguments", pa.large_string()),
+        ("status", pa.string()),
+        ("exit_code", pa.int32()),
+        ("output", pa.large_string()),
+    ]
+)
+_MESSAGE = pa.struct([("role", pa.string()), ("text", pa.large_string())])
+_MODEL_ATTEMPT = pa.struct(
+    [
+        ("request_index", pa.int32()),
+        ("attempt", pa.int32()),
+        ("path", pa.string()),
+        ("started_at", pa.float64()),
+        ("status", pa.int32()),
+        ("kind", pa.string()),
+        ("error_message", pa.large_string()),
+        ("latency_s", pa.float64()),
+        ("ttfb_s", pa.float64()),
+        ("retry_after_s", pa.float64()),
+        ("streamed", pa.bool_()),
+        ("response_bytes", pa.int64()),
+        ("request_sha256", pa.string()),
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+    ]
+)
+
+IDENTITY = ("run_id", "rollout_id", "task_id", "sample_index", "attempt")
+DECISION = ("decision", "decision_reason", "masked", "final", "retry_delay_s")
+
+_FIELDS: list[tuple[str, pa.DataType]] = [
+    # identity
+    ("run_id", pa.string()),
+    ("rollout_id", pa.string()),
+    ("task_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("attempt", pa.int32()),
+    # placement
+    ("harness", pa.string()),
+    ("harness_version", pa.string()),
+    ("version_tested", pa.bool_()),
+    ("sandbox_provider", pa.string()),
+    ("sandbox_id", pa.string()),
+    ("node_id", pa.string()),
+    ("worker_id", pa.string()),
+    # result
+    ("status", pa.string()),
+    ("failure_kind", pa.string()),
+    ("http_status", pa.int32()),
+    ("error_message", pa.large_string()),
+    ("error_detail", pa.large_string()),  # JSON
+    ("retry_after_s", pa.float64()),
+    ("exit_code", pa.int32()),
+    ("timed_out", pa.bool_()),
+    # evidence
+    ("final_text", pa.large_string()),
+    ("messages", pa.list_(_MESSAGE)),
+    ("tool_calls", pa.list_(_TOOL_CALL)),
+    ("input_tokens", pa.int64()),
+    ("output_tokens", pa.int64()),
+    ("cached_input_tokens", pa.int64()),
+    ("reasoning_tokens", pa.int64()),
+    ("model_attempts", pa.list_(_MODEL_ATTEMPT)),
+    ("workspace_diff", pa.large_string()),
+    ("evidence_dir", pa.string()),
+    ("evidence_gaps", pa.list_(pa.string())),
+    ("stdout_tail", pa.large_string()),
+    ("stderr_tail", pa.large_string()),
+    # grading
+    ("reward", pa.float64()),
+    ("verified", pa.bool_()),
+    ("verifier_exit_code", pa.int32()),
+    # cleanup
+    ("cleanup_ok", pa.bool_()),
+    # decision (filled by the driver)
+    ("decision", pa.string()),
+    ("decision_reason", pa.string()),
+    ("masked", pa.bool_()),
+    ("final", pa.bool_()),
+    ("retry_delay_s", pa.float64()),
+    # timings
+    ("started_at", pa.timestamp("ms", tz="UTC")),
+    ("t_setup_s", pa.float64()),
+    ("t_agent_s", pa.float64()),
+    ("t_verify_s", pa.float64()),
+    ("t_cleanup_s", pa.float64()),
+    ("t_total_s", pa.float64()),
+]
+
+ROW_SCHEMA = pa.schema(_FIELDS, metadata={"rollout_executor_schema": SCHEMA_VERSION})
+COLUMNS = tuple(name for name, _ in _FIELDS)
+
+
+def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
+    """Build a batch; every column is named in the schema, a missing key becomes null."""
+    unknown = set().union(*(row.keys() for row in rows)) - set(COLUMNS) if rows else set()
+    if unknown:
+        raise ValueError(f"row has columns outside the schema: {sorted(unknown)}")
+    return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
+
+
+def with_decisions(batch: pa.RecordBatch, decisions: dict[str, list[Any]]) -> pa.RecordBatch:
+    """A copy of ``batch`` with the decision columns replaced."""
+    arrays = [
+        pa.array(decisions[name], type=ROW_SCHEMA.field(name).type) if name in decisions else column
+        for name, column in zip(batch.schema.names, batch.columns, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)

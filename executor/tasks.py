@@ -1,0 +1,109 @@
+"""Tasks: what one rollout is asked to do, loaded from JSONL or Parquet with errors that name the line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sandboxes.base import WorkspaceSpec
+
+
+class InputError(Exception):
+    """Bad user input (a task file, a config): one line saying where and what."""
+
+
+class Verifier(BaseModel):
+    """A command run in the sandbox after the harness; exit 0 means reward 1.0."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+
+
+class Task(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=200)
+    prompt: str = Field(min_length=1)
+    workspace: WorkspaceSpec = Field(default_factory=WorkspaceSpec)
+    verify: Verifier | None = None
+    deadline_s: float | None = Field(default=None, gt=0, le=86_400)
+    # The built-in scripted model plays these steps for every attempt of this task; a real endpoint
+    # ignores them.
+    model_script: list[dict[str, Any]] | None = None
+    harness: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _verify_shorthand(cls, value: Any) -> Any:
+        return {"command": value} if isinstance(value, str) else value
+
+    @field_validator("id")
+    @classmethod
+    def _safe_id(cls, value: str) -> str:
+        if "/" in value or value in (".", "..") or "\x00" in value:
+            raise ValueError("must not contain '/' or be '.' or '..'")
+        return value
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(root)"
+    return f"{where}: {first['msg']}"
+
+
+def load_tasks(path: Path) -> Iterator[Task]:
+    """Yield tasks one at a time, so a 100k-task file is never held whole as models."""
+    if not path.exists():
+        raise InputError(f"{path}: task file not found")
+    if path.suffix == ".parquet":
+        yield from _load_parquet(path)
+        return
+    seen: set[str] = set()
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({str(exc)[:120]})") from None
+            yield _task_at(data, f"{path}:{lineno}", seen)
+
+
+def _load_parquet(path: Path) -> Iterator[Task]:
+    import pyarrow.parquet as pq
+
+    seen: set[str] = set()
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({str(exc)[:120]})") from None
+    row = 0
+    for batch in reader.iter_batches(batch_size=1024):
+        for data in batch.to_pylist():
+            row += 1
+            for key in ("workspace", "verify", "model_script", "metadata"):
+                if isinstance(data.get(key), str):
+                    data[key] = json.loads(data[key])
+            data = {k: v for k, v in data.items() if v is not None}
+            yield _task_at(data, f"{path}: row {row}", seen)
+
+
+def _task_at(data: Any, where: str, seen: set[str]) -> Task:
+    if not isinstance(data, dict):
+        raise InputError(f"{where}: a task must be a JSON object")
+    try:
+        task = Task.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(f"{where}: {_describe(exc)}") from None
+    if task.id in seen:
+        raise InputError(f"{where}: duplicate task id {task.id!r}")
+    seen.add(task.id)
+    return task

@@ -1,0 +1,58 @@
+"""From a session's evidence to one Outcome. The gateway's record outranks what the harness printed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harnesses.base import HarnessReport
+from harnesses.gateway import GatewaySession
+from policy import FailureKind, Outcome, Status
+from sandboxes.base import ExecResult
+
+_OUTPUT_LIMIT_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
+
+
+def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession) -> Outcome:
+    last_failure = gateway.last_failure()
+    detail: dict[str, Any] = {"exit_code": result.exit_code, "signal": result.signal}
+    if report.claimed_failure is not None:
+        detail["harness_claimed"] = report.claimed_failure.value
+    if report.claimed_message:
+        detail["harness_message"] = report.claimed_message[:2000]
+    http = {
+        "http_status": last_failure.status if last_failure else None,
+        "retry_after_s": last_failure.retry_after_s if last_failure else None,
+        "error_detail": detail,
+    }
+
+    # The gateway gave up on the session (budget, auth, overflow cap): that is the authoritative cause,
+    # whatever the harness made of the neutral 400 it got afterwards.
+    if gateway.closed_kind is not None:
+        return Outcome.of(gateway.closed_kind, gateway.closed_message, **http)
+    if result.timed_out:
+        return Outcome.of(FailureKind.AGENT_TIMEOUT, f"harness killed at its deadline after "
+                          f"{result.duration_s:.1f}s", **http)
+
+    succeeded = report.claimed_failure is None and result.exit_code == 0 and bool(report.final_text)
+    if succeeded:
+        last_ok = next((a for a in reversed(gateway.attempts) if a.kind is FailureKind.NONE), None)
+        if last_ok is not None and last_ok.finish_reason in _OUTPUT_LIMIT_REASONS:
+            return Outcome.of(FailureKind.MODEL_OUTPUT_LIMIT, "the model stopped on its output limit", **http)
+        return Outcome(status=Status.COMPLETED, error_detail=detail)
+
+    # The harness failed. Prefer what the endpoint actually answered on the session's last request.
+    if last_failure is not None and _on_last_request(gateway, last_failure.request_index):
+        return Outcome.of(last_failure.kind, last_failure.error_message, **http)
+    if report.claimed_failure is not None:
+        return Outcome.of(report.claimed_failure, report.claimed_message, **http)
+    if result.exit_code != 0:
+        how = f"signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
+        message = f"harness died ({how}); stderr: {result.stderr_tail[-2000:]}"
+        return Outcome.of(FailureKind.AGENT_CRASH, message, **http)
+    if report.claimed_message:  # it said it failed, in words no recognizer knows
+        return Outcome.of(FailureKind.AGENT_CRASH, report.claimed_message, **http)
+    return Outcome.of(FailureKind.AGENT_NO_RESULT, "the harness exited without a final answer", **http)
+
+
+def _on_last_request(gateway: GatewaySession, request_index: int) -> bool:
+    return not gateway.attempts or request_index >= max(a.request_index for a in gateway.attempts)

@@ -1,0 +1,110 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.parquet as pq
+import pytest
+
+from executor.schema import COLUMNS, ROW_SCHEMA, rows_to_batch, with_decisions
+from executor.store import RunStore, part_files, read_table, scan
+
+
+def _row(task="t", sample=0, attempt=1, decision="accept", final=True, **extra):
+    return {"run_id": "r", "rollout_id": f"{task}.s{sample}.a{attempt}", "task_id": task,
+            "sample_index": sample, "attempt": attempt, "status": "completed", "failure_kind": "none",
+            "decision": decision, "final": final, **extra}
+
+
+def test_schema_columns_cover_identity_and_decision():
+    for name in ("run_id", "rollout_id", "task_id", "sample_index", "attempt", "status", "failure_kind",
+                 "reward", "decision", "masked", "final", "tool_calls", "model_attempts", "evidence_gaps"):
+        assert name in COLUMNS
+    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"1"
+
+
+def test_unknown_column_rejected():
+    with pytest.raises(ValueError, match="outside the schema"):
+        rows_to_batch([_row(colour="red")])
+
+
+def test_nested_columns_round_trip(tmp_path):
+    row = _row(tool_calls=[{"name": "shell", "status": "failed", "exit_code": 7}],
+               messages=[{"role": "assistant", "text": "hi"}], evidence_gaps=["usage_unavailable"],
+               input_tokens=None, reward=1.0)
+    store = RunStore(tmp_path / "run")
+    store.append(rows_to_batch([row]))
+    store.flush()
+    back = read_table(tmp_path / "run").to_pylist()[0]
+    assert back["tool_calls"][0]["exit_code"] == 7
+    assert back["input_tokens"] is None  # unknown stays unknown, not 0
+    assert back["evidence_gaps"] == ["usage_unavailable"]
+
+
+def test_with_decisions_replaces_only_decision_columns():
+    batch = rows_to_batch([_row(decision=None, final=None, reward=1.0)])
+    out = with_decisions(batch, {"decision": ["mask"], "final": [True], "masked": [True], "reward": [None]})
+    row = out.to_pylist()[0]
+    assert (row["decision"], row["final"], row["masked"], row["reward"]) == ("mask", True, True, None)
+    assert row["task_id"] == "t"
+
+
+def test_parts_are_whole_and_numbered(tmp_path):
+    store = RunStore(tmp_path / "run", flush_rows=2)
+    for i in range(5):
+        store.append(rows_to_batch([_row(task=f"t{i}")]))
+    store.flush()
+    parts = part_files(tmp_path / "run" / "rows")
+    assert [p.name for p in parts] == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
+    assert sum(pq.ParquetFile(p).metadata.num_rows for p in parts) == 5
+    # a new store continues the numbering instead of overwriting
+    again = RunStore(tmp_path / "run")
+    again.append(rows_to_batch([_row(task="t9")]))
+    again.flush()
+    assert part_files(tmp_path / "run" / "rows")[-1].name == "part-000003.parquet"
+
+
+def test_resume_state(tmp_path):
+    store = RunStore(tmp_path / "run")
+    store.append(rows_to_batch([
+        _row("a", 0, 1, "retry", False), _row("a", 0, 2, "mask", True),
+        _row("b", 0, 1, "retry", False), _row("c", 1, 1, "accept", True),
+    ]))
+    store.flush()
+    state = scan(tmp_path / "run" / "rows")
+    assert state.final == {("a", 0), ("c", 1)}
+    assert state.last_attempt[("b", 0)] == 1
+    assert state.retries_used == 2
+
+
+def test_stale_tmp_ignored_and_removed(tmp_path):
+    rows = tmp_path / "run" / "rows"
+    rows.mkdir(parents=True)
+    (rows / "part-000000.parquet.tmp").write_bytes(b"torn")
+    store = RunStore(tmp_path / "run")
+    assert not list(rows.glob("*.tmp"))
+    assert store.resume_state().rows == 0
+
+
+def test_sigkill_mid_write_leaves_no_torn_part(tmp_path):
+    # A writer process appends and flushes in a loop; we kill it and every part file must read whole.
+    script = textwrap.dedent(f"""
+        import os, random, signal, sys, threading
+        sys.path.insert(0, {os.getcwd()!r})
+        from executor.schema import rows_to_batch
+        from executor.store import RunStore
+        store = RunStore(__import__("pathlib").Path({str(tmp_path / "run")!r}), flush_rows=50)
+        # The kill lands at a random moment, usually in the middle of writing a part file.
+        threading.Timer(random.uniform(0.5, 1.5), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        i = 0
+        while True:
+            store.append(rows_to_batch([{{"run_id": "r", "rollout_id": str(i), "task_id": str(i),
+                                          "sample_index": 0, "attempt": 1}}] * 25))
+            i += 1
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == -9
+    parts = part_files(tmp_path / "run" / "rows")
+    assert parts
+    total = sum(pq.read_table(p).num_rows for p in parts)
+    assert total > 0 and total % 50 == 0
