@@ -12,8 +12,9 @@ async def responses(req):
         f.write(json.dumps({"n": count["n"], "headers": dict(req.headers), "body": body}) + "\n")
     mode = MODE
     if mode.startswith("status"):
-        st = int(mode[6:])
-        b = {"error": {"message": "This model's maximum context length is 1000 tokens", "type": "invalid_request_error", "code": "context_length_exceeded"}} if st == 400 else {"error": {"message": "nope", "type": "x"}}
+        plain = mode.endswith("p")
+        st = int(mode[6:9])
+        b = {"error": {"message": "gateway: session closed by gateway policy; no further model calls allowed", "type": "invalid_request_error", "code": "gateway_session_closed"}} if plain else {"error": {"message": "This model's maximum context length is 1000 tokens", "type": "invalid_request_error", "code": "context_length_exceeded"}} if st == 400 else {"error": {"message": "nope", "type": "x"}}
         return web.json_response(b, status=st, headers={"Retry-After": "0"})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(req)

@@ -21,7 +21,7 @@ enabled = false
 enabled = false
 T
 ip link set lo up
-/work/main/.venv/bin/python fake.py 18080 $MODE "$@" &
+[ "$MODE" = refused ] || /work/main/.venv/bin/python fake.py 18080 $MODE "$@" &
 SP=$!
 for i in $(seq 50); do (echo > /dev/tcp/127.0.0.1/18080) 2>/dev/null && break; sleep 0.1; done
 cd ws
