@@ -185,14 +185,16 @@ async def _grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, 
 
 def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport, gw: GatewaySession) -> None:
     usage = report.usage
+    # The gateway saw what the endpoint really reported; Codex prints 0 for usage it never received.
+    input_tokens, output_tokens = _gateway_usage(gw)
     row.update(
         exit_code=result.exit_code,
         timed_out=result.timed_out,
         final_text=report.final_text,
         messages=[m.model_dump() for m in report.messages],
         tool_calls=[t.model_dump() for t in report.tool_calls],
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
         cached_input_tokens=usage.cached_input_tokens,
         reasoning_tokens=usage.reasoning_tokens,
         model_attempts=[_attempt_row(a) for a in gw.attempts],
@@ -200,6 +202,18 @@ def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport
         stderr_tail=result.stderr_tail,
     )
     row["evidence_gaps"].extend(report.evidence_gaps)
+    if input_tokens is None and "usage_unavailable" not in row["evidence_gaps"]:
+        row["evidence_gaps"].append("usage_unavailable")
+
+
+def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
+    """Summed token counts of the answered attempts; unknown if any answered attempt lacked them."""
+    answered = [a for a in gw.attempts if a.kind is FailureKind.NONE]
+    if not answered:
+        return None, None
+    ins = [a.input_tokens for a in answered]
+    outs = [a.output_tokens for a in answered]
+    return (None if None in ins else sum(ins)), (None if None in outs else sum(outs))
 
 
 def _attempt_row(attempt: Any) -> dict[str, Any]:

@@ -33,11 +33,11 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
         return Outcome.of(FailureKind.AGENT_TIMEOUT, f"harness killed at its deadline after "
                           f"{result.duration_s:.1f}s", **http)
 
-    succeeded = report.claimed_failure is None and result.exit_code == 0 and bool(report.final_text)
-    if succeeded:
-        last_ok = next((a for a in reversed(gateway.attempts) if a.kind is FailureKind.NONE), None)
-        if last_ok is not None and last_ok.finish_reason in _OUTPUT_LIMIT_REASONS:
-            return Outcome.of(FailureKind.MODEL_OUTPUT_LIMIT, "the model stopped on its output limit", **http)
+    last = gateway.attempts[-1] if gateway.attempts else None
+    if last is not None and last.kind is FailureKind.NONE and last.finish_reason in _OUTPUT_LIMIT_REASONS:
+        # Codex fails the turn on a truncated answer, others carry on: either way the model hit its limit.
+        return Outcome.of(FailureKind.MODEL_OUTPUT_LIMIT, "the model stopped on its output limit", **http)
+    if report.claimed_failure is None and result.exit_code == 0 and report.final_text:
         return Outcome(status=Status.COMPLETED, error_detail=detail)
 
     # The harness failed. Prefer what the endpoint actually answered on the session's last request.

@@ -161,7 +161,12 @@ class _Reply:
     text: str = ""
     call: _Call | None = None
     finish_reason: Literal["stop", "length"] = "stop"
-    usage: tuple[int, int] | None = (0, 0)  # (input, output); None means "omit usage on the wire"
+    usage: tuple[int, int] | None = None  # (input, output); None means "omit usage on the wire"
+
+
+def _usage(request_bytes: int, produced: str) -> tuple[int, int]:
+    # Deterministic from sizes, so tests and demos can predict token counts without a tokenizer.
+    return request_bytes // 4, len(produced) // 4 + 1
 
 
 def _tools(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -647,37 +652,36 @@ class ScriptedModel:
         return self._next_id(f"call_{safe}_")
 
     def _reply_for(self, step: Step | None, key: str, body: dict[str, Any], raw_size: int) -> _Reply:
-        """Turn a text or tool step into the answer; tool steps are matched against the request's tools."""
-        text = "ok"
-        call: _Call | None = None
-        finish: Literal["stop", "length"] = "stop"
-        with_usage = True
-        tools = _tools(body)
-        shell = _pick(tools, _SHELL_TOOLS)
         if isinstance(step, TextStep):
-            text, finish, with_usage = step.text, step.finish_reason, step.usage
-        elif isinstance(step, ToolStep):
-            call = _Call(self._call_id(key), step.name, json.dumps(step.arguments))
-        elif isinstance(step, WriteStep):
-            writer = _pick(tools, _WRITE_TOOLS)
-            arguments = _write_arguments(tools[writer], step.path, step.content) if writer else None
-            if writer and arguments is not None:
-                call = _Call(self._call_id(key), writer, json.dumps(arguments))
+            usage = _usage(raw_size, step.text) if step.usage else None
+            return _Reply(text=step.text, finish_reason=step.finish_reason, usage=usage)
+        if isinstance(step, ShellStep | WriteStep | ToolStep):
+            planned = self._plan_call(step, key, _tools(body))
+            if isinstance(planned, _Call):
+                return _Reply(call=planned, usage=_usage(raw_size, planned.arguments))
+            return _Reply(text=planned, usage=_usage(raw_size, planned))
+        return _Reply(text="ok", usage=_usage(raw_size, "ok"))
+
+    def _plan_call(
+        self, step: ShellStep | WriteStep | ToolStep, key: str, tools: dict[str, dict[str, Any]]
+    ) -> _Call | str:
+        """The tool call a step asks for, fitted to the tools the client offered, or why none fits."""
+        if isinstance(step, ToolStep):
+            name, arguments = step.name, step.arguments
+        else:
+            writer = _pick(tools, _WRITE_TOOLS) if isinstance(step, WriteStep) else None
+            write_arguments = _write_arguments(tools[writer], step.path, step.content) if writer else None
+            shell = _pick(tools, _SHELL_TOOLS)
+            if writer and write_arguments is not None:
+                name, arguments = writer, write_arguments
             elif shell:
-                arguments = _shell_arguments(tools[shell], _write_command(step.path, step.content))
-                call = _Call(self._call_id(key), shell, json.dumps(arguments))
-            else:
-                text = f"scripted model: no write or shell tool offered (tools: {sorted(tools)})"
-        elif isinstance(step, ShellStep):
-            if shell:
-                call = _Call(
-                    self._call_id(key), shell, json.dumps(_shell_arguments(tools[shell], step.command))
+                command = (
+                    step.command if isinstance(step, ShellStep) else _write_command(step.path, step.content)
                 )
+                name, arguments = shell, _shell_arguments(tools[shell], command)
             else:
-                text = f"scripted model: no shell tool offered (tools: {sorted(tools)})"
-        produced = call.arguments if call else text
-        usage = (raw_size // 4, len(produced) // 4 + 1) if with_usage else None
-        return _Reply(text=text, call=call, finish_reason=finish, usage=usage)
+                return f"scripted model: no tool for a {step.type} step was offered (tools: {sorted(tools)})"
+        return _Call(self._call_id(key), name, json.dumps(arguments))
 
     # -- model endpoints -------------------------------------------------------------------------------
 
@@ -713,11 +717,10 @@ class ScriptedModel:
         model = str(body.get("model") or self._model_names[0])
         if isinstance(step, DropStep):
             return await self._drop(request, api, body, model, step)
-        reply = (
-            _Reply(text=AUX_TEXT, usage=(len(raw) // 4, 2))
-            if aux
-            else self._reply_for(step, key, body, len(raw))
-        )
+        if aux:
+            reply = _Reply(text=AUX_TEXT, usage=_usage(len(raw), AUX_TEXT))
+        else:
+            reply = self._reply_for(step, key, body, len(raw))
         if api == "chat":
             return await self._send_chat(request, body, model, reply)
         return await self._send_responses(request, body, model, reply)

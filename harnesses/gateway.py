@@ -1,0 +1,630 @@
+"""The model gateway: the one door between a sandboxed harness and the real model endpoint.
+
+One aiohttp server per worker; one unguessable URL prefix per session (``/s/<token>/v1/...``), so every
+request is attributed to its rollout and a sandbox never sees the real API key. The gateway retries
+429 / 5xx / 408 / transport failures upstream with the same body bytes while no byte of the answer has
+reached the harness, records every upstream attempt as the session's authoritative evidence, and once it
+gives up on a session answers every further request with the one neutral 400 that stops all four harnesses
+after a single request (``reference/harnesses.md`` §9), so their own retry loops cannot multiply the load.
+
+Everything runs on the worker's event loop: call ``open_session`` / ``close_session`` from that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import secrets
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+from aiohttp import web
+from multidict import CIMultiDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from policy import (
+    FailureKind,
+    Rule,
+    backoff_delay,
+    bound_text,
+    error_message_of,
+    is_retryable,
+    kind_for_http,
+    parse_retry_after,
+)
+
+SESSION_HEADER = "x-rollout-session"  # the scripted model keys its scripts on it; a real endpoint ignores it
+
+# The only answer that ends all four harnesses' loops after one request (harnesses.md §9). They match on
+# the whole body, so it must stay free of status digits (429, 500, 503, ...) and of words like retry,
+# rate, timeout, connection, overloaded or context; and at least 30 characters long for Hermes.
+CLOSED_BODY = (
+    b'{"error":{"message":"gateway: session closed by gateway policy; no further model calls allowed",'
+    b'"type":"invalid_request_error","code":"gateway_session_closed"}}'
+)
+
+_MAX_REQUEST_BYTES = 256 * 2**20  # a long agent history passes aiohttp's 1 MiB default easily
+_MAX_HELD_BYTES = 64 * 2**20  # a non-streamed answer is relayed whole up to this, streamed on past it
+_MAX_ERROR_BODY_BYTES = 2**20  # an error answer is read (and relayed) up to this; real ones are tiny
+_MAX_SNIFF_LINE_BYTES = 4 * 2**20  # an SSE line longer than this is not parsed for usage
+_MAX_MESSAGE_CHARS = 2_000
+_POOL = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30.0)
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# The harness's Authorization carries only its session token; the gateway adds the real key itself.
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "authorization", "content-length", "accept-encoding", SESSION_HEADER}
+_NOT_RELAYED = _HOP_BY_HOP | {"content-length"}
+
+
+class GatewayConfig(BaseModel):
+    """The gateway's bounds. Attempt budgets count upstream attempts, the first one included."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_attempts_per_request: int = Field(default=4, ge=1, le=100)
+    # Failed upstream attempts (429 / 5xx / 408 / transport, stream cuts included) over the whole session.
+    # Successful calls do not count: a long agent session makes hundreds of them.
+    max_attempts_per_session: int = Field(default=24, ge=1)
+    retry_deadline_s: float = Field(default=120.0, ge=0)  # from a request's first failure; no retry starts later
+    backoff_base_s: float = Field(default=0.5, ge=0)  # exponential, full jitter, Retry-After as a floor
+    backoff_cap_s: float = Field(default=8.0, ge=0)
+    max_retry_after_s: float = Field(default=60.0, ge=0)  # a longer hint ends the retries of that request
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    read_timeout_s: float = Field(default=300.0, gt=0)  # the longest idle gap between bytes, headers included
+    max_context_overflows: int = Field(default=3, ge=0)  # per session; OpenCode can loop on them forever
+    keep_bodies: bool = True  # request and response bodies into the evidence dir, gzip
+    max_body_bytes: int = Field(default=32 * 2**20, ge=0)  # per kept body; the record says when it was cut
+
+
+class AttemptRecord(BaseModel):
+    """One upstream attempt, as the endpoint answered it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_index: int  # 0-based, per session, in arrival order
+    attempt: int  # 1-based within the request
+    method: str
+    path: str  # after /v1, e.g. "/responses"
+    started_at: float  # epoch seconds
+    status: int | None  # None: no HTTP answer at all
+    kind: FailureKind  # NONE for a complete 2xx
+    error_message: str | None = None
+    latency_s: float
+    ttfb_s: float | None = None  # to the first body byte, the one that matters for a streamed answer
+    retry_after_s: float | None = None  # the usable Retry-After hint, None when absent or unusable
+    streamed: bool = False  # the answer was an event stream
+    response_bytes: int = 0
+    request_sha256: str
+    input_tokens: int | None = None  # None when the answer carried no usage, never 0 for unknown
+    output_tokens: int | None = None
+    # The API's own word: chat "stop" / "length" / "tool_calls"; Responses "completed" / "failed" or the
+    # incomplete reason ("max_output_tokens").
+    finish_reason: str | None = None
+    request_file: str | None = None  # relative to the session's evidence dir; one file per request
+    response_file: str | None = None
+    request_truncated: bool = False
+    response_truncated: bool = False
+    # The harness went away (or stopped reading) before the answer was complete; kind is TRANSPORT_ERROR,
+    # and this flag tells that from a failure of the endpoint.
+    client_aborted: bool = False
+
+
+@dataclass(eq=False)
+class GatewaySession:
+    """One rollout's view of the gateway."""
+
+    session_id: str
+    token: str
+    base_url: str  # what the harness gets as its base URL, ending in /v1
+    evidence_dir: Path
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    closed_kind: FailureKind | None = None  # why the gateway stopped serving it; None if it never did
+    closed_message: str | None = None
+    _requests: int = 0
+    _failures: int = 0
+    _overflows: int = 0
+    _ended: bool = False  # close_session was called
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _live: set[_Attempt] = field(default_factory=set)
+
+    def last_failure(self) -> AttemptRecord | None:
+        return next((a for a in reversed(self.attempts) if a.kind is not FailureKind.NONE), None)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self._requests,
+            "attempts": len(self.attempts),
+            "by_kind": dict(Counter(a.kind.value for a in self.attempts)),
+            "client_aborts": sum(a.client_aborted for a in self.attempts),
+            "context_overflows": self._overflows,
+            "closed_kind": self.closed_kind.value if self.closed_kind else None,
+        }
+
+    def _close(self, kind: FailureKind, message: str) -> None:
+        if self.closed_kind is None:  # the first cause is the one that explains the row
+            self.closed_kind = kind
+            self.closed_message = bound_text(message)
+
+
+@dataclass(eq=False)
+class _Request:
+    """One harness request; the same bytes go upstream on every attempt."""
+
+    session: GatewaySession
+    index: int
+    method: str
+    path: str
+    url: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    sha256: str
+    request_file: str | None
+    request_truncated: bool
+
+
+class _GzipCapture:
+    """Compresses a body as it passes, up to a byte limit, so keeping it never holds the raw body."""
+
+    def __init__(self, limit: int) -> None:
+        self._zip = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31 writes a gzip header: gunzip reads it
+        self._parts: list[bytes] = []
+        self._left = limit
+        self.truncated = False
+
+    def feed(self, chunk: bytes) -> None:
+        if len(chunk) > self._left:
+            chunk, self.truncated = chunk[: self._left], True
+        if chunk:
+            self._left -= len(chunk)
+            self._parts.append(self._zip.compress(chunk))
+
+    def save(self, path: Path) -> None:
+        path.write_bytes(b"".join(self._parts) + self._zip.flush())
+
+
+class _UsageSniffer:
+    """Token usage and finish reason from an answer as it passes: chat or Responses, SSE or one JSON."""
+
+    def __init__(self) -> None:
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self._pending = b""
+        self._overlong = False
+
+    def feed_sse(self, chunk: bytes) -> None:
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        if self._overlong and lines:
+            lines.pop(0)  # the tail of a line too long to parse
+            self._overlong = False
+        if len(self._pending) > _MAX_SNIFF_LINE_BYTES:
+            self._pending, self._overlong = b"", True
+        for line in lines:
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                self.feed_json(line[5:])
+
+    def feed_json(self, text: bytes) -> None:
+        try:
+            self._take(json.loads(text))
+        except ValueError:
+            pass
+
+    def _take(self, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            return
+        if isinstance(obj.get("response"), dict):  # a Responses event wraps the response object
+            obj = obj["response"]
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            given = usage.get("prompt_tokens", usage.get("input_tokens"))
+            produced = usage.get("completion_tokens", usage.get("output_tokens"))
+            if _is_count(given):
+                self.input_tokens = given
+            if _is_count(produced):
+                self.output_tokens = produced
+        for choice in obj.get("choices") or []:
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
+        if obj.get("object") == "response" and obj.get("status") in ("completed", "incomplete", "failed"):
+            details = obj.get("incomplete_details")
+            reason = details.get("reason") if isinstance(details, dict) else None
+            self.finish_reason = reason if isinstance(reason, str) else obj["status"]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _Attempt:
+    """One upstream attempt in flight; ``finish`` turns it into its record exactly once."""
+
+    def __init__(self, req: _Request, number: int, config: GatewayConfig) -> None:
+        self.req = req
+        self.number = number
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        self.status: int | None = None
+        self.retry_after_s: float | None = None
+        self.streamed = False
+        self.ttfb_s: float | None = None
+        self.response_bytes = 0
+        self.usage = _UsageSniffer()
+        self.capture = _GzipCapture(config.max_body_bytes) if config.keep_bodies else None
+        self.record: AttemptRecord | None = None
+        req.session._live.add(self)
+
+    def received(self, chunk: bytes) -> None:
+        if self.ttfb_s is None:
+            self.ttfb_s = time.monotonic() - self._t0
+        self.response_bytes += len(chunk)
+        if self.capture is not None:
+            self.capture.feed(chunk)
+        if self.streamed:
+            self.usage.feed_sse(chunk)
+
+    def finish(
+        self, kind: FailureKind, message: str | None = None, *, client_aborted: bool = False
+    ) -> AttemptRecord:
+        if self.record is not None:  # close_session may have recorded it first
+            return self.record
+        session, req = self.req.session, self.req
+        response_file = None
+        if self.capture is not None and self.response_bytes:
+            response_file = f"resp-{req.index}-{self.number}.{'sse' if self.streamed else 'json'}.gz"
+            self.capture.save(session.evidence_dir / response_file)
+        self.record = AttemptRecord(
+            request_index=req.index,
+            attempt=self.number,
+            method=req.method,
+            path=req.path,
+            started_at=self.started_at,
+            status=self.status,
+            kind=kind,
+            error_message=bound_text(message, _MAX_MESSAGE_CHARS),
+            latency_s=time.monotonic() - self._t0,
+            ttfb_s=self.ttfb_s,
+            retry_after_s=self.retry_after_s,
+            streamed=self.streamed,
+            response_bytes=self.response_bytes,
+            request_sha256=req.sha256,
+            input_tokens=self.usage.input_tokens,
+            output_tokens=self.usage.output_tokens,
+            finish_reason=self.usage.finish_reason,
+            request_file=req.request_file,
+            response_file=response_file,
+            request_truncated=req.request_truncated,
+            response_truncated=bool(self.capture and self.capture.truncated),
+            client_aborted=client_aborted,
+        )
+        session._live.discard(self)
+        session.attempts.append(self.record)
+        return self.record
+
+
+class Gateway:
+    """One per worker process. ``on_attempt`` is called with each record as it is made (live progress);
+    it runs on the event loop and must not block."""
+
+    def __init__(
+        self,
+        upstream_base_url: str,
+        api_key: str | None,
+        config: GatewayConfig | None = None,
+        *,
+        on_attempt: Callable[[GatewaySession, AttemptRecord], None] | None = None,
+    ) -> None:
+        self.config = config or GatewayConfig()
+        self._upstream = upstream_base_url.rstrip("/")
+        self._api_key = api_key or None
+        self._on_attempt = on_attempt
+        self._backoff = Rule(backoff_base_s=self.config.backoff_base_s, backoff_cap_s=self.config.backoff_cap_s)
+        self._rng = random.Random()
+        self._sessions: dict[str, GatewaySession] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._runner: web.AppRunner | None = None
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("the gateway is not started")
+        return self._url
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if self._runner is not None:
+            raise RuntimeError("the gateway is already started")
+        cfg = self.config
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=cfg.connect_timeout_s,
+                read=cfg.read_timeout_s,
+                write=cfg.read_timeout_s,
+                pool=cfg.connect_timeout_s,
+            ),
+            limits=_POOL,
+            follow_redirects=False,
+            trust_env=False,  # a proxy from the environment must never see the real key
+        )
+        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+        app.router.add_route("GET", "/s/{token}/v1/{rest:.*}", self._handle, allow_head=False)
+        app.router.add_route("POST", "/s/{token}/v1/{rest:.*}", self._handle)
+        # Cancelling the handler when the harness hangs up is what cancels its upstream request.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self._runner = runner
+        self._url = f"http://{host}:{runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        for session in list(self._sessions.values()):
+            self.close_session(session)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._url = None
+
+    def open_session(self, session_id: str, evidence_dir: Path) -> GatewaySession:
+        token = secrets.token_urlsafe(32)
+        evidence_dir.mkdir(parents=True, exist_ok=True)
+        session = GatewaySession(session_id, token, f"{self.url}/s/{token}/v1", evidence_dir)
+        self._sessions[token] = session
+        return session
+
+    def close_session(self, session: GatewaySession) -> None:
+        """Stop serving the session, cut its in-flight requests and write ``attempts.jsonl``. Idempotent."""
+        if session._ended:
+            return
+        session._ended = True
+        self._sessions.pop(session.token, None)
+        for attempt in list(session._live):
+            self._finish(attempt, FailureKind.CANCELLED, "the session was closed while this attempt ran")
+        for task in session._tasks:
+            task.cancel()
+        lines = "".join(record.model_dump_json() + "\n" for record in session.attempts)
+        (session.evidence_dir / "attempts.jsonl").write_text(lines)
+
+    # -- serving ----------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        session = self._sessions.get(request.match_info["token"])
+        if session is None or session.closed_kind is not None:
+            return _closed()
+        rest = request.rel_url.raw_path.split("/", 4)[4]
+        # httpx resolves dot segments, which would let a harness reach paths outside /v1 with the real key.
+        if any(unquote(part) in (".", "..") for part in rest.split("/")):
+            return _closed()
+        task = asyncio.current_task()
+        assert task is not None
+        session._tasks.add(task)
+        try:
+            req = self._new_request(session, request, rest, await request.read())
+            return await self._forward(req, request)
+        finally:
+            session._tasks.discard(task)
+
+    def _new_request(self, session: GatewaySession, request: web.Request, rest: str, body: bytes) -> _Request:
+        index = session._requests
+        session._requests += 1
+        query = request.rel_url.raw_query_string
+        request_file, truncated = None, False
+        if self.config.keep_bodies and body:
+            capture = _GzipCapture(self.config.max_body_bytes)
+            capture.feed(body)
+            request_file, truncated = f"req-{index}.json.gz", capture.truncated
+            capture.save(session.evidence_dir / request_file)
+        return _Request(
+            session=session,
+            index=index,
+            method=request.method,
+            path="/" + rest,
+            url=f"{self._upstream}/{rest}" + (f"?{query}" if query else ""),
+            headers=self._upstream_headers(request, session),
+            body=body,
+            sha256=hashlib.sha256(body).hexdigest(),
+            request_file=request_file,
+            request_truncated=truncated,
+        )
+
+    def _upstream_headers(self, request: web.Request, session: GatewaySession) -> list[tuple[str, str]]:
+        named = {name.strip().lower() for name in request.headers.get("connection", "").split(",")}
+        headers = [
+            (name, value)
+            for name, value in request.headers.items()
+            # Any header carrying the session token (api-key, x-api-key, ...) stays on our side too.
+            if name.lower() not in _NOT_FORWARDED and name.lower() not in named and session.token not in value
+        ]
+        # Identity, so the usage sniffer reads plain bytes and what is relayed is what was recorded.
+        headers += [("accept-encoding", "identity"), (SESSION_HEADER, session.session_id)]
+        if self._api_key:
+            headers.append(("authorization", f"Bearer {self._api_key}"))
+        return headers
+
+    async def _forward(self, req: _Request, request: web.Request) -> web.StreamResponse:
+        cfg, session = self.config, req.session
+        why = f"all {cfg.max_attempts_per_request} attempts failed"
+        first_failure_at: float | None = None
+        for number in range(1, cfg.max_attempts_per_request + 1):
+            if session.closed_kind is not None:  # another request of this session gave up meanwhile
+                return _closed()
+            outcome = await self._try(_Attempt(req, number, cfg), request)
+            if isinstance(outcome, web.StreamResponse):
+                return outcome
+            last = outcome
+            now = time.monotonic()
+            first_failure_at = now if first_failure_at is None else first_failure_at
+            delay = backoff_delay(self._backoff, number, last.retry_after_s, self._rng)
+            stop = self._spend(session) or self._why_not_retry(number, last, now + delay - first_failure_at)
+            if stop:
+                why = stop
+                break
+            await asyncio.sleep(delay)
+        answer = f"HTTP {last.status}" if last.status is not None else "no HTTP answer"
+        session._close(last.kind, f"gateway gave up on request {req.index} ({why}); last: {answer}: "
+                       f"{last.error_message or ''}")
+        return _closed()
+
+    def _spend(self, session: GatewaySession) -> str | None:
+        """Count one failed attempt against the session; say so once the session's budget is spent."""
+        session._failures += 1
+        if session._failures >= self.config.max_attempts_per_session:
+            return f"the session's budget of {self.config.max_attempts_per_session} failed attempts is spent"
+        return None
+
+    def _why_not_retry(self, number: int, last: AttemptRecord, retrying_for_s: float) -> str | None:
+        cfg = self.config
+        if number >= cfg.max_attempts_per_request:
+            return f"all {number} attempts failed"
+        if last.retry_after_s is not None and last.retry_after_s > cfg.max_retry_after_s:
+            return f"Retry-After {last.retry_after_s:.0f}s is past the {cfg.max_retry_after_s:.0f}s limit"
+        if retrying_for_s > cfg.retry_deadline_s:
+            return f"the next retry would pass the {cfg.retry_deadline_s:.0f}s retry deadline"
+        return None
+
+    async def _try(self, att: _Attempt, request: web.Request) -> web.StreamResponse | AttemptRecord:
+        """One upstream attempt: the harness's answer, or the record of a failure worth retrying."""
+        assert self._client is not None
+        req = att.req
+        try:
+            upstream_request = self._client.build_request(
+                req.method, req.url, headers=req.headers, content=req.body or None
+            )
+            try:
+                upstream = await self._client.send(upstream_request, stream=True)
+            except httpx.TransportError as exc:
+                return self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
+            try:
+                att.status = upstream.status_code
+                if upstream.status_code >= 400:
+                    return await self._answer_error(att, upstream)
+                return await self._relay(att, upstream, request)
+            finally:
+                await upstream.aclose()
+        except asyncio.CancelledError:
+            self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
+            raise
+
+    async def _answer_error(self, att: _Attempt, upstream: httpx.Response) -> web.StreamResponse | AttemptRecord:
+        status, session = upstream.status_code, att.req.session
+        body = bytearray()
+        try:
+            async for chunk in upstream.aiter_raw():
+                att.received(chunk)
+                body += chunk[: _MAX_ERROR_BODY_BYTES - len(body)]
+                if len(body) >= _MAX_ERROR_BODY_BYTES:
+                    break
+        except httpx.TransportError as exc:
+            return self._finish(att, FailureKind.TRANSPORT_ERROR, f"HTTP {status}, then {_describe(exc)}")
+        kind = kind_for_http(status, bytes(body))
+        att.retry_after_s = parse_retry_after(upstream.headers.get("retry-after"))
+        record = self._finish(att, kind, error_message_of(bytes(body), _MAX_MESSAGE_CHARS))
+        if is_retryable(kind):
+            return record
+        if kind is FailureKind.PROVIDER_AUTH_ERROR:
+            # Codex retries a 403 five times; the neutral 400 stops it, and the driver stops the run.
+            session._close(kind, f"upstream answered HTTP {status}: {record.error_message or ''}")
+            return _closed()
+        if kind is FailureKind.MODEL_CONTEXT_LIMIT:
+            session._overflows += 1
+            if session._overflows > self.config.max_context_overflows:
+                session._close(kind, f"{session._overflows} context overflows in one session; last: "
+                               f"{record.error_message or ''}")
+                return _closed()
+        # Passed on unchanged: a harness may compact on an overflow, and a plain 4xx is the model's to see.
+        return web.Response(status=status, body=bytes(body), headers=_relayed(upstream.headers))
+
+    async def _relay(self, att: _Attempt, upstream: httpx.Response, request: web.Request) -> web.StreamResponse | AttemptRecord:
+        att.streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        held: list[bytes] = []
+        held_bytes = 0
+        response: web.StreamResponse | None = None  # set once bytes go to the harness: no retry after
+        try:
+            async for chunk in upstream.aiter_raw():
+                att.received(chunk)
+                if response is None:
+                    held.append(chunk)
+                    held_bytes += len(chunk)
+                    if not att.streamed and held_bytes <= _MAX_HELD_BYTES:
+                        continue
+                    response = web.StreamResponse(status=upstream.status_code, headers=_relayed(upstream.headers))
+                    await response.prepare(request)
+                    chunk = b"".join(held)
+                    held.clear()
+                # A harness that stops reading must not hold the upstream stream open forever.
+                async with asyncio.timeout(self.config.read_timeout_s):
+                    await response.write(chunk)
+        except httpx.TransportError as exc:
+            record = self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
+            if response is None:
+                return record
+            # Bytes already reached the harness: pass the cut on; its own reconnect is a new request.
+            why = self._spend(att.req.session)
+            if why:
+                att.req.session._close(record.kind, f"{why}; last: stream cut: {record.error_message}")
+            _abort(request)
+            return response
+        except (ConnectionError, TimeoutError):
+            self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected or stopped reading",
+                         client_aborted=True)
+            _abort(request)
+            return response or _closed()
+        if response is not None:
+            self._finish(att, FailureKind.NONE)
+            return response
+        body = b"".join(held)
+        if not att.streamed:
+            att.usage.feed_json(body)
+        self._finish(att, FailureKind.NONE)
+        return web.Response(status=upstream.status_code, body=body, headers=_relayed(upstream.headers))
+
+    def _finish(
+        self, att: _Attempt, kind: FailureKind, message: str | None = None, *, client_aborted: bool = False
+    ) -> AttemptRecord:
+        fresh = att.record is None
+        record = att.finish(kind, message, client_aborted=client_aborted)
+        if fresh and self._on_attempt is not None:
+            self._on_attempt(att.req.session, record)
+        return record
+
+
+def _closed() -> web.Response:
+    return web.Response(status=400, body=CLOSED_BODY, content_type="application/json")
+
+
+def _relayed(headers: httpx.Headers) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.multi_items() if k.lower() not in _NOT_RELAYED)
+
+
+def _describe(exc: httpx.TransportError) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _abort(request: web.Request) -> None:
+    # Closing without the final chunk makes the harness see a broken stream, not a clean (short) answer.
+    if request.transport is not None:
+        request.transport.abort()

@@ -1,0 +1,69 @@
+"""The environment a sandboxed command sees: built from an allow-list, never copied from the host.
+
+The worker's own environment holds the real API key and cloud credentials; none of it may reach a
+harness, so nothing here reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Mapping, Sequence
+
+from sandboxes.base import SandboxError
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Every process of a sandbox carries this variable, so a reaper can find the ones that left its tree.
+SANDBOX_MARKER_VAR = "ROLLOUT_SANDBOX_ID"
+
+
+def marker_entry(sandbox_id: str) -> bytes:
+    """The ``NAME=value`` bytes that /proc/<pid>/environ shows for a process of this sandbox."""
+    return f"{SANDBOX_MARKER_VAR}={sandbox_id}".encode()
+
+
+def _user_name() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def base_environment(
+    *, home: str, tmpdir: str, sandbox_id: str, path_prefixes: Sequence[str] = ()
+) -> dict[str, str]:
+    user = _user_name()
+    return {
+        "PATH": ":".join([*path_prefixes, DEFAULT_PATH]),
+        "HOME": home,
+        "TMPDIR": tmpdir,
+        "USER": user,
+        "LOGNAME": user,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "TERM": "dumb",
+        "TZ": "UTC",
+        "SHELL": "/bin/bash",
+        "XDG_CONFIG_HOME": os.path.join(home, ".config"),
+        "XDG_DATA_HOME": os.path.join(home, ".local", "share"),
+        "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+        "XDG_STATE_HOME": os.path.join(home, ".local", "state"),
+        SANDBOX_MARKER_VAR: sandbox_id,
+    }
+
+
+def xdg_dirs(env: Mapping[str, str]) -> list[str]:
+    return [env[k] for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME")]
+
+
+def merge_environment(base: Mapping[str, str], *layers: Mapping[str, str] | None) -> dict[str, str]:
+    """``base`` overlaid by each layer in turn; the sandbox marker always keeps its base value."""
+    env = dict(base)
+    for layer in layers:
+        for key, value in (layer or {}).items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise SandboxError(f"invalid environment entry {key!r}")
+            env[key] = value
+    env[SANDBOX_MARKER_VAR] = base[SANDBOX_MARKER_VAR]
+    return env

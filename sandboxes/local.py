@@ -1,0 +1,565 @@
+"""The ``local`` sandbox: a private directory tree per session; every command runs under a supervisor.
+
+Layout of one session, ``<root>/<run_id>/<session_id>/``::
+
+    work/         the workspace (``sandbox.workdir``)
+    home/         HOME, with the XDG directories under it
+    tmp/          TMPDIR
+    logs/         <name>.stdout / <name>.stderr of each exec, capped
+    run/          each exec's supervisor parameters, result and log
+    sandbox.json  the descriptor another process uses to reap this sandbox
+
+Processes are ended three ways, so that no one mechanism has to be perfect: each exec's supervisor kills
+its tree (on exit, timeout, TTL, SIGTERM and the worker's death), the sandbox kills a supervisor's tree
+from outside when the supervisor overruns, and ``stop``/``reap_stale`` sweep /proc for every process that
+carries the sandbox's environment marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sandboxes import supervisor as sup
+from sandboxes.base import (
+    TAIL_BYTES,
+    ExecResult,
+    SandboxError,
+    SandboxLostError,
+    SandboxSpec,
+    SandboxStartError,
+)
+from sandboxes.environment import base_environment, marker_entry, merge_environment, xdg_dirs
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR_PATH = str(Path(sup.__file__).resolve())
+DESCRIPTOR_NAME = "sandbox.json"
+DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024 * 1024
+DEFAULT_KILL_GRACE_S = 1.0
+DEFAULT_NOFILE_LIMIT = 65_536
+# A supervisor's own worst case past its timeout (start-up, every kill round, the pipe drain); only once
+# that has passed too does the sandbox kill it from outside.
+SUPERVISOR_SLACK_S = 5.0 + sup.KILL_ROUNDS * sup.KILL_SETTLE_S + sup.DRAIN_S
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _check_component(label: str, value: str) -> None:
+    if not value or len(value) > 200 or value in (".", "..") or "/" in value or "\0" in value:
+        raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    info = sup.read_proc(pid)
+    return info.start_ticks if info is not None and info.alive else None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: float) -> bool:
+    """Kill the trees under ``roots`` (and, with ``sweep``, every process carrying ``marker``).
+
+    A root counts only if it still carries the marker, so a recycled pid is never mistaken for ours.
+    """
+    me = os.getpid()
+
+    def find() -> set[int]:
+        procs = sup.snapshot()
+        found: set[int] = set()
+        for root in roots:
+            if root in procs and sup.has_env_entry(root, marker):
+                found |= {root} | sup.descendants(procs, root)
+        if sweep:
+            found |= {pid for pid, info in procs.items() if info.alive and sup.has_env_entry(pid, marker)}
+        found.discard(me)
+        return {pid for pid in found if pid in procs and procs[pid].alive}
+
+    return sup.kill_processes(find, grace_s=grace_s, idle=time.sleep)
+
+
+def _file_tail(path: Path) -> tuple[int, bytes]:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - TAIL_BYTES))
+            return size, f.read(TAIL_BYTES)
+    except OSError:
+        return 0, b""
+
+
+def _text(data: bytes) -> str:
+    return data[-TAIL_BYTES:].decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class _ExecFiles:
+    stdout: Path
+    stderr: Path
+    params: Path
+    result: Path
+    log: Path
+    stdin: Path
+
+
+class LocalSandboxProvider:
+    """Starts local sandboxes under ``root``. ``keep=False`` removes a session's directory at stop."""
+
+    def __init__(
+        self,
+        root: Path,
+        name: str = "local",
+        *,
+        keep: bool = True,
+        output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+        kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+        nofile_limit: int = DEFAULT_NOFILE_LIMIT,
+        path_prefixes: Sequence[str] = (),
+    ) -> None:
+        self.root = Path(root).resolve()
+        self.name = name
+        self.keep = keep
+        self.output_cap_bytes = output_cap_bytes
+        self.kill_grace_s = kill_grace_s
+        self.nofile_limit = nofile_limit
+        self.path_prefixes = tuple(path_prefixes)
+
+    async def start(self, spec: SandboxSpec) -> LocalSandbox:
+        _check_component("run_id", spec.run_id)
+        _check_component("session_id", spec.session_id)
+        session_dir = self.root / spec.run_id / spec.session_id
+        try:
+            await asyncio.to_thread(self._make_tree, session_dir)
+            sandbox = LocalSandbox(self, spec, session_dir)
+            for path in xdg_dirs(sandbox.base_env):
+                await asyncio.to_thread(os.makedirs, path, exist_ok=True)
+            sandbox._write_descriptor()
+        except FileExistsError as exc:
+            raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
+        except OSError as exc:
+            raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
+        return sandbox
+
+    @staticmethod
+    def _make_tree(session_dir: Path) -> None:
+        session_dir.parent.mkdir(parents=True, exist_ok=True)
+        session_dir.mkdir(mode=0o700)
+        for sub in ("work", "home", "tmp", "logs", "run"):
+            (session_dir / sub).mkdir(mode=0o700)
+
+
+class LocalSandbox:
+    """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
+
+    def __init__(self, provider: LocalSandboxProvider, spec: SandboxSpec, session_dir: Path) -> None:
+        self.provider_name = provider.name
+        self.spec = spec
+        self.id = f"local-{spec.session_id}"
+        self.root = session_dir
+        self.workdir = str(session_dir / "work")
+        self.home = str(session_dir / "home")
+        self.tmpdir = str(session_dir / "tmp")
+        self._logs = session_dir / "logs"
+        self._run = session_dir / "run"
+        self._keep = provider.keep
+        self._cap = provider.output_cap_bytes
+        self._grace = provider.kill_grace_s
+        self._nofile = provider.nofile_limit
+        self._marker = marker_entry(self.id)
+        self.base_env = merge_environment(
+            base_environment(
+                home=self.home,
+                tmpdir=self.tmpdir,
+                sandbox_id=self.id,
+                path_prefixes=provider.path_prefixes,
+            ),
+            spec.env,
+        )
+        self.created_at = time.time()
+        self.ttl_deadline = self.created_at + spec.ttl_s
+        self._owner_pid = os.getpid()
+        self._owner_start_ticks = _start_ticks(self._owner_pid)
+        self._host = socket.gethostname()
+        self._boot_id = _boot_id()
+        self._running: dict[int, asyncio.subprocess.Process] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self._name_counts: dict[str, int] = {}
+        self._stopping = False
+        self._stopped = False
+        self._stop_lock = asyncio.Lock()
+
+    # -- descriptor -------------------------------------------------------------------------------------
+
+    def descriptor(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider_name,
+            "id": self.id,
+            "run_id": self.spec.run_id,
+            "session_id": self.spec.session_id,
+            "root": str(self.root),
+            "workdir": self.workdir,
+            "home": self.home,
+            "created_at": self.created_at,
+            "ttl_deadline": self.ttl_deadline,
+            "owner_pid": self._owner_pid,
+            "owner_start_ticks": self._owner_start_ticks,
+            "host": self._host,
+            "boot_id": self._boot_id,
+            "supervisor_pids": sorted(self._running),
+        }
+
+    @property
+    def descriptor_path(self) -> Path:
+        return self.root / DESCRIPTOR_NAME
+
+    def _write_descriptor(self) -> None:
+        # Once stopping, the descriptor is being removed; an exec finishing late must not bring it back.
+        if not self._stopping:
+            _write_json_atomic(self.descriptor_path, self.descriptor())
+
+    # -- paths ------------------------------------------------------------------------------------------
+
+    def _inside(self, path: str) -> Path:
+        """The real path of ``path`` (relative to the workdir, or absolute), refused if outside the root.
+
+        A process in the sandbox could still swap a directory for a symlink between this check and the
+        open; the final component is opened with O_NOFOLLOW, which narrows that to parent directories.
+        """
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise SandboxError(f"invalid sandbox path {path!r}")
+        candidate = path if os.path.isabs(path) else os.path.join(self.workdir, path)
+        real = os.path.realpath(candidate)
+        root = str(self.root)
+        if os.path.commonpath([real, root]) != root:
+            raise SandboxError(f"path {path!r} resolves outside sandbox {self.id}")
+        return Path(real)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._check_usable()
+
+        def write() -> None:
+            real = self._inside(path)
+            real.parent.mkdir(parents=True, exist_ok=True)
+            self._inside(str(real.parent))  # the directories just made must still be ours
+            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                os.fchmod(f.fileno(), mode)  # the umask must not change what the caller asked for
+
+        try:
+            await asyncio.to_thread(write)
+        except SandboxError:
+            raise
+        except OSError as exc:
+            raise SandboxError(f"cannot write {path!r} in sandbox {self.id}: {exc}") from exc
+
+    async def read_file(self, path: str, limit: int) -> bytes:
+        """At most ``limit`` bytes from the start of a regular file. A missing file: FileNotFoundError."""
+        if limit < 0:
+            raise SandboxError(f"negative read limit {limit}")
+
+        def read() -> bytes:
+            real = self._inside(path)
+            # O_NONBLOCK so that a FIFO planted at this path cannot hang us in open().
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise SandboxError(f"{path!r} in sandbox {self.id} is not a regular file")
+                return f.read(limit)
+
+        try:
+            return await asyncio.to_thread(read)
+        except (SandboxError, FileNotFoundError):
+            raise
+        except OSError as exc:
+            raise SandboxError(f"cannot read {path!r} in sandbox {self.id}: {exc}") from exc
+
+    async def copy_in(self, src: Path) -> None:
+        """Copy a local directory's content into the workspace (symlinks kept as links, .git included)."""
+        self._check_usable()
+        src = Path(src)
+        if not src.is_dir():
+            raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
+        try:
+            await asyncio.to_thread(shutil.copytree, src, self.workdir, symlinks=True, dirs_exist_ok=True)
+        except (OSError, shutil.Error) as exc:
+            raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
+
+    # -- exec -------------------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._stopping:
+            raise SandboxError(f"sandbox {self.id} is stopped")
+        if time.time() >= self.ttl_deadline:
+            raise SandboxError(f"sandbox {self.id} is past its TTL")
+
+    def _reserve(self, name: str) -> _ExecFiles:
+        """Claim log file names for one exec; a repeated name gets a numbered suffix, nothing is reused."""
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise SandboxError(f"invalid exec name {name!r}")
+        for _ in range(10_000):
+            n = self._name_counts[name] = self._name_counts.get(name, 0) + 1
+            stem = name if n == 1 else f"{name}.{n}"
+            stdout = self._logs / f"{stem}.stdout"
+            try:
+                os.close(os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+            except FileExistsError:
+                continue
+            stderr = self._logs / f"{stem}.stderr"
+            os.close(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            run = self._run / stem
+            return _ExecFiles(
+                stdout=stdout,
+                stderr=stderr,
+                params=run.with_name(f"{stem}.params.json"),
+                result=run.with_name(f"{stem}.result.json"),
+                log=run.with_name(f"{stem}.supervisor.log"),
+                stdin=run.with_name(f"{stem}.stdin"),
+            )
+        raise SandboxError(f"no free log name for exec {name!r}")
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        timeout: float,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        name: str = "exec",
+    ) -> ExecResult:
+        """Run ``argv`` (no shell) to its end, its timeout or the TTL; no process of it outlives this call.
+
+        ``stdout_bytes``/``stderr_bytes`` count everything the command wrote; the files keep the first
+        ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file.
+        """
+        self._check_usable()
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise SandboxError(f"argv must be a non-empty list of strings, not {argv!r}")
+        if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
+            raise SandboxError(f"invalid timeout {timeout!r}")
+        cwd_real = await asyncio.to_thread(self._inside, cwd or self.workdir)
+        if not cwd_real.is_dir():
+            raise SandboxError(f"working directory {cwd!r} is not a directory in sandbox {self.id}")
+        exec_env = merge_environment(self.base_env, env)
+        files = self._reserve(name)
+        if stdin is not None:
+            await asyncio.to_thread(files.stdin.write_bytes, stdin)
+        params = {
+            "argv": argv,
+            "cwd": str(cwd_real),
+            "stdout_path": str(files.stdout),
+            "stderr_path": str(files.stderr),
+            "stdin_path": str(files.stdin) if stdin is not None else None,
+            "result_path": str(files.result),
+            "timeout_s": float(timeout),
+            "deadline_epoch": self.ttl_deadline,
+            "parent_pid": os.getpid(),
+            "output_cap_bytes": self._cap,
+            "tail_bytes": TAIL_BYTES,
+            "kill_grace_s": self._grace,
+            "nofile_limit": self._nofile,
+            "memory_limit_bytes": self.spec.memory_limit_mb * 1024 * 1024 if self.spec.memory_limit_mb else None,
+        }
+        files.params.write_text(json.dumps(params), encoding="utf-8")
+
+        started = time.monotonic()
+        with open(files.log, "wb") as sup_log:
+            # The command's environment is the supervisor's own (never written to disk); -I keeps
+            # PYTHON* variables in it from steering the supervisor's interpreter.
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                SUPERVISOR_PATH,
+                str(files.params),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=sup_log,
+                cwd=str(cwd_real),
+                env=exec_env,
+                start_new_session=True,
+            )
+        self._running[proc.pid] = proc
+        self._write_descriptor()
+        try:
+            if self._stopping:  # stop() ran while we were spawning and did not see this supervisor
+                self._signal(proc, signal.SIGTERM)
+            killed_from_outside = await self._wait_supervisor(proc, timeout)
+        except asyncio.CancelledError:
+            cleanup = asyncio.ensure_future(self._end_supervisor(proc))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(cleanup)
+            raise
+        finally:
+            self._running.pop(proc.pid, None)
+            self._write_descriptor()
+            files.stdin.unlink(missing_ok=True)
+        return await self._collect(files, name, proc, killed_from_outside, time.monotonic() - started)
+
+    @staticmethod
+    def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+    async def _wait_supervisor(self, proc: asyncio.subprocess.Process, timeout: float) -> bool:
+        """Wait for the supervisor; past its own bound, kill its tree from here. True if we had to."""
+        ttl_left = max(0.0, self.ttl_deadline - time.time())
+        budget = min(timeout, ttl_left) + self._grace + SUPERVISOR_SLACK_S
+        try:
+            await asyncio.wait_for(proc.wait(), budget)
+            return False
+        except TimeoutError:
+            log.warning("sandbox %s: supervisor %d overran; killing its tree", self.id, proc.pid)
+            await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), SUPERVISOR_SLACK_S)
+            return True
+
+    async def _end_supervisor(self, proc: asyncio.subprocess.Process) -> None:
+        """Ask a supervisor to kill its tree and exit; force it if it does not, bounded either way."""
+        self._signal(proc, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self._grace + SUPERVISOR_SLACK_S)
+        except TimeoutError:
+            await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
+
+    async def _collect(
+        self, files: _ExecFiles, name: str, proc: asyncio.subprocess.Process, killed: bool, duration: float
+    ) -> ExecResult:
+        try:
+            res: dict[str, Any] | None = json.loads(await asyncio.to_thread(files.result.read_text))
+        except (OSError, ValueError):
+            res = None
+        paths = {"stdout_path": str(files.stdout), "stderr_path": str(files.stderr)}
+        if res is None:
+            if killed and not self._stopping:
+                (out_n, out), (err_n, err) = _file_tail(files.stdout), _file_tail(files.stderr)
+                return ExecResult(
+                    exit_code=None,
+                    signal=signal.SIGKILL,
+                    timed_out=True,
+                    duration_s=duration,
+                    stdout_tail=_text(out),
+                    stderr_tail=_text(err),
+                    stdout_bytes=out_n,
+                    stderr_bytes=err_n,
+                    **paths,
+                )
+            _n, sup_log = _file_tail(files.log)
+            raise SandboxLostError(
+                f"sandbox {self.id}: supervisor of {name!r} ended (status {proc.returncode}) without a "
+                f"result: {_text(sup_log)[-2000:]}"
+            )
+        if res.get("error"):
+            raise SandboxError(f"sandbox {self.id}: exec {name!r} failed: {str(res['error'])[:2000]}")
+        if res["reason"] == "terminated":
+            raise SandboxLostError(f"sandbox {self.id} was stopped while {name!r} was running")
+        if not res.get("clean", True):
+            log.warning("sandbox %s: processes of %r survived their supervisor; stop() sweeps them", self.id, name)
+        return ExecResult(
+            exit_code=res["exit_code"],
+            signal=res["signal"],
+            timed_out=bool(res["timed_out"]),
+            duration_s=duration,
+            stdout_tail=_text(base64.b64decode(res.get("stdout_tail_b64", ""))),
+            stderr_tail=_text(base64.b64decode(res.get("stderr_tail_b64", ""))),
+            stdout_bytes=int(res.get("stdout_bytes", 0)),
+            stderr_bytes=int(res.get("stderr_bytes", 0)),
+            **paths,
+        )
+
+    # -- end of life ------------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Kill everything still running, remove the descriptor; idempotent. Keeps the directory unless
+        the provider was made with ``keep=False``. Raises SandboxError if processes could not be ended."""
+        async with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopping = True
+            procs = list(self._running.values())
+            for proc in procs:
+                self._signal(proc, signal.SIGTERM)
+            waits = [asyncio.ensure_future(p.wait()) for p in procs] + list(self._cleanups)
+            if waits:
+                _done, pending = await asyncio.wait(waits, timeout=self._grace + sup.DRAIN_S + 2.0)
+                for task in pending:
+                    if task not in self._cleanups:
+                        task.cancel()
+            # Whatever did not go by itself, and anything of ours that escaped every tree: by force.
+            overran = [p.pid for p in procs if p.returncode is None]
+            clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
+            if not clean:
+                raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
+            self.descriptor_path.unlink(missing_ok=True)
+            if not self._keep:
+                await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+            self._stopped = True
+
+    async def delete(self) -> None:
+        """Stop, then remove the session's directory whatever ``keep`` says."""
+        await self.stop()
+        await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+
+
+def reap_stale(
+    root: Path, run_id: str | None = None, *, now: float | None = None, grace_s: float = DEFAULT_KILL_GRACE_S
+) -> list[str]:
+    """Kill the processes of local sandboxes under ``root`` whose TTL has passed or whose owner died, and
+    remove their descriptors. Returns the ids reaped; idempotent. Blocking: call it in a thread from
+    async code. Sandboxes of other hosts are left to their own host."""
+    root = Path(root)
+    if run_id is not None:
+        _check_component("run_id", run_id)
+    pattern = f"{run_id}/*/{DESCRIPTOR_NAME}" if run_id else f"*/*/{DESCRIPTOR_NAME}"
+    now = time.time() if now is None else now
+    host, boot = socket.gethostname(), _boot_id()
+    reaped: list[str] = []
+    for path in sorted(root.glob(pattern)):
+        try:
+            desc = json.loads(path.read_text(encoding="utf-8"))
+            sandbox_id = str(desc["id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if desc.get("host") != host:
+            continue
+        if desc.get("boot_id") == boot:  # after a reboot none of its processes can exist
+            owner_alive = _start_ticks(int(desc["owner_pid"])) == desc.get("owner_start_ticks")
+            if owner_alive and now < float(desc["ttl_deadline"]):
+                continue
+            roots = [int(pid) for pid in desc.get("supervisor_pids", [])]
+            if not _kill_tree(roots, marker_entry(sandbox_id), sweep=True, grace_s=grace_s):
+                log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
+                continue
+        path.unlink(missing_ok=True)
+        reaped.append(sandbox_id)
+    return reaped
