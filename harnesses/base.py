@@ -54,6 +54,8 @@ class HarnessReport(BaseModel):
     claimed_message: str | None = None
     evidence_gaps: list[str] = Field(default_factory=list)  # e.g. "transcript_unavailable"
     native_transcript_path: str | None = None
+    # How often the harness said it re-sent a model request on its own; None when it does not say.
+    reconnects: int | None = None
 
 
 class LaunchContext(BaseModel):

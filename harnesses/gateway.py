@@ -13,6 +13,7 @@ Everything runs on the worker's event loop: call ``open_session`` / ``close_sess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -73,7 +74,14 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # The harness's Authorization carries only its session token; the gateway adds the real key itself.
-_NOT_FORWARDED = _HOP_BY_HOP | {"host", "authorization", "content-length", "accept-encoding", SESSION_HEADER}
+_NOT_FORWARDED = _HOP_BY_HOP | {
+    "host",
+    "authorization",
+    "content-length",
+    "accept-encoding",
+    "expect",
+    SESSION_HEADER,
+}
 _NOT_RELAYED = _HOP_BY_HOP | {"content-length"}
 
 
@@ -86,7 +94,8 @@ class GatewayConfig(BaseModel):
     # Failed upstream attempts (429 / 5xx / 408 / transport, stream cuts included) over the whole session.
     # Successful calls do not count: a long agent session makes hundreds of them.
     max_attempts_per_session: int = Field(default=24, ge=1)
-    retry_deadline_s: float = Field(default=120.0, ge=0)  # from a request's first failure; no retry starts later
+    # Counted from a request's first failure: no retry starts past it.
+    retry_deadline_s: float = Field(default=120.0, ge=0)
     backoff_base_s: float = Field(default=0.5, ge=0)  # exponential, full jitter, Retry-After as a floor
     backoff_cap_s: float = Field(default=8.0, ge=0)
     max_retry_after_s: float = Field(default=60.0, ge=0)  # a longer hint ends the retries of that request
@@ -141,12 +150,13 @@ class GatewaySession:
     attempts: list[AttemptRecord] = field(default_factory=list)
     closed_kind: FailureKind | None = None  # why the gateway stopped serving it; None if it never did
     closed_message: str | None = None
-    _requests: int = 0
-    _failures: int = 0
-    _overflows: int = 0
-    _ended: bool = False  # close_session was called
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    _live: set[_Attempt] = field(default_factory=set)
+    _requests: int = field(default=0, init=False, repr=False)  # forwarded upstream
+    _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded
+    _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session
+    _overflows: int = field(default=0, init=False, repr=False)
+    _ended: bool = field(default=False, init=False, repr=False)  # close_session was called
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
+    _live: set[_Attempt] = field(default_factory=set, init=False, repr=False)
 
     def last_failure(self) -> AttemptRecord | None:
         return next((a for a in reversed(self.attempts) if a.kind is not FailureKind.NONE), None)
@@ -154,6 +164,7 @@ class GatewaySession:
     def summary(self) -> dict[str, Any]:
         return {
             "requests": self._requests,
+            "refused_after_close": self._refused,
             "attempts": len(self.attempts),
             "by_kind": dict(Counter(a.kind.value for a in self.attempts)),
             "client_aborts": sum(a.client_aborted for a in self.attempts),
@@ -199,8 +210,13 @@ class _GzipCapture:
             self._left -= len(chunk)
             self._parts.append(self._zip.compress(chunk))
 
-    def save(self, path: Path) -> None:
-        path.write_bytes(b"".join(self._parts) + self._zip.flush())
+    def save(self, path: Path) -> bool:
+        """False when the file could not be written: a gap in the evidence must not fail the request."""
+        try:
+            path.write_bytes(b"".join(self._parts) + self._zip.flush())
+        except OSError:
+            return False
+        return True
 
 
 class _UsageSniffer:
@@ -253,6 +269,13 @@ class _UsageSniffer:
             self.finish_reason = reason if isinstance(reason, str) else obj["status"]
 
 
+def _save_gzip(body: bytes, limit: int, path: Path) -> tuple[bool, bool]:
+    """Write ``body`` (at most ``limit`` bytes of it) gzipped: (written, cut)."""
+    capture = _GzipCapture(limit)
+    capture.feed(body)
+    return capture.save(path), capture.truncated
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -292,8 +315,8 @@ class _Attempt:
         session, req = self.req.session, self.req
         response_file = None
         if self.capture is not None and self.response_bytes:
-            response_file = f"resp-{req.index}-{self.number}.{'sse' if self.streamed else 'json'}.gz"
-            self.capture.save(session.evidence_dir / response_file)
+            name = f"resp-{req.index}-{self.number}.{'sse' if self.streamed else 'json'}.gz"
+            response_file = name if self.capture.save(session.evidence_dir / name) else None
         self.record = AttemptRecord(
             request_index=req.index,
             attempt=self.number,
@@ -324,8 +347,8 @@ class _Attempt:
 
 
 class Gateway:
-    """One per worker process. ``on_attempt`` is called with each record as it is made (live progress);
-    it runs on the event loop and must not block."""
+    """One per worker process. ``on_attempt`` is called with each record as it is made (live progress,
+    tests); it runs on the event loop and must neither block nor raise."""
 
     def __init__(
         self,
@@ -339,7 +362,9 @@ class Gateway:
         self._upstream = upstream_base_url.rstrip("/")
         self._api_key = api_key or None
         self._on_attempt = on_attempt
-        self._backoff = Rule(backoff_base_s=self.config.backoff_base_s, backoff_cap_s=self.config.backoff_cap_s)
+        self._backoff = Rule(
+            backoff_base_s=self.config.backoff_base_s, backoff_cap_s=self.config.backoff_cap_s
+        )
         self._rng = random.Random()
         self._sessions: dict[str, GatewaySession] = {}
         self._client: httpx.AsyncClient | None = None
@@ -355,6 +380,17 @@ class Gateway:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         if self._runner is not None:
             raise RuntimeError("the gateway is already started")
+        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+        for method in ("GET", "POST"):
+            app.router.add_route(method, "/s/{token}/v1/{rest:.*}", self._handle)
+        # Cancelling the handler when the harness hangs up is what cancels its upstream request.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
         cfg = self.config
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(
@@ -367,13 +403,6 @@ class Gateway:
             follow_redirects=False,
             trust_env=False,  # a proxy from the environment must never see the real key
         )
-        app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
-        app.router.add_route("GET", "/s/{token}/v1/{rest:.*}", self._handle, allow_head=False)
-        app.router.add_route("POST", "/s/{token}/v1/{rest:.*}", self._handle)
-        # Cancelling the handler when the harness hangs up is what cancels its upstream request.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
         self._runner = runner
         self._url = f"http://{host}:{runner.addresses[0][1]}"
 
@@ -396,7 +425,11 @@ class Gateway:
         return session
 
     def close_session(self, session: GatewaySession) -> None:
-        """Stop serving the session, cut its in-flight requests and write ``attempts.jsonl``. Idempotent."""
+        """Stop serving the session, cut its in-flight requests and write ``attempts.jsonl``. Idempotent.
+
+        The session's requests from now on get CLOSED_BODY. ``closed_kind`` is left as it is: the owner
+        closing a session is not the endpoint failing.
+        """
         if session._ended:
             return
         session._ended = True
@@ -406,13 +439,18 @@ class Gateway:
         for task in session._tasks:
             task.cancel()
         lines = "".join(record.model_dump_json() + "\n" for record in session.attempts)
-        (session.evidence_dir / "attempts.jsonl").write_text(lines)
+        # The records stay on the session for the row; the file is the copy kept beside the bodies.
+        with contextlib.suppress(OSError):
+            (session.evidence_dir / "attempts.jsonl").write_text(lines)
 
     # -- serving ----------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         session = self._sessions.get(request.match_info["token"])
-        if session is None or session.closed_kind is not None:
+        if session is None:
+            return _closed()
+        if session.closed_kind is not None:
+            session._refused += 1
             return _closed()
         rest = request.rel_url.raw_path.split("/", 4)[4]
         # httpx resolves dot segments, which would let a harness reach paths outside /v1 with the real key.
@@ -422,21 +460,25 @@ class Gateway:
         assert task is not None
         session._tasks.add(task)
         try:
-            req = self._new_request(session, request, rest, await request.read())
+            req = await self._new_request(session, request, rest, await request.read())
             return await self._forward(req, request)
         finally:
             session._tasks.discard(task)
 
-    def _new_request(self, session: GatewaySession, request: web.Request, rest: str, body: bytes) -> _Request:
+    async def _new_request(
+        self, session: GatewaySession, request: web.Request, rest: str, body: bytes
+    ) -> _Request:
         index = session._requests
         session._requests += 1
         query = request.rel_url.raw_query_string
         request_file, truncated = None, False
         if self.config.keep_bodies and body:
-            capture = _GzipCapture(self.config.max_body_bytes)
-            capture.feed(body)
-            request_file, truncated = f"req-{index}.json.gz", capture.truncated
-            capture.save(session.evidence_dir / request_file)
+            # One file per request, not per attempt: every attempt sends these same bytes.
+            name = f"req-{index}.json.gz"
+            path, limit = session.evidence_dir / name, self.config.max_body_bytes
+            # Off the loop: compressing a long agent history takes a while, and every session shares it.
+            written, truncated = await asyncio.to_thread(_save_gzip, body, limit, path)
+            request_file = name if written else None
         return _Request(
             session=session,
             index=index,
@@ -466,7 +508,6 @@ class Gateway:
 
     async def _forward(self, req: _Request, request: web.Request) -> web.StreamResponse:
         cfg, session = self.config, req.session
-        why = f"all {cfg.max_attempts_per_request} attempts failed"
         first_failure_at: float | None = None
         for number in range(1, cfg.max_attempts_per_request + 1):
             if session.closed_kind is not None:  # another request of this session gave up meanwhile
@@ -479,13 +520,15 @@ class Gateway:
             first_failure_at = now if first_failure_at is None else first_failure_at
             delay = backoff_delay(self._backoff, number, last.retry_after_s, self._rng)
             stop = self._spend(session) or self._why_not_retry(number, last, now + delay - first_failure_at)
-            if stop:
-                why = stop
+            if stop is not None:
                 break
             await asyncio.sleep(delay)
+        # _why_not_retry stops at the last attempt, so the loop always leaves through the break.
         answer = f"HTTP {last.status}" if last.status is not None else "no HTTP answer"
-        session._close(last.kind, f"gateway gave up on request {req.index} ({why}); last: {answer}: "
-                       f"{last.error_message or ''}")
+        message = (
+            f"gateway gave up on request {req.index} ({stop}); last: {answer}: {last.error_message or ''}"
+        )
+        session._close(last.kind, message)
         return _closed()
 
     def _spend(self, session: GatewaySession) -> str | None:
@@ -528,7 +571,9 @@ class Gateway:
             self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             raise
 
-    async def _answer_error(self, att: _Attempt, upstream: httpx.Response) -> web.StreamResponse | AttemptRecord:
+    async def _answer_error(
+        self, att: _Attempt, upstream: httpx.Response
+    ) -> web.StreamResponse | AttemptRecord:
         status, session = upstream.status_code, att.req.session
         body = bytearray()
         try:
@@ -551,13 +596,18 @@ class Gateway:
         if kind is FailureKind.MODEL_CONTEXT_LIMIT:
             session._overflows += 1
             if session._overflows > self.config.max_context_overflows:
-                session._close(kind, f"{session._overflows} context overflows in one session; last: "
-                               f"{record.error_message or ''}")
+                session._close(
+                    kind,
+                    f"{session._overflows} context overflows in one session; last: "
+                    f"{record.error_message or ''}",
+                )
                 return _closed()
         # Passed on unchanged: a harness may compact on an overflow, and a plain 4xx is the model's to see.
         return web.Response(status=status, body=bytes(body), headers=_relayed(upstream.headers))
 
-    async def _relay(self, att: _Attempt, upstream: httpx.Response, request: web.Request) -> web.StreamResponse | AttemptRecord:
+    async def _relay(
+        self, att: _Attempt, upstream: httpx.Response, request: web.Request
+    ) -> web.StreamResponse | AttemptRecord:
         att.streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
         held: list[bytes] = []
         held_bytes = 0
@@ -570,7 +620,9 @@ class Gateway:
                     held_bytes += len(chunk)
                     if not att.streamed and held_bytes <= _MAX_HELD_BYTES:
                         continue
-                    response = web.StreamResponse(status=upstream.status_code, headers=_relayed(upstream.headers))
+                    response = web.StreamResponse(
+                        status=upstream.status_code, headers=_relayed(upstream.headers)
+                    )
                     await response.prepare(request)
                     chunk = b"".join(held)
                     held.clear()
@@ -588,8 +640,12 @@ class Gateway:
             _abort(request)
             return response
         except (ConnectionError, TimeoutError):
-            self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected or stopped reading",
-                         client_aborted=True)
+            self._finish(
+                att,
+                FailureKind.TRANSPORT_ERROR,
+                "client disconnected or stopped reading",
+                client_aborted=True,
+            )
             _abort(request)
             return response or _closed()
         if response is not None:

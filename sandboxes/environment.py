@@ -14,13 +14,15 @@ from sandboxes.base import SandboxError
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-# Every process of a sandbox carries this variable, so a reaper can find the ones that left its tree.
-SANDBOX_MARKER_VAR = "ROLLOUT_SANDBOX_ID"
+# Every process of a sandbox carries this variable, so a reaper can find the ones that left its tree. Its
+# value is a random token per sandbox: session ids repeat across runs, and a reaper must never hit a
+# sandbox other than the one it reaps.
+SANDBOX_MARKER_VAR = "ROLLOUT_SANDBOX"
 
 
-def marker_entry(sandbox_id: str) -> bytes:
+def marker_entry(token: str) -> bytes:
     """The ``NAME=value`` bytes that /proc/<pid>/environ shows for a process of this sandbox."""
-    return f"{SANDBOX_MARKER_VAR}={sandbox_id}".encode()
+    return f"{SANDBOX_MARKER_VAR}={token}".encode()
 
 
 def _user_name() -> str:
@@ -31,7 +33,7 @@ def _user_name() -> str:
 
 
 def base_environment(
-    *, home: str, tmpdir: str, sandbox_id: str, path_prefixes: Sequence[str] = ()
+    *, home: str, tmpdir: str, marker_token: str, path_prefixes: Sequence[str] = ()
 ) -> dict[str, str]:
     user = _user_name()
     return {
@@ -49,7 +51,7 @@ def base_environment(
         "XDG_DATA_HOME": os.path.join(home, ".local", "share"),
         "XDG_CACHE_HOME": os.path.join(home, ".cache"),
         "XDG_STATE_HOME": os.path.join(home, ".local", "state"),
-        SANDBOX_MARKER_VAR: sandbox_id,
+        SANDBOX_MARKER_VAR: marker_token,
     }
 
 

@@ -31,6 +31,7 @@ import socket
 import stat
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,14 +89,23 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
     """Kill the trees under ``roots`` (and, with ``sweep``, every process carrying ``marker``).
 
     A root counts only if it still carries the marker, so a recycled pid is never mistaken for ours.
+    With a grace, the roots (supervisors) are asked first: they end their own trees in order and record
+    that they were terminated, which their owner reports as a lost sandbox rather than a crash.
     """
     me = os.getpid()
+
+    def ours(pid: int) -> bool:
+        return _start_ticks(pid) is not None and sup.has_env_entry(pid, marker)
+
+    if grace_s > 0 and (supervisors := {pid for pid in roots if ours(pid)}):
+        sup.send(supervisors, signal.SIGTERM)
+        sup.wait_gone(lambda: {pid for pid in supervisors if ours(pid)}, grace_s + sup.DRAIN_S, time.sleep)
 
     def find() -> set[int]:
         procs = sup.snapshot()
         found: set[int] = set()
         for root in roots:
-            if root in procs and sup.has_env_entry(root, marker):
+            if root in procs and procs[root].alive and sup.has_env_entry(root, marker):
                 found |= {root} | sup.descendants(procs, root)
         if sweep:
             found |= {pid for pid, info in procs.items() if info.alive and sup.has_env_entry(pid, marker)}
@@ -142,6 +152,7 @@ class LocalSandboxProvider:
         kill_grace_s: float = DEFAULT_KILL_GRACE_S,
         nofile_limit: int = DEFAULT_NOFILE_LIMIT,
         path_prefixes: Sequence[str] = (),
+        supervisor_slack_s: float = SUPERVISOR_SLACK_S,
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -150,6 +161,7 @@ class LocalSandboxProvider:
         self.kill_grace_s = kill_grace_s
         self.nofile_limit = nofile_limit
         self.path_prefixes = tuple(path_prefixes)
+        self.supervisor_slack_s = supervisor_slack_s
 
     async def start(self, spec: SandboxSpec) -> LocalSandbox:
         _check_component("run_id", spec.run_id)
@@ -160,7 +172,7 @@ class LocalSandboxProvider:
             sandbox = LocalSandbox(self, spec, session_dir)
             for path in xdg_dirs(sandbox.base_env):
                 await asyncio.to_thread(os.makedirs, path, exist_ok=True)
-            sandbox._write_descriptor()
+            sandbox._write_descriptor(create=True)
         except FileExistsError as exc:
             raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
         except OSError as exc:
@@ -192,12 +204,14 @@ class LocalSandbox:
         self._cap = provider.output_cap_bytes
         self._grace = provider.kill_grace_s
         self._nofile = provider.nofile_limit
-        self._marker = marker_entry(self.id)
+        self._slack = provider.supervisor_slack_s
+        self._marker_token = uuid.uuid4().hex
+        self._marker = marker_entry(self._marker_token)
         self.base_env = merge_environment(
             base_environment(
                 home=self.home,
                 tmpdir=self.tmpdir,
-                sandbox_id=self.id,
+                marker_token=self._marker_token,
                 path_prefixes=provider.path_prefixes,
             ),
             spec.env,
@@ -213,6 +227,7 @@ class LocalSandbox:
         self._name_counts: dict[str, int] = {}
         self._stopping = False
         self._stopped = False
+        self._reaped = False
         self._stop_lock = asyncio.Lock()
 
     # -- descriptor -------------------------------------------------------------------------------------
@@ -232,6 +247,7 @@ class LocalSandbox:
             "owner_start_ticks": self._owner_start_ticks,
             "host": self._host,
             "boot_id": self._boot_id,
+            "marker": self._marker_token,
             "supervisor_pids": sorted(self._running),
         }
 
@@ -239,10 +255,14 @@ class LocalSandbox:
     def descriptor_path(self) -> Path:
         return self.root / DESCRIPTOR_NAME
 
-    def _write_descriptor(self) -> None:
+    def _write_descriptor(self, *, create: bool = False) -> None:
         # Once stopping, the descriptor is being removed; an exec finishing late must not bring it back.
-        if not self._stopping:
-            _write_json_atomic(self.descriptor_path, self.descriptor())
+        if self._stopping or self._reaped:
+            return
+        if not create and not self.descriptor_path.exists():
+            self._reaped = True  # reap_stale took this sandbox (its TTL passed): it is gone for good
+            return
+        _write_json_atomic(self.descriptor_path, self.descriptor())
 
     # -- paths ------------------------------------------------------------------------------------------
 
@@ -262,7 +282,7 @@ class LocalSandbox:
         return Path(real)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self._check_usable()
+        self._check_open()
 
         def write() -> None:
             real = self._inside(path)
@@ -303,7 +323,7 @@ class LocalSandbox:
 
     async def copy_in(self, src: Path) -> None:
         """Copy a local directory's content into the workspace (symlinks kept as links, .git included)."""
-        self._check_usable()
+        self._check_open()
         src = Path(src)
         if not src.is_dir():
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
@@ -314,11 +334,12 @@ class LocalSandbox:
 
     # -- exec -------------------------------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
+    def _check_open(self) -> None:
         if self._stopping:
             raise SandboxError(f"sandbox {self.id} is stopped")
-        if time.time() >= self.ttl_deadline:
-            raise SandboxError(f"sandbox {self.id} is past its TTL")
+        if self._reaped or not self.descriptor_path.exists():
+            self._reaped = True
+            raise SandboxLostError(f"sandbox {self.id} was reaped")
 
     def _reserve(self, name: str) -> _ExecFiles:
         """Claim log file names for one exec; a repeated name gets a numbered suffix, nothing is reused."""
@@ -360,7 +381,9 @@ class LocalSandbox:
         ``stdout_bytes``/``stderr_bytes`` count everything the command wrote; the files keep the first
         ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file.
         """
-        self._check_usable()
+        self._check_open()
+        if time.time() >= self.ttl_deadline:
+            raise SandboxError(f"sandbox {self.id} is past its TTL")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise SandboxError(f"argv must be a non-empty list of strings, not {argv!r}")
         if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
@@ -372,6 +395,7 @@ class LocalSandbox:
         files = self._reserve(name)
         if stdin is not None:
             await asyncio.to_thread(files.stdin.write_bytes, stdin)
+        memory_mb = self.spec.memory_limit_mb
         params = {
             "argv": argv,
             "cwd": str(cwd_real),
@@ -386,7 +410,7 @@ class LocalSandbox:
             "tail_bytes": TAIL_BYTES,
             "kill_grace_s": self._grace,
             "nofile_limit": self._nofile,
-            "memory_limit_bytes": self.spec.memory_limit_mb * 1024 * 1024 if self.spec.memory_limit_mb else None,
+            "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
         }
         files.params.write_text(json.dumps(params), encoding="utf-8")
 
@@ -433,7 +457,7 @@ class LocalSandbox:
     async def _wait_supervisor(self, proc: asyncio.subprocess.Process, timeout: float) -> bool:
         """Wait for the supervisor; past its own bound, kill its tree from here. True if we had to."""
         ttl_left = max(0.0, self.ttl_deadline - time.time())
-        budget = min(timeout, ttl_left) + self._grace + SUPERVISOR_SLACK_S
+        budget = min(timeout, ttl_left) + self._grace + self._slack
         try:
             await asyncio.wait_for(proc.wait(), budget)
             return False
@@ -441,14 +465,14 @@ class LocalSandbox:
             log.warning("sandbox %s: supervisor %d overran; killing its tree", self.id, proc.pid)
             await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), SUPERVISOR_SLACK_S)
+                await asyncio.wait_for(proc.wait(), self._slack)
             return True
 
     async def _end_supervisor(self, proc: asyncio.subprocess.Process) -> None:
         """Ask a supervisor to kill its tree and exit; force it if it does not, bounded either way."""
         self._signal(proc, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), self._grace + SUPERVISOR_SLACK_S)
+            await asyncio.wait_for(proc.wait(), self._grace + self._slack)
         except TimeoutError:
             await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
 
@@ -484,7 +508,7 @@ class LocalSandbox:
         if res["reason"] == "terminated":
             raise SandboxLostError(f"sandbox {self.id} was stopped while {name!r} was running")
         if not res.get("clean", True):
-            log.warning("sandbox %s: processes of %r survived their supervisor; stop() sweeps them", self.id, name)
+            log.warning("sandbox %s: processes of %r outlived their supervisor; stop() sweeps", self.id, name)
         return ExecResult(
             exit_code=res["exit_code"],
             signal=res["signal"],
@@ -547,7 +571,7 @@ def reap_stale(
     for path in sorted(root.glob(pattern)):
         try:
             desc = json.loads(path.read_text(encoding="utf-8"))
-            sandbox_id = str(desc["id"])
+            sandbox_id, marker = str(desc["id"]), marker_entry(str(desc["marker"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if desc.get("host") != host:
@@ -557,7 +581,7 @@ def reap_stale(
             if owner_alive and now < float(desc["ttl_deadline"]):
                 continue
             roots = [int(pid) for pid in desc.get("supervisor_pids", [])]
-            if not _kill_tree(roots, marker_entry(sandbox_id), sweep=True, grace_s=grace_s):
+            if not _kill_tree(roots, marker, sweep=True, grace_s=grace_s):
                 log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
                 continue
         path.unlink(missing_ok=True)

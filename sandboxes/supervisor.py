@@ -121,13 +121,13 @@ def kill_processes(find: Callable[[], set[int]], *, grace_s: float, idle: Callab
     if grace_s > 0 and (pids := find()):
         send(pids, signal.SIGTERM)
         send(pids, signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
-        _wait_gone(find, grace_s, idle)
+        wait_gone(find, grace_s, idle)
     for _ in range(KILL_ROUNDS):
         pids = find()
         if not pids:
             return True
         send(_freeze(find, pids), signal.SIGKILL)
-        _wait_gone(find, KILL_SETTLE_S, idle)
+        wait_gone(find, KILL_SETTLE_S, idle)
     return not find()
 
 
@@ -145,7 +145,7 @@ def _freeze(find: Callable[[], set[int]], pids: set[int]) -> set[int]:
     return stopped | pids
 
 
-def _wait_gone(find: Callable[[], set[int]], timeout: float, idle: Callable[[float], None]) -> bool:
+def wait_gone(find: Callable[[], set[int]], timeout: float, idle: Callable[[float], None]) -> bool:
     deadline = time.monotonic() + timeout
     while find():
         remaining = deadline - time.monotonic()
@@ -330,10 +330,11 @@ class Supervisor:
         ttl_at = time.monotonic() + (float(self.p["deadline_epoch"]) - time.time())
         while True:
             self.reap()
-            if self.child_status is not None:
-                return "exited"
+            # Told to stop outranks the command's exit: a tree killed from outside is no clean exit.
             if self.terminated_by is not None:
                 return "terminated"
+            if self.child_status is not None:
+                return "exited"
             now = time.monotonic()
             if now >= timeout_at:
                 return "timeout"

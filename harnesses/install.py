@@ -1,0 +1,284 @@
+"""A versioned install cache for harness CLIs, safe when many sessions and processes ask at once.
+
+Layout under the cache root::
+
+    npm/<package>@<version>/          one finished install: node_modules/, .installed (written last)
+    npm/.locks/<package>@<version>.lock
+    npm/.tmp-<package>@<version>~*    an install in progress (or one a crash left behind)
+    npm/.npm-cache/, npm/.npm-logs/   npm's own cache and logs, never the user's ~/.npm
+
+A present marker means a complete install, so the common path takes no lock at all. An install happens
+in a temporary directory next to its final place and is renamed into place whole, so no reader ever sees
+half of one, and a crash leaves only a temporary directory that the next installer removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+MARKER_NAME = ".installed"
+OUTPUT_TAIL_CHARS = 2_000
+LOCK_POLL_S = 0.2
+_NPM_NOISE = ("npm error code", "npm error A complete log")
+
+# npm names: lowercase URL-safe words, optionally under one @scope. Versions: semver, a tag or a range
+# word; nothing that could climb out of the cache directory or be read by npm as an option.
+_PACKAGE_RE = re.compile(r"(@[a-z0-9][a-z0-9._~-]*/)?[a-z0-9][a-z0-9._~-]*")
+_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]*")
+_BIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class InstallError(Exception):
+    """A harness could not be installed into the cache; ``output_tail`` holds the installer's last words."""
+
+    def __init__(self, message: str, output_tail: str = "") -> None:
+        message = " ".join(message.split())  # one line, whatever an OS error message held
+        super().__init__(message)
+        self.message = message
+        self.output_tail = output_tail[-OUTPUT_TAIL_CHARS:]
+
+    def __str__(self) -> str:
+        if not self.output_tail:
+            return self.message
+        return f"{self.message}\n--- installer output (tail) ---\n{self.output_tail}"
+
+
+def default_cache_root() -> Path:
+    """``$ROLLOUT_CACHE``, else ``~/.cache/rollout-executor``."""
+    configured = os.environ.get("ROLLOUT_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "rollout-executor"
+
+
+def _check(kind: str, value: str, pattern: re.Pattern[str]) -> None:
+    if not isinstance(value, str) or len(value) > 214 or not pattern.fullmatch(value):
+        raise ValueError(f"invalid npm {kind} {value!r}")
+
+
+def _key(package: str, version: str) -> str:
+    # "@scope/name" -> "scope+name": npm names never contain "+", so distinct packages stay distinct.
+    return f"{package.removeprefix('@').replace('/', '+')}@{version}"
+
+
+def npm_prefix(cache_root: Path, package: str, version: str) -> Path:
+    """Where ``package@version`` lives (or will live) in the cache."""
+    _check("package name", package, _PACKAGE_RE)
+    _check("version", version, _VERSION_RE)
+    return Path(cache_root) / "npm" / _key(package, version)
+
+
+def is_installed(prefix: Path) -> bool:
+    return (prefix / MARKER_NAME).is_file()
+
+
+def npm_install(
+    cache_root: Path,
+    package: str,
+    version: str,
+    bin_name: str,
+    extra_packages: dict[str, str] | None = None,
+    timeout_s: float = 600,
+    *,
+    scripts: bool = False,
+) -> Path:
+    """Install ``package@version`` (plus ``extra_packages``) once; return ``node_modules/.bin/<bin_name>``.
+
+    ``scripts`` allows the packages' install scripts; off by default because most harnesses ship plain
+    files and a postinstall is code run at install time. Raises ``InstallError`` on any failure, leaving
+    nothing half-installed behind.
+    """
+    _check("bin name", bin_name, _BIN_RE)
+    extras = dict(extra_packages or {})
+    for name, extra_version in extras.items():
+        _check("package name", name, _PACKAGE_RE)
+        _check("version", extra_version, _VERSION_RE)
+    prefix = npm_prefix(cache_root, package, version)
+    binary = prefix / "node_modules" / ".bin" / bin_name
+    if is_installed(prefix):
+        return _installed_binary(prefix, binary, package, version)
+
+    npm = shutil.which("npm")
+    if npm is None:
+        raise InstallError(f"cannot install {package}@{version}: npm is not on PATH")
+    npm_root = prefix.parent
+    try:
+        (npm_root / ".locks").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InstallError(f"cannot create install cache {npm_root}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    with _locked(npm_root / ".locks" / f"{prefix.name}.lock", deadline, f"{package}@{version}"):
+        # Someone else may have finished while we waited for the lock.
+        if is_installed(prefix):
+            return _installed_binary(prefix, binary, package, version)
+        _remove_leftovers(npm_root, prefix)
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{prefix.name}~", dir=npm_root))
+        try:
+            specs = [f"{package}@{version}", *(f"{n}@{v}" for n, v in extras.items())]
+            _run_npm(npm, npm_root, staging, specs, scripts, deadline, f"{package}@{version}")
+            staged_binary = staging / "node_modules" / ".bin" / bin_name
+            if not staged_binary.exists():
+                raise InstallError(f"{package}@{version} installed but has no executable {bin_name!r}")
+            # mkdtemp made it private; sandboxed commands may run as another user and must read it.
+            staging.chmod(0o755)
+            os.rename(staging, prefix)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        try:
+            _write_marker(prefix, {"package": package, "version": version, "extra_packages": extras})
+        except OSError as exc:
+            shutil.rmtree(prefix, ignore_errors=True)
+            raise InstallError(f"cannot mark {package}@{version} installed: {exc}") from exc
+    return binary
+
+
+def _installed_binary(prefix: Path, binary: Path, package: str, version: str) -> Path:
+    # A complete install is never removed here: processes of other sessions may be running from it.
+    if not binary.exists():
+        raise InstallError(f"{package}@{version} at {prefix} has no executable {binary.name!r}")
+    return binary
+
+
+@contextlib.contextmanager
+def _locked(path: Path, deadline: float, what: str) -> Iterator[None]:
+    """An exclusive flock, waited for no longer than ``deadline``.
+
+    flock locks belong to the open file description, so threads of one process exclude each other as
+    well as processes do, and the kernel drops the lock when its holder dies.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise InstallError(f"timed out waiting for another install of {what} to finish") from None
+                time.sleep(LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(npm_root: Path, prefix: Path) -> None:
+    """Under the lock nobody else installs this key, so staging dirs and a marker-less prefix are debris."""
+    # Keys hold no glob metacharacters, and "~" (never in a version) ends the key, so "x@1~*" cannot
+    # match the staging directory of "x@1.2".
+    for stale in npm_root.glob(f".tmp-{prefix.name}~*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    if prefix.exists():
+        shutil.rmtree(prefix, ignore_errors=True)
+    if prefix.exists():
+        raise InstallError(f"cannot remove the incomplete install at {prefix}")
+
+
+def _run_npm(
+    npm: str,
+    npm_root: Path,
+    staging: Path,
+    specs: list[str],
+    scripts: bool,
+    deadline: float,
+    what: str,
+) -> None:
+    argv = [npm, "install", "--prefix", str(staging), "--no-fund", "--no-audit", "--no-save"]
+    if not scripts:
+        argv.append("--ignore-scripts")
+    argv += ["--", *specs]
+    env = dict(os.environ)
+    env.update(
+        {
+            "npm_config_cache": str(npm_root / ".npm-cache"),
+            "npm_config_logs_dir": str(npm_root / ".npm-logs"),
+            "npm_config_update_notifier": "false",
+            "npm_config_fund": "false",
+            "npm_config_audit": "false",
+            "npm_config_progress": "false",
+        }
+    )
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise InstallError(f"no time left to install {what}")
+    log_path = staging.with_name(staging.name + ".log")
+    try:
+        with open(log_path, "w+b") as log:
+            # Own session, so a timeout can end npm and every child it started.
+            proc = subprocess.Popen(
+                argv,
+                cwd=staging,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise InstallError(
+                    f"npm install of {what} timed out after {remaining:.0f}s", _tail(log)
+                ) from None
+            except BaseException:
+                _kill_group(proc)
+                raise
+            if rc != 0:
+                tail = _tail(log)
+                raise InstallError(f"npm install of {what} failed (exit code {rc}){_headline(tail)}", tail)
+    except OSError as exc:
+        raise InstallError(f"cannot run npm to install {what}: {exc}") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _tail(log: BinaryIO) -> str:
+    log.seek(0, os.SEEK_END)
+    size = log.tell()
+    # Bytes, not characters: read a little more than needed so multi-byte text still yields the tail.
+    log.seek(max(0, size - OUTPUT_TAIL_CHARS * 4))
+    text = log.read().decode("utf-8", "replace")
+    return text[-OUTPUT_TAIL_CHARS:].strip()
+
+
+def _headline(tail: str) -> str:
+    """npm's most telling line (``npm error notarget No matching version ...``), to lead the message."""
+    for line in tail.splitlines():
+        line = line.strip()
+        if line.startswith("npm error") and not line.startswith(_NPM_NOISE):
+            return ": " + line[:300]
+    return ""
+
+
+def _write_marker(prefix: Path, info: dict[str, object]) -> None:
+    tmp = prefix / f"{MARKER_NAME}.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps({**info, "installed_at": time.time()}), encoding="utf-8")
+    os.replace(tmp, prefix / MARKER_NAME)

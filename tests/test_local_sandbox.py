@@ -1,0 +1,569 @@
+"""The local sandbox with real processes: environment, output, limits, paths, and above all process death."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import TAIL_BYTES, SandboxError, SandboxLostError, SandboxSpec
+from sandboxes.environment import DEFAULT_PATH
+from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 60.0  # safety bound on waiting for an event; never a timing assertion
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+
+def _state(pid: int) -> str | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2 :].split()[0].decode()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def live_with(mark: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains ``mark``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if (
+            name.isdigit()
+            and mark.encode() in _cmdline(int(name))
+            and _state(int(name)) not in (None, "Z", "X")
+        ):
+            found.append(int(name))
+    return found
+
+
+def alive(pid: int, mark: str) -> bool:
+    """Whether ``pid`` is still the marked process we started (a recycled pid would not carry ``mark``)."""
+    return _state(pid) not in (None, "Z", "X") and mark.encode() in _cmdline(pid)
+
+
+def new_mark() -> str:
+    return f"rollout-test-{uuid.uuid4().hex}"
+
+
+class Fifo:
+    """A named pipe the sandboxed processes report to, read without blocking the event loop."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path = path
+        self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        # Our own writer keeps the pipe from reading as end-of-file between the sandbox's writers.
+        self._w = os.open(path, os.O_WRONLY)
+        self._buf = b""
+
+    async def lines(self, n: int) -> list[str]:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(WAIT_S):
+            while self._buf.count(b"\n") < n:
+                ready = asyncio.Event()
+                loop.add_reader(self._r, ready.set)
+                try:
+                    await ready.wait()
+                finally:
+                    loop.remove_reader(self._r)
+                try:
+                    self._buf += os.read(self._r, 4096)
+                except BlockingIOError:
+                    pass
+        *lines, self._buf = self._buf.split(b"\n", n)
+        return [line.decode() for line in lines]
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+async def wait_exit(pid: int) -> None:
+    """Wait until ``pid`` (not necessarily our child) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    loop.add_reader(fd, exited.set)
+    try:
+        await asyncio.wait_for(exited.wait(), WAIT_S)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def tree_script(mark: str, then: str) -> str:
+    """Bash that starts four grandchildren that try to escape, waits until each reported its pid, prints
+    them, then runs ``then``: a setsid'd one, a nohup'd one, a double-forked orphan, one ignoring SIGTERM."""
+    return f"""
+mkfifo "$TMPDIR/gc.fifo" && exec 3<>"$TMPDIR/gc.fifo"
+setsid bash -c 'echo $$ >&3; exec -a {mark}-setsid sleep 300' &
+nohup bash -c 'echo $$ >&3; exec -a {mark}-nohup sleep 300' >/dev/null 2>&1 &
+( bash -c 'echo $$ >&3; exec -a {mark}-orphan sleep 300' & )
+bash -c 'trap "" TERM; echo $$ >&3; exec -a {mark}-noterm sleep 300' &
+pids=""
+for _ in 1 2 3 4; do read -r -u 3 pid; pids="$pids $pid"; done
+echo "pids:$pids"
+{then}
+"""
+
+
+def reported_pids(stdout: str) -> list[int]:
+    line = next(line for line in stdout.splitlines() if line.startswith("pids:"))
+    return [int(p) for p in line.removeprefix("pids:").split()]
+
+
+def spec(session_id: str | None = None, **kw: object) -> SandboxSpec:
+    return SandboxSpec(run_id="run", session_id=session_id or uuid.uuid4().hex[:12], ttl_s=600, **kw)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "sandboxes"
+
+
+@pytest.fixture
+def provider(root: Path) -> LocalSandboxProvider:
+    return LocalSandboxProvider(root, kill_grace_s=0.5)
+
+
+@pytest.fixture
+async def sandbox(provider: LocalSandboxProvider):
+    sb = await provider.start(spec())
+    yield sb
+    await sb.stop()
+
+
+# -- environment and layout ------------------------------------------------------------------------------
+
+
+async def test_layout_and_descriptor(sandbox: LocalSandbox, root: Path) -> None:
+    assert sandbox.id.startswith("local-")
+    session = root / "run" / sandbox.spec.session_id
+    assert sandbox.workdir == str(session / "work")
+    assert sandbox.home == str(session / "home")
+    for sub in ("work", "home", "tmp", "logs"):
+        assert (session / sub).is_dir()
+    on_disk = json.loads((session / "sandbox.json").read_text())
+    assert on_disk == sandbox.descriptor()
+    assert on_disk["provider"] == "local"
+    assert on_disk["owner_pid"] == os.getpid()
+    assert on_disk["ttl_deadline"] > on_disk["created_at"]
+    assert on_disk["supervisor_pids"] == []
+
+
+async def test_environment_is_built_not_inherited(provider: LocalSandboxProvider, monkeypatch) -> None:
+    secrets = {
+        "OPENAI_API_KEY": "sk-leak-openai",
+        "ANTHROPIC_API_KEY": "sk-leak-anthropic",
+        "AWS_ACCESS_KEY_ID": "AKIALEAK",
+        "AWS_SECRET_ACCESS_KEY": "leak-aws-secret",
+        "GITHUB_TOKEN": "ghp_leak",
+        "MY_SERVICE_SECRET": "leak-secret",
+        "DB_KEY": "leak-key",
+    }
+    for key, value in secrets.items():
+        monkeypatch.setenv(key, value)
+    sb = await provider.start(spec(env={"FROM_SPEC": "spec", "SHARED": "spec"}))
+    try:
+        res = await sb.exec(["env"], timeout=30, env={"FROM_EXEC": "exec", "SHARED": "exec"})
+    finally:
+        await sb.stop()
+    assert res.exit_code == 0
+    for key, value in secrets.items():
+        assert key not in res.stdout_tail
+        assert value not in res.stdout_tail
+    env = dict(line.split("=", 1) for line in res.stdout_tail.splitlines())
+    assert set(env) == {
+        "PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG", "LC_ALL", "TERM", "TZ", "SHELL",
+        "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "ROLLOUT_SANDBOX",
+        "FROM_SPEC", "FROM_EXEC", "SHARED",
+    }  # fmt: skip
+    assert env["PATH"] == DEFAULT_PATH == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert env["HOME"] == sb.home
+    assert env["TMPDIR"] == str(sb.root / "tmp")
+    assert env["XDG_CONFIG_HOME"] == f"{sb.home}/.config"
+    assert (env["LANG"], env["LC_ALL"], env["TERM"], env["TZ"]) == ("C.UTF-8", "C.UTF-8", "dumb", "UTC")
+    assert (env["FROM_SPEC"], env["FROM_EXEC"], env["SHARED"]) == ("spec", "exec", "exec")
+
+
+async def test_home_and_tmp_are_private(sandbox: LocalSandbox) -> None:
+    res = await sandbox.exec(["bash", "-c", "cd && pwd && touch dotfile && mktemp"], timeout=30)
+    home, tmpfile = res.stdout_tail.split()
+    assert home == sandbox.home != os.environ.get("HOME")
+    assert (Path(sandbox.home) / "dotfile").exists()
+    assert Path(tmpfile).parent == sandbox.root / "tmp"
+
+
+async def test_path_prefixes(root: Path) -> None:
+    provider = LocalSandboxProvider(root, path_prefixes=["/opt/harness/bin"])
+    sb = await provider.start(spec())
+    try:
+        res = await sb.exec(["printenv", "PATH"], timeout=30)
+    finally:
+        await sb.stop()
+    assert (
+        res.stdout_tail.strip()
+        == "/opt/harness/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    )
+
+
+# -- results and output ----------------------------------------------------------------------------------
+
+
+async def test_exit_code_tails_and_files(sandbox: LocalSandbox) -> None:
+    res = await sandbox.exec(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30, name="harness")
+    assert (res.exit_code, res.signal, res.timed_out) == (3, None, False)
+    assert (res.stdout_tail, res.stderr_tail) == ("out\n", "err\n")
+    assert (res.stdout_bytes, res.stderr_bytes) == (4, 4)
+    assert res.stdout_path == str(sandbox.root / "logs" / "harness.stdout")
+    assert Path(res.stdout_path).read_text() == "out\n"
+    assert Path(res.stderr_path or "").read_text() == "err\n"
+    assert res.duration_s >= 0
+
+
+async def test_repeated_names_keep_every_log(sandbox: LocalSandbox) -> None:
+    first = await sandbox.exec(["echo", "one"], timeout=30, name="step")
+    second = await sandbox.exec(["echo", "two"], timeout=30, name="step")
+    assert first.stdout_path != second.stdout_path
+    assert Path(first.stdout_path or "").read_text() == "one\n"
+    assert Path(second.stdout_path or "").read_text() == "two\n"
+    with pytest.raises(SandboxError):
+        await sandbox.exec(["true"], timeout=30, name="../escape")
+
+
+async def test_death_by_signal(sandbox: LocalSandbox) -> None:
+    res = await sandbox.exec(["bash", "-c", "kill -KILL $$"], timeout=30)
+    assert (res.exit_code, res.signal, res.timed_out) == (None, signal.SIGKILL, False)
+
+
+async def test_missing_command_is_127(sandbox: LocalSandbox) -> None:
+    res = await sandbox.exec(["definitely-not-a-command-xyz"], timeout=30)
+    assert res.exit_code == 127
+    assert "definitely-not-a-command-xyz" in res.stderr_tail
+
+
+async def test_stdin_is_fed_then_closed(sandbox: LocalSandbox) -> None:
+    res = await sandbox.exec(["cat"], timeout=30, stdin=b"prompt\x00bytes")
+    assert res.stdout_tail == "prompt\x00bytes"
+    # Without stdin the command reads /dev/null: cat ends at once instead of waiting for input.
+    res = await sandbox.exec(["cat"], timeout=30)
+    assert (res.exit_code, res.timed_out, res.stdout_bytes) == (0, False, 0)
+
+
+async def test_output_is_capped_and_tails_bounded(root: Path) -> None:
+    provider = LocalSandboxProvider(root, output_cap_bytes=64 * 1024)
+    sb = await provider.start(spec())
+    try:
+        script = "head -c 1000000 /dev/zero; head -c 300000 /dev/zero >&2; printf END"
+        res = await sb.exec(["bash", "-c", script], timeout=60)
+    finally:
+        await sb.stop()
+    assert res.exit_code == 0
+    assert (res.stdout_bytes, res.stderr_bytes) == (1_000_003, 300_000)
+    assert os.path.getsize(res.stdout_path or "") == 64 * 1024
+    assert os.path.getsize(res.stderr_path or "") == 64 * 1024
+    assert len(res.stdout_tail) == TAIL_BYTES
+    assert res.stdout_tail.endswith("\0END")  # the tail is the end of the output, not of the capped file
+
+
+async def test_invalid_utf8_output(sandbox: LocalSandbox) -> None:
+    # 18,011 bytes in all: the last TAIL_BYTES of them begin in the middle of a two-byte character.
+    script = r"for i in $(seq 9000); do printf '\xc3\xa9'; done; printf 'ok \xff\xfe\xc3 end!'"
+    res = await sandbox.exec(["bash", "-c", script], timeout=60)
+    assert (res.exit_code, res.stdout_bytes) == (0, 18_011)
+    assert res.stdout_tail.startswith("\ufffdé")
+    assert res.stdout_tail.endswith("éok \ufffd\ufffd\ufffd end!")
+
+
+async def test_resource_limits(provider: LocalSandboxProvider) -> None:
+    sb = await provider.start(spec(memory_limit_mb=256))
+    try:
+        res = await sb.exec(["bash", "-c", "ulimit -c; ulimit -n; ulimit -v"], timeout=30)
+    finally:
+        await sb.stop()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nofile = 65_536 if hard == resource.RLIM_INFINITY else min(65_536, hard)
+    assert res.stdout_tail.split() == ["0", str(nofile), str(256 * 1024)]
+
+
+async def test_cwd_is_workdir_or_inside(sandbox: LocalSandbox) -> None:
+    await sandbox.write_file("sub/dir/f.txt", b"x")
+    res = await sandbox.exec(["pwd"], timeout=30)
+    assert res.stdout_tail.strip() == sandbox.workdir
+    res = await sandbox.exec(["pwd"], timeout=30, cwd="sub/dir")
+    assert res.stdout_tail.strip() == f"{sandbox.workdir}/sub/dir"
+    with pytest.raises(SandboxError):
+        await sandbox.exec(["pwd"], timeout=30, cwd="../../..")
+
+
+# -- process death ---------------------------------------------------------------------------------------
+
+
+async def test_timeout_kills_the_whole_tree(sandbox: LocalSandbox) -> None:
+    mark = new_mark()
+    script = tree_script(mark, f"exec -a {mark}-main sleep 300")
+    res = await sandbox.exec(["bash", "-c", script], timeout=5)
+    assert res.timed_out
+    assert res.exit_code is None and res.signal == signal.SIGTERM
+    pids = reported_pids(res.stdout_tail)  # proves all four were running before the deadline
+    assert len(pids) == 4
+    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert live_with(mark) == []
+
+
+async def test_exit_kills_what_the_command_left_behind(sandbox: LocalSandbox) -> None:
+    mark = new_mark()
+    res = await sandbox.exec(["bash", "-c", tree_script(mark, "exit 0")], timeout=60)
+    assert (res.exit_code, res.timed_out) == (0, False)
+    pids = reported_pids(res.stdout_tail)
+    assert len(pids) == 4
+    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert live_with(mark) == []
+
+
+async def test_outside_kill_when_the_supervisor_is_stuck(root: Path) -> None:
+    # The command freezes its own supervisor, so only the sandbox's outer deadline can end it.
+    sb = await LocalSandboxProvider(root, kill_grace_s=0.2, supervisor_slack_s=1.0).start(spec())
+    mark = new_mark()
+    script = (
+        f"setsid bash -c 'exec -a {mark}-gc sleep 300' & echo $! > gc; "
+        f"kill -STOP $PPID; exec -a {mark} sleep 300"
+    )
+    try:
+        res = await sb.exec(["bash", "-c", script], timeout=3)
+    finally:
+        await sb.stop()
+    assert (res.timed_out, res.exit_code, res.signal) == (True, None, signal.SIGKILL)
+    gc_pid = int(Path(sb.workdir, "gc").read_text())
+    assert not alive(gc_pid, mark)
+    assert live_with(mark) == []
+
+
+async def test_stop_kills_a_running_exec_and_is_idempotent(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    mark = new_mark()
+    fifo = Fifo(tmp_path / "ready.fifo")
+    script = (
+        f"setsid bash -c 'echo gc $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & "
+        f"echo main $$ $PPID > {fifo.path}; exec -a {mark}-main sleep 300"
+    )
+    task = asyncio.create_task(sandbox.exec(["bash", "-c", script], timeout=300))
+    try:
+        lines = sorted(await fifo.lines(2))
+    finally:
+        fifo.close()
+    (_gc, gc_pid), (_main, main_pid, supervisor_pid) = (line.split() for line in lines)
+    assert sandbox.descriptor()["supervisor_pids"] == [int(supervisor_pid)]
+    assert alive(int(gc_pid), mark) and alive(int(main_pid), mark)
+
+    await sandbox.stop()
+    with pytest.raises(SandboxLostError):
+        await task
+    assert live_with(mark) == []
+    assert _state(int(supervisor_pid)) in (None, "Z")
+    assert not sandbox.descriptor_path.exists()
+    assert sandbox.root.is_dir()  # kept as evidence by default
+    await sandbox.stop()
+    with pytest.raises(SandboxError):
+        await sandbox.exec(["true"], timeout=30)
+
+
+async def test_cancelled_exec_leaves_nothing(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    mark = new_mark()
+    fifo = Fifo(tmp_path / "ready.fifo")
+    script = f"setsid bash -c 'echo $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & exec -a {mark} sleep 300"
+    task = asyncio.create_task(sandbox.exec(["bash", "-c", script], timeout=300))
+    try:
+        [gc_pid] = await fifo.lines(1)
+    finally:
+        fifo.close()
+    assert alive(int(gc_pid), mark)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert live_with(mark) == []
+
+
+async def test_stop_without_keep_removes_the_directory(root: Path) -> None:
+    sb = await LocalSandboxProvider(root, keep=False).start(spec())
+    await sb.exec(["true"], timeout=30)
+    await sb.stop()
+    assert not sb.root.exists()
+
+
+async def test_delete_removes_the_directory(sandbox: LocalSandbox) -> None:
+    await sandbox.delete()
+    assert not sandbox.root.exists()
+
+
+# -- a dead owner, and reaping ---------------------------------------------------------------------------
+
+OWNER = """
+import asyncio, sys
+from pathlib import Path
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+
+async def main() -> None:
+    provider = LocalSandboxProvider(Path(sys.argv[1]))
+    sandbox = await provider.start(SandboxSpec(run_id="run", session_id=sys.argv[2], ttl_s=600))
+    await sandbox.exec(["bash", "-c", sys.argv[3]], timeout=300)
+
+asyncio.run(main())
+"""
+
+
+async def _start_owner(
+    root: Path, session_id: str, script: str, tmp_path: Path
+) -> asyncio.subprocess.Process:
+    """A separate worker process that owns a sandbox with one long exec running."""
+    with open(tmp_path / "owner.log", "wb") as errors:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-c", OWNER, str(root), session_id, script,
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errors,
+        )  # fmt: skip
+
+
+def _owner_script(mark: str, fifo: Fifo) -> str:
+    return (
+        f"setsid bash -c 'echo gc $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & "
+        f"nohup bash -c 'echo nohup $$ > {fifo.path}; exec -a {mark}-nohup sleep 300' >/dev/null 2>&1 & "
+        f"echo main $$ $PPID > {fifo.path}; exec -a {mark}-main sleep 300"
+    )
+
+
+async def _owner_tree(fifo: Fifo) -> tuple[list[int], int]:
+    """The pids of the owner's command tree and of its supervisor, once all of them are running."""
+    try:
+        lines = {line.split()[0]: line.split()[1:] for line in await fifo.lines(3)}
+    finally:
+        fifo.close()
+    pids = [int(lines["main"][0]), int(lines["gc"][0]), int(lines["nohup"][0])]
+    return pids, int(lines["main"][1])
+
+
+async def test_owner_death_kills_the_tree_and_reap_cleans_up(root: Path, tmp_path: Path) -> None:
+    mark, session_id = new_mark(), "owned"
+    fifo = Fifo(tmp_path / "ready.fifo")
+    owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
+    pids, supervisor_pid = await _owner_tree(fifo)
+    descriptor = root / "run" / session_id / "sandbox.json"
+    assert json.loads(descriptor.read_text())["supervisor_pids"] == [supervisor_pid]
+    assert all(alive(pid, mark) for pid in pids)
+
+    owner.kill()
+    await owner.wait()
+    # PR_SET_PDEATHSIG: the supervisor learns of its owner's death and takes its tree down with it.
+    await wait_exit(supervisor_pid)
+    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert live_with(mark) == []
+
+    assert await asyncio.to_thread(reap_stale, root) == [f"local-{session_id}"]
+    assert not descriptor.exists()
+    assert await asyncio.to_thread(reap_stale, root) == []
+
+
+async def test_reap_finds_processes_that_lost_their_supervisor(root: Path, tmp_path: Path) -> None:
+    mark, session_id = new_mark(), "orphaned"
+    fifo = Fifo(tmp_path / "ready.fifo")
+    owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
+    pids, supervisor_pid = await _owner_tree(fifo)
+    # The worst case: the supervisor dies by SIGKILL first, so nothing of ours is left to kill the tree.
+    os.kill(supervisor_pid, signal.SIGKILL)
+    await wait_exit(supervisor_pid)
+    with contextlib.suppress(ProcessLookupError):  # it may have exited already, on SandboxLostError
+        owner.kill()
+    await owner.wait()
+    assert all(alive(pid, mark) for pid in pids)
+
+    assert await asyncio.to_thread(reap_stale, root, "run") == [f"local-{session_id}"]
+    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert live_with(mark) == []
+    assert not (root / "run" / session_id / "sandbox.json").exists()
+
+
+async def test_reap_waits_for_the_ttl_of_a_live_owner(
+    sandbox: LocalSandbox, root: Path, tmp_path: Path
+) -> None:
+    mark = new_mark()
+    fifo = Fifo(tmp_path / "ready.fifo")
+    script = f"setsid bash -c 'echo $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & exec -a {mark} sleep 300"
+    task = asyncio.create_task(sandbox.exec(["bash", "-c", script], timeout=300))
+    try:
+        [gc_pid] = await fifo.lines(1)
+    finally:
+        fifo.close()
+
+    assert await asyncio.to_thread(reap_stale, root) == []
+    assert alive(int(gc_pid), mark)
+    assert sandbox.descriptor_path.exists()
+
+    past_ttl = time.time() + sandbox.spec.ttl_s + 1
+    assert await asyncio.to_thread(reap_stale, root, now=past_ttl) == [sandbox.id]
+    with pytest.raises(SandboxLostError):
+        await task
+    assert live_with(mark) == []
+    assert not sandbox.descriptor_path.exists()  # and the finished exec did not write it back
+    with pytest.raises(SandboxLostError):
+        await sandbox.exec(["true"], timeout=30)
+
+
+# -- paths -----------------------------------------------------------------------------------------------
+
+
+async def test_write_and_read_inside(sandbox: LocalSandbox) -> None:
+    await sandbox.write_file("a/b/c.txt", b"hello world", mode=0o600)
+    path = Path(sandbox.workdir, "a/b/c.txt")
+    assert path.read_bytes() == b"hello world"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert await sandbox.read_file("a/b/c.txt", 5) == b"hello"
+    assert await sandbox.read_file(str(path), 100) == b"hello world"
+    await sandbox.write_file(f"{sandbox.home}/.config/tool.json", b"{}")  # absolute, inside the root
+    assert await sandbox.read_file(f"{sandbox.home}/.config/tool.json", 10) == b"{}"
+    with pytest.raises(FileNotFoundError):
+        await sandbox.read_file("missing.txt", 10)
+
+
+async def test_path_escapes_are_refused(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    os.symlink(outside, Path(sandbox.workdir, "link"))
+    os.symlink(outside / "secret.txt", Path(sandbox.workdir, "secret-link"))
+
+    for path in ("../../../escape.txt", str(outside / "new.txt"), "link/new.txt", "secret-link", "/etc/x"):
+        with pytest.raises(SandboxError):
+            await sandbox.write_file(path, b"x")
+    for path in ("../../../../etc/passwd", "/etc/passwd", "link/secret.txt", "secret-link"):
+        with pytest.raises(SandboxError):
+            await sandbox.read_file(path, 100)
+    assert sorted(os.listdir(outside)) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "secret"
+    assert not (sandbox.root.parent / "escape.txt").exists()
+
+
+async def test_read_file_refuses_a_fifo(sandbox: LocalSandbox) -> None:
+    os.mkfifo(Path(sandbox.workdir, "pipe"))
+    with pytest.raises(SandboxError):
+        await sandbox.read_file("pipe", 10)

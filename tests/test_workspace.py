@@ -1,0 +1,140 @@
+"""Workspace lay-out in a real local sandbox, and the diff of what changed after it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import SandboxSpec, WorkspaceSpec
+from sandboxes.local import LocalSandbox, LocalSandboxProvider
+from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+GIT_ENV = {
+    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    "HOME": "/nonexistent",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+}
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-c", "init.defaultBranch=main", *args],
+        cwd=repo,
+        env=GIT_ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path):
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    sb = await provider.start(SandboxSpec(run_id="run", session_id=uuid.uuid4().hex[:12], ttl_s=600))
+    yield sb
+    await sb.stop()
+
+
+@needs_git
+async def test_inline_files_then_diff_of_the_agents_edits(sandbox: LocalSandbox) -> None:
+    await lay_out(sandbox, WorkspaceSpec(files={"README.md": "# task\n", "src/pkg/mod.py": "x = 1\n"}))
+    assert Path(sandbox.workdir, "src/pkg/mod.py").read_text() == "x = 1\n"
+    assert await sandbox.read_file("README.md", 100) == b"# task\n"
+    assert await workspace_diff(sandbox) == ""  # the lay-out itself is the baseline, not a change
+
+    # The agent edits one file and creates another; neither is staged, like a harness would leave them.
+    await sandbox.write_file("src/pkg/mod.py", b"x = 2\n")
+    await sandbox.exec(["bash", "-c", "echo new > notes.txt"], timeout=30)
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "--- a/src/pkg/mod.py" in diff and "-x = 1" in diff and "+x = 2" in diff
+    assert "+++ b/notes.txt" in diff and "+new" in diff
+    assert "README.md" not in diff
+
+
+@needs_git
+async def test_copy_from_a_git_repository(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    src = tmp_path / "repo"
+    src.mkdir()
+    git(src, "init", "-q")
+    (src / "app.py").write_text("print('v1')\n")
+    git(src, "add", "app.py")
+    git(src, "commit", "-q", "-m", "first")
+    (src / "untracked.txt").write_text("was there before\n")
+    head = git(src, "rev-parse", "HEAD").strip()
+
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src), files={"extra.txt": "inline\n"}))
+    work = Path(sandbox.workdir)
+    assert (work / ".git").is_dir()
+    assert (work / "app.py").read_text() == "print('v1')\n"
+    assert (work / "untracked.txt").exists() and (work / "extra.txt").exists()
+    assert git(work, "rev-parse", "HEAD").strip() == head  # the task's history is left as it was
+    assert await workspace_diff(sandbox) == ""
+
+    await sandbox.exec(["bash", "-c", "echo \"print('v2')\" > app.py"], timeout=30)
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "-print('v1')" in diff and "+print('v2')" in diff
+    assert "extra.txt" not in diff and "untracked.txt" not in diff
+    assert (src / "app.py").read_text() == "print('v1')\n"  # the source repository is untouched
+
+
+async def test_copy_from_keeps_symlinks_as_links(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    src = tmp_path / "plain"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "file.txt").write_text("content\n")
+    os.symlink("data/file.txt", src / "link.txt")
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src)))
+    link = Path(sandbox.workdir, "link.txt")
+    assert link.is_symlink() and os.readlink(link) == "data/file.txt"
+    assert link.read_text() == "content\n"
+
+
+@pytest.mark.parametrize("path", ["../outside.txt", "/etc/evil", "a/../../outside.txt", "", "."])
+async def test_inline_paths_must_stay_inside(sandbox: LocalSandbox, path: str) -> None:
+    with pytest.raises(WorkspaceError, match="must be relative"):
+        await lay_out(sandbox, WorkspaceSpec(files={"ok.txt": "fine", path: "bad"}))
+    assert not Path(sandbox.workdir, "ok.txt").exists()  # checked before anything is written
+    assert not (sandbox.root / "outside.txt").exists()
+
+
+async def test_copy_from_must_be_a_directory(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    with pytest.raises(WorkspaceError, match="not a directory"):
+        await lay_out(sandbox, WorkspaceSpec(copy_from=str(tmp_path / "missing")))
+
+
+async def test_without_git_there_is_no_diff(tmp_path: Path) -> None:
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    no_git = SandboxSpec(run_id="run", session_id="nogit", ttl_s=600, env={"PATH": str(tmp_path / "empty")})
+    sb = await provider.start(no_git)
+    try:
+        await lay_out(sb, WorkspaceSpec(files={"a.txt": "a\n"}))
+        assert Path(sb.workdir, "a.txt").read_text() == "a\n"
+        assert not Path(sb.workdir, ".git").exists()
+        assert await workspace_diff(sb) is None
+    finally:
+        await sb.stop()
+
+
+@needs_git
+async def test_diff_is_bounded(sandbox: LocalSandbox) -> None:
+    await lay_out(sandbox, WorkspaceSpec(files={"big.txt": ""}))
+    await sandbox.write_file("big.txt", b"line\n" * 10_000)
+    diff = await workspace_diff(sandbox, limit=1000)
+    assert diff is not None
+    body, note = diff.rsplit("\n[diff truncated at 1000 of ", 1)
+    assert len(body.encode()) == 1000
+    assert note.endswith(" bytes]\n")
