@@ -306,12 +306,15 @@ def _transcript_candidates(codex_home: str, thread_id: str) -> list[str]:
         return []
     if parsed.version != 7:
         return []
-    created = datetime.fromtimestamp((parsed.int >> 80) / 1000, UTC).replace(microsecond=0)
     paths = []
-    for offset in (0, 1, 2, -1):
-        t = created + timedelta(seconds=offset)
-        name = f"rollout-{t:%Y-%m-%dT%H-%M-%S}-{thread_id}.jsonl"
-        paths.append(posixpath.join(codex_home, "sessions", f"{t:%Y}", f"{t:%m}", f"{t:%d}", name))
+    try:
+        created = datetime.fromtimestamp((parsed.int >> 80) / 1000, UTC).replace(microsecond=0)
+        for offset in (0, 1, 2, -1):
+            t = created + timedelta(seconds=offset)
+            name = f"rollout-{t:%Y-%m-%dT%H-%M-%S}-{thread_id}.jsonl"
+            paths.append(posixpath.join(codex_home, "sessions", f"{t:%Y}", f"{t:%m}", f"{t:%d}", name))
+    except (ValueError, OverflowError, OSError):  # a forged id can name a time no calendar holds
+        return []
     return paths
 
 

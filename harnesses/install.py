@@ -32,7 +32,7 @@ from typing import BinaryIO
 MARKER_NAME = ".installed"
 OUTPUT_TAIL_CHARS = 2_000
 LOCK_POLL_S = 0.2
-_NPM_NOISE = ("npm error code", "npm error A complete log")
+_NPM_NOISE = ("npm error code", "npm error errno", "npm error syscall", "npm error A complete log")
 
 # npm names: lowercase URL-safe words, optionally under one @scope. Versions: semver, a tag or a range
 # word; nothing that could climb out of the cache directory or be read by npm as an option.

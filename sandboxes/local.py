@@ -168,10 +168,11 @@ class LocalSandboxProvider:
         _check_component("session_id", spec.session_id)
         session_dir = self.root / spec.run_id / spec.session_id
         try:
-            await asyncio.to_thread(self._make_tree, session_dir)
             sandbox = LocalSandbox(self, spec, session_dir)
-            for path in xdg_dirs(sandbox.base_env):
-                await asyncio.to_thread(os.makedirs, path, exist_ok=True)
+        except SandboxError as exc:
+            raise SandboxStartError(str(exc)) from exc
+        try:
+            await asyncio.to_thread(self._make_tree, session_dir, sandbox.xdg_dirs)
             sandbox._write_descriptor(create=True)
         except FileExistsError as exc:
             raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
@@ -180,11 +181,13 @@ class LocalSandboxProvider:
         return sandbox
 
     @staticmethod
-    def _make_tree(session_dir: Path) -> None:
+    def _make_tree(session_dir: Path, xdg: list[str]) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         for sub in ("work", "home", "tmp", "logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
+        for path in xdg:
+            os.makedirs(path, exist_ok=True)
 
 
 class LocalSandbox:
@@ -207,15 +210,14 @@ class LocalSandbox:
         self._slack = provider.supervisor_slack_s
         self._marker_token = uuid.uuid4().hex
         self._marker = marker_entry(self._marker_token)
-        self.base_env = merge_environment(
-            base_environment(
-                home=self.home,
-                tmpdir=self.tmpdir,
-                marker_token=self._marker_token,
-                path_prefixes=provider.path_prefixes,
-            ),
-            spec.env,
+        base = base_environment(
+            home=self.home,
+            tmpdir=self.tmpdir,
+            marker_token=self._marker_token,
+            path_prefixes=provider.path_prefixes,
         )
+        self.xdg_dirs = xdg_dirs(base)  # always under home, whatever spec.env says
+        self.base_env = merge_environment(base, spec.env)
         self.created_at = time.time()
         self.ttl_deadline = self.created_at + spec.ttl_s
         self._owner_pid = os.getpid()
@@ -379,7 +381,8 @@ class LocalSandbox:
         """Run ``argv`` (no shell) to its end, its timeout or the TTL; no process of it outlives this call.
 
         ``stdout_bytes``/``stderr_bytes`` count everything the command wrote; the files keep the first
-        ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file.
+        ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file. Raises
+        SandboxLostError when the sandbox is stopped or reaped while the command runs.
         """
         self._check_open()
         if time.time() >= self.ttl_deadline:
@@ -417,10 +420,12 @@ class LocalSandbox:
         started = time.monotonic()
         with open(files.log, "wb") as sup_log:
             # The command's environment is the supervisor's own (never written to disk); -I keeps
-            # PYTHON* variables in it from steering the supervisor's interpreter.
+            # PYTHON* variables in it from steering the supervisor's interpreter, -S skips site
+            # start-up, which a standard-library-only script does not need.
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-I",
+                "-S",
                 SUPERVISOR_PATH,
                 str(files.params),
                 stdin=asyncio.subprocess.DEVNULL,

@@ -1,14 +1,15 @@
 """The per-exec supervisor, and the /proc process-tree helpers it shares with the local sandbox.
 
-Run as ``python3 -I supervisor.py PARAMS.json`` with the command's environment as its own. It runs one
+Run as ``python3 -I -S supervisor.py PARAMS.json`` with the command's environment as its own. It runs one
 command in a session of its own, pumps the command's output into capped files, enforces the timeout and
 the sandbox's TTL, and before it exits kills every process the command left behind, then writes a small
-JSON result. Standard library only, so it runs under any python3 the host has.
+JSON result. Standard library only, so it runs under any python3 the host has, and light on imports,
+since every exec pays for its start-up.
 """
 
 from __future__ import annotations
 
-import base64
+import binascii
 import ctypes
 import json
 import os
@@ -18,9 +19,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -37,8 +40,7 @@ READ_CHUNK = 64 * 1024
 # /proc helpers (also used by sandboxes.local from the worker side)
 
 
-@dataclass(frozen=True)
-class ProcInfo:
+class ProcInfo(NamedTuple):
     pid: int
     ppid: int
     pgid: int
@@ -221,7 +223,7 @@ class _Pump:
         return {
             f"{prefix}_bytes": self.total,
             f"{prefix}_kept_bytes": self.written,
-            f"{prefix}_tail_b64": base64.b64encode(bytes(self.tail)).decode(),
+            f"{prefix}_tail_b64": binascii.b2a_base64(bytes(self.tail), newline=False).decode(),
             f"{prefix}_write_error": self.write_error,
         }
 
@@ -410,7 +412,7 @@ def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
         "error": None,
         "stdout_bytes": 0,
         "stderr_bytes": len(message),
-        "stderr_tail_b64": base64.b64encode(message).decode(),
+        "stderr_tail_b64": binascii.b2a_base64(message, newline=False).decode(),
     }
 
 

@@ -11,11 +11,12 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sandboxes.base import TAIL_BYTES, SandboxError, SandboxLostError, SandboxSpec
+from sandboxes.base import TAIL_BYTES, SandboxError, SandboxLostError, SandboxSpec, SandboxStartError
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
 
@@ -26,12 +27,38 @@ WAIT_S = 60.0  # safety bound on waiting for an event; never a timing assertion
 # -- helpers ---------------------------------------------------------------------------------------------
 
 
-def _state(pid: int) -> str | None:
+@dataclass(frozen=True)
+class Proc:
+    """One process for good: a pid alone may be recycled, a pid with its start time may not."""
+
+    pid: int
+    start: int  # clock ticks since boot, field 22 of /proc/<pid>/stat
+
+
+def _stat(pid: int) -> list[bytes] | None:
     try:
         data = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    return data[data.rindex(b")") + 2 :].split()[0].decode()
+    return data[data.rindex(b")") + 2 :].split()
+
+
+def _state(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[0].decode() if fields else None
+
+
+def identify(pid: int | str) -> Proc:
+    fields = _stat(int(pid))
+    assert fields is not None, f"process {pid} is gone"
+    return Proc(int(pid), int(fields[19]))
+
+
+def running(proc: Proc) -> bool:
+    """Alive (not a zombie) and still the same process. Unlike its command line, this does not blink
+    while the process is in the middle of an exec."""
+    fields = _stat(proc.pid)
+    return fields is not None and fields[0] not in (b"Z", b"X") and int(fields[19]) == proc.start
 
 
 def _cmdline(pid: int) -> bytes:
@@ -42,7 +69,8 @@ def _cmdline(pid: int) -> bytes:
 
 
 def live_with(mark: str) -> list[int]:
-    """Live (non-zombie) processes whose command line contains ``mark``."""
+    """Live (non-zombie) processes whose command line contains ``mark``: a sweep for strays, on top of
+    the exact checks by ``running``."""
     found = []
     for name in os.listdir("/proc"):
         if (
@@ -52,11 +80,6 @@ def live_with(mark: str) -> list[int]:
         ):
             found.append(int(name))
     return found
-
-
-def alive(pid: int, mark: str) -> bool:
-    """Whether ``pid`` is still the marked process we started (a recycled pid would not carry ``mark``)."""
-    return _state(pid) not in (None, "Z", "X") and mark.encode() in _cmdline(pid)
 
 
 def new_mark() -> str:
@@ -112,25 +135,31 @@ async def wait_exit(pid: int) -> None:
         os.close(fd)
 
 
+# Bash that prints "pid:start" of the shell running it (field 22 of its stat is the start time).
+REPORT_SELF = 'read -r -a st < /proc/$$/stat; echo "$$:${st[21]}"'
+
+
 def tree_script(mark: str, then: str) -> str:
-    """Bash that starts four grandchildren that try to escape, waits until each reported its pid, prints
-    them, then runs ``then``: a setsid'd one, a nohup'd one, a double-forked orphan, one ignoring SIGTERM."""
+    """Bash that starts four grandchildren that try to escape, waits until each reported its pid and start
+    time, prints them, then runs ``then``: a setsid'd one, a nohup'd one, a double-forked orphan, and
+    one that ignores SIGTERM."""
+    report = f"{REPORT_SELF} >&3"
     return f"""
 mkfifo "$TMPDIR/gc.fifo" && exec 3<>"$TMPDIR/gc.fifo"
-setsid bash -c 'echo $$ >&3; exec -a {mark}-setsid sleep 300' &
-nohup bash -c 'echo $$ >&3; exec -a {mark}-nohup sleep 300' >/dev/null 2>&1 &
-( bash -c 'echo $$ >&3; exec -a {mark}-orphan sleep 300' & )
-bash -c 'trap "" TERM; echo $$ >&3; exec -a {mark}-noterm sleep 300' &
-pids=""
-for _ in 1 2 3 4; do read -r -u 3 pid; pids="$pids $pid"; done
-echo "pids:$pids"
+setsid bash -c '{report}; exec -a {mark}-setsid sleep 300' &
+nohup bash -c '{report}; exec -a {mark}-nohup sleep 300' >/dev/null 2>&1 &
+( bash -c '{report}; exec -a {mark}-orphan sleep 300' & )
+bash -c 'trap "" TERM; {report}; exec -a {mark}-noterm sleep 300' &
+procs=""
+for _ in 1 2 3 4; do read -r -u 3 proc; procs="$procs $proc"; done
+echo "procs:$procs"
 {then}
 """
 
 
-def reported_pids(stdout: str) -> list[int]:
-    line = next(line for line in stdout.splitlines() if line.startswith("pids:"))
-    return [int(p) for p in line.removeprefix("pids:").split()]
+def reported_procs(stdout: str) -> list[Proc]:
+    line = next(line for line in stdout.splitlines() if line.startswith("procs:"))
+    return [Proc(*map(int, item.split(":"))) for item in line.removeprefix("procs:").split()]
 
 
 def spec(session_id: str | None = None, **kw: object) -> SandboxSpec:
@@ -170,6 +199,22 @@ async def test_layout_and_descriptor(sandbox: LocalSandbox, root: Path) -> None:
     assert on_disk["owner_pid"] == os.getpid()
     assert on_disk["ttl_deadline"] > on_disk["created_at"]
     assert on_disk["supervisor_pids"] == []
+
+
+async def test_start_refuses_a_taken_session_or_a_bad_spec(
+    provider: LocalSandboxProvider, root: Path
+) -> None:
+    sb = await provider.start(spec("taken"))
+    try:
+        with pytest.raises(SandboxStartError, match="already exists"):
+            await provider.start(spec("taken"))
+    finally:
+        await sb.stop()
+    with pytest.raises(SandboxStartError):
+        await provider.start(spec("bad-env", env={"A=B": "x"}))
+    assert not (root / "run" / "bad-env").exists()
+    with pytest.raises(SandboxStartError):
+        await provider.start(spec(".."))
 
 
 async def test_environment_is_built_not_inherited(provider: LocalSandboxProvider, monkeypatch) -> None:
@@ -326,9 +371,9 @@ async def test_timeout_kills_the_whole_tree(sandbox: LocalSandbox) -> None:
     res = await sandbox.exec(["bash", "-c", script], timeout=5)
     assert res.timed_out
     assert res.exit_code is None and res.signal == signal.SIGTERM
-    pids = reported_pids(res.stdout_tail)  # proves all four were running before the deadline
-    assert len(pids) == 4
-    assert [pid for pid in pids if alive(pid, mark)] == []
+    procs = reported_procs(res.stdout_tail)  # proves all four were running before the deadline
+    assert len(procs) == 4
+    assert [p for p in procs if running(p)] == []
     assert live_with(mark) == []
 
 
@@ -336,9 +381,9 @@ async def test_exit_kills_what_the_command_left_behind(sandbox: LocalSandbox) ->
     mark = new_mark()
     res = await sandbox.exec(["bash", "-c", tree_script(mark, "exit 0")], timeout=60)
     assert (res.exit_code, res.timed_out) == (0, False)
-    pids = reported_pids(res.stdout_tail)
-    assert len(pids) == 4
-    assert [pid for pid in pids if alive(pid, mark)] == []
+    procs = reported_procs(res.stdout_tail)
+    assert len(procs) == 4
+    assert [p for p in procs if running(p)] == []
     assert live_with(mark) == []
 
 
@@ -347,7 +392,8 @@ async def test_outside_kill_when_the_supervisor_is_stuck(root: Path) -> None:
     sb = await LocalSandboxProvider(root, kill_grace_s=0.2, supervisor_slack_s=1.0).start(spec())
     mark = new_mark()
     script = (
-        f"setsid bash -c 'exec -a {mark}-gc sleep 300' & echo $! > gc; "
+        f"setsid bash -c '{REPORT_SELF} > gc; exec -a {mark}-gc sleep 300' & "
+        "until [ -s gc ]; do :; done; "
         f"kill -STOP $PPID; exec -a {mark} sleep 300"
     )
     try:
@@ -355,8 +401,8 @@ async def test_outside_kill_when_the_supervisor_is_stuck(root: Path) -> None:
     finally:
         await sb.stop()
     assert (res.timed_out, res.exit_code, res.signal) == (True, None, signal.SIGKILL)
-    gc_pid = int(Path(sb.workdir, "gc").read_text())
-    assert not alive(gc_pid, mark)
+    gc = Proc(*map(int, Path(sb.workdir, "gc").read_text().split(":")))
+    assert not running(gc)
     assert live_with(mark) == []
 
 
@@ -373,12 +419,14 @@ async def test_stop_kills_a_running_exec_and_is_idempotent(sandbox: LocalSandbox
     finally:
         fifo.close()
     (_gc, gc_pid), (_main, main_pid, supervisor_pid) = (line.split() for line in lines)
+    procs = [identify(gc_pid), identify(main_pid)]
     assert sandbox.descriptor()["supervisor_pids"] == [int(supervisor_pid)]
-    assert alive(int(gc_pid), mark) and alive(int(main_pid), mark)
+    assert all(running(p) for p in procs)
 
     await sandbox.stop()
     with pytest.raises(SandboxLostError):
         await task
+    assert [p for p in procs if running(p)] == []
     assert live_with(mark) == []
     assert _state(int(supervisor_pid)) in (None, "Z")
     assert not sandbox.descriptor_path.exists()
@@ -394,13 +442,14 @@ async def test_cancelled_exec_leaves_nothing(sandbox: LocalSandbox, tmp_path: Pa
     script = f"setsid bash -c 'echo $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & exec -a {mark} sleep 300"
     task = asyncio.create_task(sandbox.exec(["bash", "-c", script], timeout=300))
     try:
-        [gc_pid] = await fifo.lines(1)
+        gc = identify((await fifo.lines(1))[0])
     finally:
         fifo.close()
-    assert alive(int(gc_pid), mark)
+    assert running(gc)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert not running(gc)
     assert live_with(mark) == []
 
 
@@ -453,30 +502,30 @@ def _owner_script(mark: str, fifo: Fifo) -> str:
     )
 
 
-async def _owner_tree(fifo: Fifo) -> tuple[list[int], int]:
-    """The pids of the owner's command tree and of its supervisor, once all of them are running."""
+async def _owner_tree(fifo: Fifo) -> tuple[list[Proc], int]:
+    """The owner's command tree and the pid of its supervisor, once all of them are running."""
     try:
         lines = {line.split()[0]: line.split()[1:] for line in await fifo.lines(3)}
     finally:
         fifo.close()
-    pids = [int(lines["main"][0]), int(lines["gc"][0]), int(lines["nohup"][0])]
-    return pids, int(lines["main"][1])
+    procs = [identify(lines["main"][0]), identify(lines["gc"][0]), identify(lines["nohup"][0])]
+    return procs, int(lines["main"][1])
 
 
 async def test_owner_death_kills_the_tree_and_reap_cleans_up(root: Path, tmp_path: Path) -> None:
     mark, session_id = new_mark(), "owned"
     fifo = Fifo(tmp_path / "ready.fifo")
     owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
-    pids, supervisor_pid = await _owner_tree(fifo)
+    procs, supervisor_pid = await _owner_tree(fifo)
     descriptor = root / "run" / session_id / "sandbox.json"
     assert json.loads(descriptor.read_text())["supervisor_pids"] == [supervisor_pid]
-    assert all(alive(pid, mark) for pid in pids)
+    assert all(running(p) for p in procs)
 
     owner.kill()
     await owner.wait()
     # PR_SET_PDEATHSIG: the supervisor learns of its owner's death and takes its tree down with it.
     await wait_exit(supervisor_pid)
-    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert [p for p in procs if running(p)] == []
     assert live_with(mark) == []
 
     assert await asyncio.to_thread(reap_stale, root) == [f"local-{session_id}"]
@@ -488,17 +537,17 @@ async def test_reap_finds_processes_that_lost_their_supervisor(root: Path, tmp_p
     mark, session_id = new_mark(), "orphaned"
     fifo = Fifo(tmp_path / "ready.fifo")
     owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
-    pids, supervisor_pid = await _owner_tree(fifo)
+    procs, supervisor_pid = await _owner_tree(fifo)
     # The worst case: the supervisor dies by SIGKILL first, so nothing of ours is left to kill the tree.
     os.kill(supervisor_pid, signal.SIGKILL)
     await wait_exit(supervisor_pid)
     with contextlib.suppress(ProcessLookupError):  # it may have exited already, on SandboxLostError
         owner.kill()
     await owner.wait()
-    assert all(alive(pid, mark) for pid in pids)
+    assert all(running(p) for p in procs)
 
     assert await asyncio.to_thread(reap_stale, root, "run") == [f"local-{session_id}"]
-    assert [pid for pid in pids if alive(pid, mark)] == []
+    assert [p for p in procs if running(p)] == []
     assert live_with(mark) == []
     assert not (root / "run" / session_id / "sandbox.json").exists()
 
@@ -511,22 +560,35 @@ async def test_reap_waits_for_the_ttl_of_a_live_owner(
     script = f"setsid bash -c 'echo $$ > {fifo.path}; exec -a {mark}-gc sleep 300' & exec -a {mark} sleep 300"
     task = asyncio.create_task(sandbox.exec(["bash", "-c", script], timeout=300))
     try:
-        [gc_pid] = await fifo.lines(1)
+        gc = identify((await fifo.lines(1))[0])
     finally:
         fifo.close()
 
     assert await asyncio.to_thread(reap_stale, root) == []
-    assert alive(int(gc_pid), mark)
+    assert running(gc)
     assert sandbox.descriptor_path.exists()
 
     past_ttl = time.time() + sandbox.spec.ttl_s + 1
     assert await asyncio.to_thread(reap_stale, root, now=past_ttl) == [sandbox.id]
     with pytest.raises(SandboxLostError):
         await task
+    assert not running(gc)
     assert live_with(mark) == []
     assert not sandbox.descriptor_path.exists()  # and the finished exec did not write it back
     with pytest.raises(SandboxLostError):
         await sandbox.exec(["true"], timeout=30)
+
+
+async def test_reap_leaves_other_hosts_and_unreadable_descriptors(root: Path) -> None:
+    other = root / "run" / "elsewhere" / "sandbox.json"
+    other.parent.mkdir(parents=True)
+    other.write_text(json.dumps({"id": "local-elsewhere", "marker": "m", "host": "another-host",
+                                 "owner_pid": 1, "ttl_deadline": 0}))  # fmt: skip
+    broken = root / "run" / "broken" / "sandbox.json"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("{not json")
+    assert await asyncio.to_thread(reap_stale, root) == []
+    assert other.exists() and broken.exists()
 
 
 # -- paths -----------------------------------------------------------------------------------------------
