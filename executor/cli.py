@@ -14,7 +14,9 @@ from rich.table import Table
 
 from executor.tasks import InputError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Distributed rollouts of coding-agent harnesses.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Distributed rollouts of coding-agent harnesses."
+)
 model_app = typer.Typer(no_args_is_help=True, help="The built-in scripted model.")
 app.add_typer(model_app, name="model")
 console = Console()
@@ -28,7 +30,9 @@ def _fail_input(message: str) -> None:
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
-    tasks: Annotated[str | None, typer.Option(help="Task file (JSONL or Parquet); overrides the config.")] = None,
+    tasks: Annotated[
+        str | None, typer.Option(help="Task file (JSONL or Parquet); overrides the config.")
+    ] = None,
     out: Annotated[str | None, typer.Option(help="Output root; the run goes to OUT/RUN_ID.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Run id; the same id resumes.")] = None,
     model_url: Annotated[str | None, typer.Option(help="A real OpenAI-compatible endpoint (…/v1).")] = None,
@@ -41,9 +45,15 @@ def run(
     from executor.config import load_config
 
     overrides: dict[str, object] = {}
-    for key, value in (("tasks", tasks), ("out", out), ("run_id", run_id), ("samples", samples),
-                       ("model.name", model), ("model.api_key_env", api_key_env),
-                       ("concurrency.max_in_flight", max_in_flight)):
+    for key, value in (
+        ("tasks", tasks),
+        ("out", out),
+        ("run_id", run_id),
+        ("samples", samples),
+        ("model.name", model),
+        ("model.api_key_env", api_key_env),
+        ("concurrency.max_in_flight", max_in_flight),
+    ):
         if value is not None:
             overrides[key] = str(Path(value).resolve()) if key in ("tasks", "out") else value
     if model_url:
@@ -62,8 +72,10 @@ def run(
     _print_counts(Path(summary.run_dir))
     if summary.stopped:
         Console(stderr=True).print(f"[bold red]run stopped:[/] {summary.stopped}", highlight=False)
-    console.print(f"rows: {summary.rows}  final: {summary.final}  pending: {summary.pending}  "
-                  f"-> {summary.run_dir}", highlight=False)
+    console.print(
+        f"rows: {summary.rows}  final: {summary.final}  pending: {summary.pending}  -> {summary.run_dir}",
+        highlight=False,
+    )
     raise typer.Exit(summary.exit_code)
 
 
@@ -86,8 +98,20 @@ def status(run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RU
 def _print_counts(run_dir: Path) -> None:
     from executor.store import read_table
 
-    cols = read_table(run_dir, ["task_id", "sample_index", "status", "failure_kind", "decision", "final",
-                                "reward", "t_total_s", "rollout_id"]).to_pydict()
+    cols = read_table(
+        run_dir,
+        [
+            "task_id",
+            "sample_index",
+            "status",
+            "failure_kind",
+            "decision",
+            "final",
+            "reward",
+            "t_total_s",
+            "rollout_id",
+        ],
+    ).to_pydict()
     n = len(cols["task_id"])
     final_rows = [i for i in range(n) if cols["final"][i]]
     table = Table(title=f"{run_dir.name}: {n} rows, {len(final_rows)} final")
@@ -131,4 +155,3 @@ def main() -> None:  # pragma: no cover
 
 if __name__ == "__main__":  # pragma: no cover
     main()
-

@@ -11,9 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from executor.tasks import InputError
 from harnesses.gateway import GatewayConfig
-from policy import PolicyConfig
-
 from harnesses.registry import HARNESSES
+from policy import PolicyConfig
 
 
 class HarnessConfig(BaseModel):

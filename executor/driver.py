@@ -120,8 +120,9 @@ class Driver:
                     now = time.monotonic()
                     if self._retries and self._retries[0].ready_at <= now:
                         r = heapq.heappop(self._retries)
-                        self._submit(workers, SessionRequest(cfg.run_id or "", r.task, r.sample_index,
-                                                             r.attempt))
+                        self._submit(
+                            workers, SessionRequest(cfg.run_id or "", r.task, r.sample_index, r.attempt)
+                        )
                         continue
                     if exhausted:
                         break
@@ -158,8 +159,9 @@ class Driver:
             for sample in range(self.cfg.samples):
                 key = (task.id, sample)
                 if key not in state.final:
-                    yield SessionRequest(self.cfg.run_id or "", task, sample,
-                                         state.last_attempt.get(key, 0) + 1)
+                    yield SessionRequest(
+                        self.cfg.run_id or "", task, sample, state.last_attempt.get(key, 0) + 1
+                    )
 
     def _count_pending(self, state: ResumeState) -> int:
         count = 0
@@ -205,8 +207,13 @@ class Driver:
             budget -= 1
             heapq.heappush(
                 self._retries,
-                _Retry(time.monotonic() + verdict.retry_delay_s, next(self._seq), req.task,
-                       req.sample_index, req.attempt + 1),
+                _Retry(
+                    time.monotonic() + verdict.retry_delay_s,
+                    next(self._seq),
+                    req.task,
+                    req.sample_index,
+                    req.attempt + 1,
+                ),
             )
         if self.cfg.policy.rule_for(kind).stop_run and not self._stopped:
             self._stopped = f"{kind.value}: {row['error_message'] or ''}"[:500]
@@ -234,11 +241,13 @@ class Driver:
         os.replace(tmp, self.run_dir / "config.yaml")
 
     def _summarize(self) -> RunSummary:
-        table = read_table(self.run_dir, ["status", "failure_kind", "decision", "final", "task_id",
-                                          "sample_index"])
+        table = read_table(
+            self.run_dir, ["status", "failure_kind", "decision", "final", "task_id", "sample_index"]
+        )
         cols = table.to_pydict()
-        final_keys = {(t, s) for t, s, f in zip(cols["task_id"], cols["sample_index"], cols["final"],
-                                                 strict=True) if f}
+        final_keys = {
+            (t, s) for t, s, f in zip(cols["task_id"], cols["sample_index"], cols["final"], strict=True) if f
+        }
         expected = self._count_expected()
         pending = expected - len(final_keys)
         finals = [i for i, f in enumerate(cols["final"]) if f]

@@ -14,8 +14,9 @@ from rich.table import Table
 
 
 class Progress:
-    def __init__(self, run_id: str, total: int | None, stream: TextIO | None = None,
-                 interval_s: float = 2.0) -> None:
+    def __init__(
+        self, run_id: str, total: int | None, stream: TextIO | None = None, interval_s: float = 2.0
+    ) -> None:
         self.run_id = run_id
         self.total = total  # (task, sample) pairs still to finish when the run started
         self.stream = stream or sys.stderr

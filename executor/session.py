@@ -23,7 +23,7 @@ from harnesses.gateway import Gateway, GatewaySession
 from harnesses.install import InstallError
 from harnesses.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind, Outcome, Status, bound_text
-from sandboxes.base import ExecResult, Sandbox, SandboxProvider, SandboxSpec
+from sandboxes.base import ExecResult, Sandbox, SandboxLostError, SandboxProvider, SandboxSpec
 from sandboxes.workspace import lay_out, workspace_diff
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,13 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         )
         timer.lap("setup")
 
-        result = await sandbox.exec(
-            launch.argv, timeout=deadline, env=launch.env, stdin=launch.stdin, name="harness"
-        )
+        try:
+            result = await sandbox.exec(
+                launch.argv, timeout=deadline, env=launch.env, stdin=launch.stdin, name="harness"
+            )
+        except SandboxLostError as exc:
+            timer.lap("agent")
+            return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
         ctx.gateway.close_session(gw)
         report = await ctx.harness.parse(sandbox, result)
         timer.lap("agent")
@@ -177,7 +181,9 @@ async def _grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, 
     row["verifier_exit_code"] = res.exit_code
     if res.timed_out:
         message = f"verifier ran past {task.verify.timeout_s}s"
-        return outcome.model_copy(update={"failure_kind": FailureKind.VERIFIER_TIMEOUT, "error_message": message})
+        return outcome.model_copy(
+            update={"failure_kind": FailureKind.VERIFIER_TIMEOUT, "error_message": message}
+        )
     row["verified"] = True
     row["reward"] = 1.0 if res.exit_code == 0 else 0.0
     return outcome
@@ -219,9 +225,22 @@ def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
 def _attempt_row(attempt: Any) -> dict[str, Any]:
     data = attempt.model_dump(mode="json")
     keep = (
-        "request_index", "attempt", "path", "started_at", "status", "kind", "error_message", "latency_s",
-        "ttfb_s", "retry_after_s", "streamed", "response_bytes", "request_sha256", "input_tokens",
-        "output_tokens", "finish_reason",
+        "request_index",
+        "attempt",
+        "path",
+        "started_at",
+        "status",
+        "kind",
+        "error_message",
+        "latency_s",
+        "ttfb_s",
+        "retry_after_s",
+        "streamed",
+        "response_bytes",
+        "request_sha256",
+        "input_tokens",
+        "output_tokens",
+        "finish_reason",
     )
     return {k: data.get(k) for k in keep}
 

@@ -107,7 +107,11 @@ def scan(rows_dir: Path) -> ResumeState:
     for batch in iter_batches(rows_dir, RESUME_COLUMNS):
         cols = batch.to_pydict()
         for task_id, sample, attempt, decision, final in zip(
-            cols["task_id"], cols["sample_index"], cols["attempt"], cols["decision"], cols["final"],
+            cols["task_id"],
+            cols["sample_index"],
+            cols["attempt"],
+            cols["decision"],
+            cols["final"],
             strict=True,
         ):
             key = (task_id, sample)

@@ -68,7 +68,9 @@ class SandboxWorker:
 
     async def run(self, task_json: str, sample_index: int, attempt: int) -> pa.RecordBatch:
         ctx = await self._context()
-        req = SessionRequest(self.cfg.run_id or "", Task.model_validate_json(task_json), sample_index, attempt)
+        req = SessionRequest(
+            self.cfg.run_id or "", Task.model_validate_json(task_json), sample_index, attempt
+        )
         async with self._slots:
             row = await run_session(req, ctx)
         return rows_to_batch([row])

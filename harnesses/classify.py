@@ -30,8 +30,11 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
     if gateway.closed_kind is not None:
         return Outcome.of(gateway.closed_kind, gateway.closed_message, **http)
     if result.timed_out:
-        return Outcome.of(FailureKind.AGENT_TIMEOUT, f"harness killed at its deadline after "
-                          f"{result.duration_s:.1f}s", **http)
+        return Outcome.of(
+            FailureKind.AGENT_TIMEOUT,
+            f"harness killed at its deadline after {result.duration_s:.1f}s",
+            **http,
+        )
 
     last = gateway.attempts[-1] if gateway.attempts else None
     if last is not None and last.kind is FailureKind.NONE and last.finish_reason in _OUTPUT_LIMIT_REASONS:

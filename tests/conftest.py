@@ -22,7 +22,9 @@ def processes_under(marker: str) -> list[str]:
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+            cmdline = (
+                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+            )
             cwd = os.readlink(f"/proc/{pid}/cwd")
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError, PermissionError):
@@ -42,7 +44,10 @@ def codex_installed() -> Path:
 
 @asynccontextmanager
 async def session_context(
-    tmp_path: Path, config: dict[str, Any] | None = None, *, upstream: str | None = None,
+    tmp_path: Path,
+    config: dict[str, Any] | None = None,
+    *,
+    upstream: str | None = None,
     api_key: str | None = None,
 ) -> AsyncIterator[Any]:
     """A SessionContext like a worker builds, with the scripted model as the endpoint unless given one."""

@@ -13,8 +13,14 @@ ROLLOUT = [sys.executable, "-m", "executor.cli"]
 
 
 def _rollout(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*ROLLOUT, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])})
+    return subprocess.run(
+        [*ROLLOUT, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
 
 
 def _setup(tmp_path: Path, config: str, tasks: list[str]) -> Path:
@@ -30,7 +36,11 @@ GOOD = json.dumps({"id": "a", "prompt": "p"})
     ("config", "tasks", "expected"),
     [
         ("tasks: tasks.jsonl\nout: out\n", [GOOD, "{broken"], "tasks.jsonl:2: not valid JSON"),
-        ("tasks: tasks.jsonl\nout: out\n", [GOOD, json.dumps({"id": "b"})], "tasks.jsonl:2: prompt: Field required"),
+        (
+            "tasks: tasks.jsonl\nout: out\n",
+            [GOOD, json.dumps({"id": "b"})],
+            "tasks.jsonl:2: prompt: Field required",
+        ),
         ("tasks: tasks.jsonl\nout: out\nharness: {name: claude}\n", [GOOD], "unknown harness 'claude'"),
         ("tasks: tasks.jsonl\nout: out\nconcurency: {workers: 2}\n", [GOOD], "concurency: Extra inputs"),
         ("tasks: missing.jsonl\nout: out\n", [GOOD], "missing.jsonl: task file not found"),

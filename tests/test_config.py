@@ -39,8 +39,10 @@ def test_bad_config_is_one_clear_line(tmp_path, text, message):
 
 
 def test_overrides(tmp_path):
-    cfg = load_config(_cfg(tmp_path, "tasks: t.jsonl\n"), {"model.provider": "openai",
-                                                           "model.base_url": "http://127.0.0.1:1/v1"})
+    cfg = load_config(
+        _cfg(tmp_path, "tasks: t.jsonl\n"),
+        {"model.provider": "openai", "model.base_url": "http://127.0.0.1:1/v1"},
+    )
     assert cfg.model.base_url == "http://127.0.0.1:1/v1"
 
 

@@ -53,8 +53,17 @@ def test_kind_for_http(status, body, kind):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", 1.0), ("0", 0.0), (" 2.5 ", 2.5), ("NaN", None), ("inf", None), ("-3", None), ("soon", None),
-     ("", None), (None, None)],
+    [
+        ("1", 1.0),
+        ("0", 0.0),
+        (" 2.5 ", 2.5),
+        ("NaN", None),
+        ("inf", None),
+        ("-3", None),
+        ("soon", None),
+        ("", None),
+        (None, None),
+    ],
 )
 def test_retry_after_seconds(value, expected):
     assert parse_retry_after(value) == expected
@@ -98,9 +107,15 @@ def test_completed_is_accepted():
 
 @pytest.mark.parametrize(
     "kind",
-    [FailureKind.RATE_LIMIT_EXCEEDED, FailureKind.PROVIDER_UNAVAILABLE, FailureKind.TRANSPORT_ERROR,
-     FailureKind.SANDBOX_LOST, FailureKind.SANDBOX_START_FAILED, FailureKind.SETUP_FAILED,
-     FailureKind.AGENT_CRASH],
+    [
+        FailureKind.RATE_LIMIT_EXCEEDED,
+        FailureKind.PROVIDER_UNAVAILABLE,
+        FailureKind.TRANSPORT_ERROR,
+        FailureKind.SANDBOX_LOST,
+        FailureKind.SANDBOX_START_FAILED,
+        FailureKind.SETUP_FAILED,
+        FailureKind.AGENT_CRASH,
+    ],
 )
 def test_infrastructure_failures_retry_then_mask(kind):
     assert _decide(kind, attempt=1).decision is Decision.RETRY
@@ -117,8 +132,13 @@ def test_retry_budget_spent_masks_at_once():
 
 
 @pytest.mark.parametrize(
-    "kind", [FailureKind.MODEL_CONTEXT_LIMIT, FailureKind.MODEL_OUTPUT_LIMIT, FailureKind.AGENT_TIMEOUT,
-             FailureKind.MODEL_REQUEST_ERROR],
+    "kind",
+    [
+        FailureKind.MODEL_CONTEXT_LIMIT,
+        FailureKind.MODEL_OUTPUT_LIMIT,
+        FailureKind.AGENT_TIMEOUT,
+        FailureKind.MODEL_REQUEST_ERROR,
+    ],
 )
 def test_model_side_limits_are_graded_and_accepted(kind):
     assert DEFAULT_RULES[kind].grade

@@ -36,8 +36,9 @@ concurrency: {{workers: 1, sessions_per_worker: 4}}
 
 def _config(tmp_path: Path, run_id: str, tasks: Path) -> Path:
     path = tmp_path / f"{run_id}.yaml"
-    path.write_text(CONFIG.format(tasks=tasks, out=tmp_path / "out", run_id=run_id,
-                                  sandboxes=tmp_path / "sandboxes"))
+    path.write_text(
+        CONFIG.format(tasks=tasks, out=tmp_path / "out", run_id=run_id, sandboxes=tmp_path / "sandboxes")
+    )
     return path
 
 
@@ -53,8 +54,9 @@ def _rollout(*args: str) -> list[str]:
 
 def test_demo_tasks_through_ray(tmp_path):
     cfg = _config(tmp_path, "demo", REPO / "examples" / "tasks.jsonl")
-    proc = subprocess.run(_rollout("run", str(cfg)), capture_output=True, text=True, timeout=600, env=_env(),
-                          cwd=REPO)
+    proc = subprocess.run(
+        _rollout("run", str(cfg)), capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_table(tmp_path / "out" / "demo").to_pylist()
     final = {r["task_id"]: r for r in rows if r["final"]}
@@ -62,7 +64,11 @@ def test_demo_tasks_through_ray(tmp_path):
     for task in ("hello-file", "fix-add", "word-count", "rate-limit-recovers"):
         r = final[task]
         assert (r["status"], r["failure_kind"], r["reward"], r["decision"]) == (
-            "completed", "none", 1.0, "accept"), (task, r["error_message"])
+            "completed",
+            "none",
+            1.0,
+            "accept",
+        ), (task, r["error_message"])
     recovered = final["rate-limit-recovers"]["model_attempts"]
     assert recovered[0]["status"] == 429 and recovered[1]["status"] == 200
     assert recovered[1]["started_at"] - recovered[0]["started_at"] >= 1.0
@@ -74,13 +80,25 @@ def test_demo_tasks_through_ray(tmp_path):
 
     overflow = final["context-overflow"]
     assert (overflow["status"], overflow["failure_kind"], overflow["verified"]) == (
-        "incomplete", "model_context_limit", True)
+        "incomplete",
+        "model_context_limit",
+        True,
+    )
     hang = final["model-hangs"]
-    assert (hang["status"], hang["failure_kind"], hang["decision"]) == ("incomplete", "agent_timeout", "accept")
+    assert (hang["status"], hang["failure_kind"], hang["decision"]) == (
+        "incomplete",
+        "agent_timeout",
+        "accept",
+    )
     assert hang["t_agent_s"] < 10 + 3 + 5
 
-    status = subprocess.run(_rollout("status", str(tmp_path / "out" / "demo")), capture_output=True,
-                            text=True, timeout=120, cwd=REPO)
+    status = subprocess.run(
+        _rollout("status", str(tmp_path / "out" / "demo")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert status.returncode == 0
     assert "rate_limit_exceeded" in status.stdout and "agent_timeout" in status.stdout
     assert not processes_under(str(tmp_path / "sandboxes"))
@@ -95,8 +113,18 @@ def _many_tasks(tmp_path: Path, n: int) -> Path:
             script = [{"type": "shell", "command": f"echo {i} > out.txt"}, {"type": "text", "text": "ok"}]
             if i % 5 == 0:  # some sessions outlive the kill
                 script = [{"type": "hang", "max_s": 600}]
-            fh.write(json.dumps({"id": f"t{i:03d}", "prompt": "write out.txt", "model_script": script,
-                                 "deadline_s": 4 if i % 5 == 0 else 60, "verify": "test -f out.txt"}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "id": f"t{i:03d}",
+                        "prompt": "write out.txt",
+                        "model_script": script,
+                        "deadline_s": 4 if i % 5 == 0 else 60,
+                        "verify": "test -f out.txt",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -104,8 +132,14 @@ def test_sigkill_of_the_driver_then_resume(tmp_path):
     tasks = _many_tasks(tmp_path, 16)
     cfg = _config(tmp_path, "killed", tasks)
     rows_dir = tmp_path / "out" / "killed" / "rows"
-    driver = subprocess.Popen(_rollout("run", str(cfg)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env=_env(), cwd=REPO, start_new_session=True)
+    driver = subprocess.Popen(
+        _rollout("run", str(cfg)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while not part_files(rows_dir) and driver.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # waiting for a condition, bounded; not synchronisation by sleeping
@@ -115,8 +149,9 @@ def test_sigkill_of_the_driver_then_resume(tmp_path):
     driver.wait(timeout=60)
     _wait_gone(str(tmp_path / "sandboxes"))
 
-    again = subprocess.run(_rollout("run", str(cfg)), capture_output=True, text=True, timeout=600,
-                           env=_env(), cwd=REPO)
+    again = subprocess.run(
+        _rollout("run", str(cfg)), capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     for part in part_files(rows_dir):
         pq.read_table(part)  # every part file reads whole

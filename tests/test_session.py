@@ -27,12 +27,16 @@ async def _run(tmp_path, task, config=None, **ctx_kwargs):
 
 async def test_clean_completion_is_graded(tmp_path):
     task = _task(
-        model_script=[{"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
-                      {"type": "text", "text": "Created hello.txt."}],
+        model_script=[
+            {"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
+            {"type": "text", "text": "Created hello.txt."},
+        ],
         verify="grep -qx 'hello world' hello.txt",
     )
     row = await _run(tmp_path, task)
-    assert (row["status"], row["failure_kind"], row["reward"]) == ("completed", "none", 1.0), row["error_message"]
+    assert (row["status"], row["failure_kind"], row["reward"]) == ("completed", "none", 1.0), row[
+        "error_message"
+    ]
     assert row["final_text"] == "Created hello.txt."
     shell = [c for c in row["tool_calls"] if c["exit_code"] is not None]
     assert shell and shell[0]["exit_code"] == 0 and shell[0]["status"] == "completed"
@@ -52,8 +56,10 @@ async def test_usage_omitted_stays_unknown(tmp_path):
 
 async def test_rate_limit_that_recovers(tmp_path):
     task = _task(
-        model_script=[{"type": "error", "status": 429, "headers": {"Retry-After": "1"}},
-                      {"type": "text", "text": "done"}],
+        model_script=[
+            {"type": "error", "status": 429, "headers": {"Retry-After": "1"}},
+            {"type": "text", "text": "done"},
+        ],
     )
     row = await _run(tmp_path, task)
     assert row["status"] == "completed", row["error_message"]
@@ -75,7 +81,10 @@ async def test_rate_limit_forever_is_classified_from_the_gateway(tmp_path):
 
 async def test_context_overflow_is_incomplete_and_graded(tmp_path):
     task = _task(
-        model_script=[{"type": "shell", "command": "echo partial > part.txt"}, {"type": "error", "status": 400}],
+        model_script=[
+            {"type": "shell", "command": "echo partial > part.txt"},
+            {"type": "error", "status": 400},
+        ],
         verify="grep -qx partial part.txt",
     )
     row = await _run(tmp_path, task)

@@ -11,14 +11,37 @@ from executor.store import RunStore, part_files, read_table, scan
 
 
 def _row(task="t", sample=0, attempt=1, decision="accept", final=True, **extra):
-    return {"run_id": "r", "rollout_id": f"{task}.s{sample}.a{attempt}", "task_id": task,
-            "sample_index": sample, "attempt": attempt, "status": "completed", "failure_kind": "none",
-            "decision": decision, "final": final, **extra}
+    return {
+        "run_id": "r",
+        "rollout_id": f"{task}.s{sample}.a{attempt}",
+        "task_id": task,
+        "sample_index": sample,
+        "attempt": attempt,
+        "status": "completed",
+        "failure_kind": "none",
+        "decision": decision,
+        "final": final,
+        **extra,
+    }
 
 
 def test_schema_columns_cover_identity_and_decision():
-    for name in ("run_id", "rollout_id", "task_id", "sample_index", "attempt", "status", "failure_kind",
-                 "reward", "decision", "masked", "final", "tool_calls", "model_attempts", "evidence_gaps"):
+    for name in (
+        "run_id",
+        "rollout_id",
+        "task_id",
+        "sample_index",
+        "attempt",
+        "status",
+        "failure_kind",
+        "reward",
+        "decision",
+        "masked",
+        "final",
+        "tool_calls",
+        "model_attempts",
+        "evidence_gaps",
+    ):
         assert name in COLUMNS
     assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"1"
 
@@ -29,9 +52,13 @@ def test_unknown_column_rejected():
 
 
 def test_nested_columns_round_trip(tmp_path):
-    row = _row(tool_calls=[{"name": "shell", "status": "failed", "exit_code": 7}],
-               messages=[{"role": "assistant", "text": "hi"}], evidence_gaps=["usage_unavailable"],
-               input_tokens=None, reward=1.0)
+    row = _row(
+        tool_calls=[{"name": "shell", "status": "failed", "exit_code": 7}],
+        messages=[{"role": "assistant", "text": "hi"}],
+        evidence_gaps=["usage_unavailable"],
+        input_tokens=None,
+        reward=1.0,
+    )
     store = RunStore(tmp_path / "run")
     store.append(rows_to_batch([row]))
     store.flush()
@@ -66,10 +93,16 @@ def test_parts_are_whole_and_numbered(tmp_path):
 
 def test_resume_state(tmp_path):
     store = RunStore(tmp_path / "run")
-    store.append(rows_to_batch([
-        _row("a", 0, 1, "retry", False), _row("a", 0, 2, "mask", True),
-        _row("b", 0, 1, "retry", False), _row("c", 1, 1, "accept", True),
-    ]))
+    store.append(
+        rows_to_batch(
+            [
+                _row("a", 0, 1, "retry", False),
+                _row("a", 0, 2, "mask", True),
+                _row("b", 0, 1, "retry", False),
+                _row("c", 1, 1, "accept", True),
+            ]
+        )
+    )
     store.flush()
     state = scan(tmp_path / "run" / "rows")
     assert state.final == {("a", 0), ("c", 1)}

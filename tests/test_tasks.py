@@ -12,8 +12,14 @@ def _write(tmp_path, lines):
 
 
 def test_loads_tasks_with_verifier_shorthand(tmp_path):
-    path = _write(tmp_path, [json.dumps({"id": "a", "prompt": "p", "verify": "true"}), "",
-                             json.dumps({"id": "b", "prompt": "q", "workspace": {"files": {"x.py": ""}}})])
+    path = _write(
+        tmp_path,
+        [
+            json.dumps({"id": "a", "prompt": "p", "verify": "true"}),
+            "",
+            json.dumps({"id": "b", "prompt": "q", "workspace": {"files": {"x.py": ""}}}),
+        ],
+    )
     tasks = list(load_tasks(path))
     assert [t.id for t in tasks] == ["a", "b"]
     assert tasks[0].verify.command == "true"
@@ -50,8 +56,9 @@ def test_parquet_tasks(tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "tasks.parquet"
-    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["p", "q"],
-                             "verify": ['{"command": "true"}', None]}), path)
+    pq.write_table(
+        pa.table({"id": ["a", "b"], "prompt": ["p", "q"], "verify": ['{"command": "true"}', None]}), path
+    )
     tasks = list(load_tasks(path))
     assert [t.id for t in tasks] == ["a", "b"]
     assert tasks[0].verify.command == "true" and tasks[1].verify is None

@@ -26,8 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-SCRIPT = [{"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
-          {"type": "text", "text": "Created hello.txt."}]
+SCRIPT = [
+    {"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
+    {"type": "text", "text": "Created hello.txt."},
+]
 PROMPT = "Create a file hello.txt containing exactly the line: hello world"
 
 
@@ -56,12 +58,20 @@ def direct_runs(n: int, codex_dir: Path, scratch: Path) -> list[float]:
             'env_key = "BENCH_KEY"\nwire_api = "responses"\n[analytics]\nenabled = false\n'
             "[feedback]\nenabled = false\n"
         )
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home / "codex"),
-               "BENCH_KEY": "k"}
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "CODEX_HOME": str(home / "codex"),
+            "BENCH_KEY": "k",
+        }
         t0 = time.perf_counter()
-        proc = subprocess.run([str(codex), "exec", "--json", "--skip-git-repo-check", "-C",
-                               str(home / "work"), PROMPT], env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=120)
+        proc = subprocess.run(
+            [str(codex), "exec", "--json", "--skip-git-repo-check", "-C", str(home / "work"), PROMPT],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=120,
+        )
         times.append(time.perf_counter() - t0)
         assert proc.returncode == 0 and (home / "work" / "hello.txt").exists(), proc.stderr[-2000:]
     asyncio.run_coroutine_threadsafe(model.stop(), loop).result(timeout=30)  # type: ignore[attr-defined]
@@ -74,12 +84,25 @@ def executor_runs(n: int, scratch: Path) -> tuple[list[float], list[float], floa
     from executor.store import read_table
 
     tasks = scratch / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"id": f"b{i:02d}", "prompt": PROMPT, "model_script": SCRIPT,
-                                         "verify": "grep -qx 'hello world' hello.txt"}) + "\n"
-                             for i in range(n)))
+    tasks.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"b{i:02d}",
+                    "prompt": PROMPT,
+                    "model_script": SCRIPT,
+                    "verify": "grep -qx 'hello world' hello.txt",
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     cfg_path = scratch / "bench.yaml"
-    cfg_path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{root: {scratch / 'sb'}}}\n"
-                        "concurrency: {workers: 1, sessions_per_worker: 1}\n")
+    cfg_path.write_text(
+        f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{root: {scratch / 'sb'}}}\n"
+        "concurrency: {workers: 1, sessions_per_worker: 1}\n"
+    )
     cfg = load_config(cfg_path)
     t0 = time.perf_counter()
     summary = Driver(cfg).run()
@@ -110,8 +133,10 @@ def main() -> None:
     print(f"{'executor, whole session':32}{e:>10.3f}{sorted(total)[int(0.9 * len(total))]:>10.3f}")
     print(f"{'executor, harness phase only':32}{a:>10.3f}{sorted(agent)[int(0.9 * len(agent))]:>10.3f}")
     print(f"ratio executor/direct (median session): {e / d:.3f}")
-    print(f"executor run wall for {args.runs} sequential rollouts, Ray start included: {wall:.1f} s "
-          f"({wall / args.runs:.3f} s per rollout)")
+    print(
+        f"executor run wall for {args.runs} sequential rollouts, Ray start included: {wall:.1f} s "
+        f"({wall / args.runs:.3f} s per rollout)"
+    )
 
 
 if __name__ == "__main__":
