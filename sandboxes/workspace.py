@@ -11,6 +11,7 @@ by any branch).
 from __future__ import annotations
 
 import posixpath
+import shlex
 from pathlib import Path, PurePosixPath
 from typing import Protocol, runtime_checkable
 
@@ -78,69 +79,74 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec) -> None:
     await record_baseline(sandbox)
 
 
-async def _git(sandbox: Sandbox, *args: str, name: str, index: str | None = None) -> ExecResult:
+# One shell script per operation rather than one exec per git command: each exec costs a process
+# start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
+_PRELUDE = (
+    "command -v git >/dev/null 2>&1 || exit 127\n"
+    "g() { git " + shlex.join(_GIT_OPTIONS) + ' "$@"; }\n'
+)
+
+_BASELINE_SCRIPT = f"""set -e
+if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then
+  # An existing repository: snapshot through a private index so HEAD and the real index stay as given.
+  export GIT_INDEX_FILE="$gd/rollout-baseline.index"
+  g add -A
+  tree=$(g write-tree)
+  if head=$(g rev-parse --verify -q 'HEAD^{{commit}}'); then
+    commit=$(g commit-tree "$tree" -p "$head" -m "workspace baseline")
+  else
+    commit=$(g commit-tree "$tree" -m "workspace baseline")
+  fi
+  g update-ref {BASELINE_REF} "$commit"
+else
+  g init -q
+  g add -A
+  g commit -q --allow-empty --no-verify -m "workspace baseline"
+  g update-ref {BASELINE_REF} HEAD
+fi
+"""
+
+_NOT_A_REPO = 3
+_DIFF_SCRIPT = f"""gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}
+# A private index, so that untracked files show up and the agent's own index is left alone.
+export GIT_INDEX_FILE="$gd/rollout-diff.index"
+g add -A >&2 || exit 4
+base=
+if g rev-parse --verify -q '{BASELINE_REF}^{{commit}}' >/dev/null; then base={BASELINE_REF}; fi
+g diff --cached --no-color --no-ext-diff --no-textconv $base
+"""
+
+
+async def _git_script(sandbox: Sandbox, body: str, name: str) -> ExecResult:
     env = dict(_GIT_ENV)
     # Never climb above the workspace into a repository that happens to contain the sandbox root.
     env["GIT_CEILING_DIRECTORIES"] = posixpath.dirname(sandbox.workdir.rstrip("/"))
-    if index is not None:
-        env["GIT_INDEX_FILE"] = index
     return await sandbox.exec(
-        ["git", *_GIT_OPTIONS, *args], timeout=GIT_TIMEOUT_S, cwd=sandbox.workdir, env=env, name=name
+        ["sh", "-c", _PRELUDE + body], timeout=GIT_TIMEOUT_S, cwd=sandbox.workdir, env=env, name=name
     )
 
 
-def _ok(result: ExecResult, what: str) -> str:
+def _ok(result: ExecResult, what: str) -> None:
     if result.exit_code != 0:
         how = "timed out" if result.timed_out else f"exit {result.exit_code}, signal {result.signal}"
         raise WorkspaceError(f"git {what} failed ({how}): {result.stderr_tail[-1000:]}")
-    return result.stdout_tail.strip()
-
-
-async def _git_dir(sandbox: Sandbox) -> str | None:
-    """The workspace's absolute git directory; None if it is no repository or there is no git."""
-    probe = await _git(sandbox, "rev-parse", "--absolute-git-dir", name="git-probe")
-    return probe.stdout_tail.strip() if probe.exit_code == 0 else None
 
 
 async def record_baseline(sandbox: Sandbox) -> bool:
     """Commit the workspace as it is now under ``BASELINE_REF``; False if the sandbox has no git."""
-    probe = await _git(sandbox, "rev-parse", "--absolute-git-dir", name="git-probe")
-    if probe.exit_code == GIT_NOT_FOUND:
+    result = await _git_script(sandbox, _BASELINE_SCRIPT, "git-baseline")
+    if result.exit_code == GIT_NOT_FOUND:
         return False
-    if probe.exit_code != 0:
-        _ok(await _git(sandbox, "init", "-q", name="git-baseline"), "init")
-        _ok(await _git(sandbox, "add", "-A", name="git-baseline"), "add")
-        commit = ["commit", "-q", "--allow-empty", "--no-verify", "-m", "workspace baseline"]
-        _ok(await _git(sandbox, *commit, name="git-baseline"), "commit")
-        _ok(await _git(sandbox, "update-ref", BASELINE_REF, "HEAD", name="git-baseline"), "update-ref")
-        return True
-    # An existing repository: snapshot through a private index so HEAD and the real index stay as given.
-    index = posixpath.join(probe.stdout_tail.strip(), "rollout-baseline.index")
-    _ok(await _git(sandbox, "add", "-A", name="git-baseline", index=index), "add")
-    tree = _ok(await _git(sandbox, "write-tree", name="git-baseline", index=index), "write-tree")
-    head = await _git(sandbox, "rev-parse", "--verify", "-q", "HEAD^{commit}", name="git-baseline")
-    parents = ["-p", head.stdout_tail.strip()] if head.exit_code == 0 else []
-    commit_tree = ["commit-tree", tree, *parents, "-m", "workspace baseline"]
-    commit = _ok(await _git(sandbox, *commit_tree, name="git-baseline"), "commit-tree")
-    _ok(await _git(sandbox, "update-ref", BASELINE_REF, commit, name="git-baseline"), "update-ref")
+    _ok(result, "baseline")
     return True
 
 
 async def workspace_diff(sandbox: Sandbox, limit: int = DIFF_LIMIT_BYTES) -> str | None:
     """The agent's changes since the baseline (new files too) as a git diff, at most ``limit`` bytes
     plus a truncation note; None when the workspace is no git repository or there is no git."""
-    git_dir = await _git_dir(sandbox)
-    if git_dir is None:
+    result = await _git_script(sandbox, _DIFF_SCRIPT, "workspace-diff")
+    if result.exit_code in (GIT_NOT_FOUND, _NOT_A_REPO):
         return None
-    # A private index, so that untracked files show up and the agent's own index is left alone.
-    index = posixpath.join(git_dir, "rollout-diff.index")
-    _ok(await _git(sandbox, "add", "-A", name="workspace-diff", index=index), "add")
-    baseline = await _git(
-        sandbox, "rev-parse", "--verify", "-q", BASELINE_REF + "^{commit}", name="git-probe"
-    )
-    base = [BASELINE_REF] if baseline.exit_code == 0 else []  # else HEAD, or nothing if unborn
-    diff = ["diff", "--cached", "--no-color", "--no-ext-diff", "--no-textconv", *base]
-    result = await _git(sandbox, *diff, name="workspace-diff", index=index)
     _ok(result, "diff")
     if result.stdout_path:
         data = await sandbox.read_file(result.stdout_path, limit)
