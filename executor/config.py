@@ -20,11 +20,14 @@ class HarnessConfig(BaseModel):
 
     name: str = "codex"
     version: str | None = None  # None: the adapter's tested pin
+    command: str | None = None  # the `command` harness only: the shell command that is the agent
 
     @model_validator(mode="after")
     def _known(self) -> HarnessConfig:
         if self.name not in HARNESSES:
             raise ValueError(f"unknown harness {self.name!r}; known: {', '.join(sorted(HARNESSES))}")
+        if self.command is not None and self.name != "command":
+            raise ValueError(f"harness.command applies to the 'command' harness, not {self.name!r}")
         return self
 
 

@@ -28,7 +28,7 @@ from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from policy import Decision, FailureKind, Outcome, Status, decide
+from policy import Decision, FailureKind, Outcome, PolicyConfig, Status, Verdict, decide
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,30 @@ def connect_ray(cfg: RunConfig) -> None:
     )
 
 
+def decide_row(
+    row: dict[str, Any], attempt: int, policy: PolicyConfig, *, budget_left: int, rng: random.Random
+) -> tuple[Verdict, dict[str, list[Any]]]:
+    """The policy's verdict on one session's row, and the decision columns the driver writes for it."""
+    outcome = Outcome(
+        status=Status(row["status"]),
+        failure_kind=FailureKind(row["failure_kind"]),
+        retry_after_s=row.get("retry_after_s"),
+    )
+    verdict = decide(outcome, attempt, policy, budget_left=budget_left, rng=rng)
+    final = verdict.decision is not Decision.RETRY
+    masked = verdict.decision is Decision.MASK
+    decisions: dict[str, list[Any]] = {
+        "decision": [verdict.decision.value],
+        "decision_reason": [verdict.reason],
+        "masked": [masked],
+        "final": [final],
+        "retry_delay_s": [verdict.retry_delay_s if not final else None],
+    }
+    if masked:
+        decisions["reward"] = [None]  # a masked row is never a reward, not even a verified one
+    return verdict, decisions
+
+
 class Driver:
     def __init__(self, cfg: RunConfig) -> None:
         assert cfg.run_id
@@ -100,7 +124,9 @@ class Driver:
         total = self._count_pending(state)
         progress = Progress(cfg.run_id or "", total)
         # Install once here so the first sessions don't all queue on the install lock.
-        make_harness(cfg.harness.name, cfg.harness.version).ensure_installed(default_cache_root())
+        make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
+            default_cache_root()
+        )
         connect_ray(cfg)
         workers = [
             RemoteSandboxWorker.options(
@@ -188,19 +214,8 @@ class Driver:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
         row = batch.to_pylist()[0]
         kind = FailureKind(row["failure_kind"])
-        outcome = Outcome(status=Status(row["status"]), failure_kind=kind, retry_after_s=row["retry_after_s"])
-        verdict = decide(outcome, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
+        verdict, decisions = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
         final = verdict.decision is not Decision.RETRY
-        masked = verdict.decision is Decision.MASK
-        decisions = {
-            "decision": [verdict.decision.value],
-            "decision_reason": [verdict.reason],
-            "masked": [masked],
-            "final": [final],
-            "retry_delay_s": [verdict.retry_delay_s if not final else None],
-        }
-        if masked:
-            decisions["reward"] = [None]  # a masked row is never a reward, not even a verified one
         self.store.append(with_decisions(batch, decisions))
         progress.record(verdict.decision.value, kind.value, final)
         if verdict.decision is Decision.RETRY:

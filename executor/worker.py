@@ -56,7 +56,7 @@ class SandboxWorker:
             self._ctx = SessionContext(
                 config=cfg,
                 provider=LocalSandboxProvider(root, keep=cfg.sandbox.keep),
-                harness=make_harness(cfg.harness.name, cfg.harness.version),
+                harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
                 evidence_root=self.run_dir / "evidence",

@@ -13,12 +13,24 @@ def _codex(version: str | None) -> Harness:
     return CodexHarness(version)
 
 
-HARNESSES: dict[str, Callable[[str | None], Harness]] = {"codex": _codex}
+def _command(version: str | None) -> Harness:
+    from harnesses.command import CommandHarness
+
+    return CommandHarness(version)
 
 
-def make_harness(name: str, version: str | None = None) -> Harness:
+HARNESSES: dict[str, Callable[[str | None], Harness]] = {"codex": _codex, "command": _command}
+
+
+def make_harness(name: str, version: str | None = None, command: str | None = None) -> Harness:
     try:
         factory = HARNESSES[name]
     except KeyError:
         raise ValueError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}") from None
+    if command is not None:
+        from harnesses.command import CommandHarness
+
+        if name != "command":
+            raise ValueError(f"harness.command applies to the 'command' harness, not {name!r}")
+        return CommandHarness(version, command)
     return factory(version)
