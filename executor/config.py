@@ -79,6 +79,9 @@ class ConcurrencyConfig(BaseModel):
     workers: int = Field(default=2, ge=1, le=10_000)  # SandboxWorker actors
     sessions_per_worker: int = Field(default=4, ge=1, le=10_000)
     max_in_flight: int | None = Field(default=None, ge=1)  # default: workers * sessions_per_worker
+    # Custom Ray resources each SandboxWorker asks for, e.g. {sandbox_slot: 1}: on a cluster whose worker
+    # nodes advertise them, this keeps sandboxes off the head and spreads them by each node's slots.
+    worker_resources: dict[str, float] = Field(default_factory=dict)
 
 
 class RunConfig(BaseModel):

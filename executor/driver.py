@@ -17,18 +17,32 @@ from typing import Any
 import pyarrow as pa
 import ray
 import yaml
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
 
 from executor.config import RunConfig
 from executor.progress import Progress
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionRequest, lost_row
-from executor.store import ResumeState, RunStore, read_table
+from executor.store import ResumeState, RunStore, StoreError, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from policy import Decision, FailureKind, Outcome, PolicyConfig, Status, Verdict, decide
+from policy import (
+    KIND_INFO,
+    CircuitBreaker,
+    Decision,
+    FailureKind,
+    GroupAction,
+    GroupBook,
+    GroupMode,
+    Outcome,
+    PolicyConfig,
+    Status,
+    Verdict,
+    decide,
+    decide_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +71,11 @@ class RunSummary:
     by_failure_kind: dict[str, int]
     stopped: str | None
     exit_code: int
+    stopped_by: str | None = None  # "policy" (e.g. provider_auth_error), "breaker", "store", "interrupted"
+    masked: int = 0
+    # Training-facing statistics: final accepted rows with a reward only; masked rows never count.
+    reward: dict[str, float | int | None] = field(default_factory=dict)
+    breaker: dict[str, object] = field(default_factory=dict)
 
 
 def connect_ray(cfg: RunConfig) -> None:
@@ -88,18 +107,23 @@ def decide_row(
         retry_after_s=row.get("retry_after_s"),
     )
     verdict = decide(outcome, attempt, policy, budget_left=budget_left, rng=rng)
+    return verdict, decision_columns(verdict)
+
+
+def decision_columns(verdict: Verdict) -> dict[str, list[Any]]:
+    """The decision columns of one row from its verdict."""
     final = verdict.decision is not Decision.RETRY
     masked = verdict.decision is Decision.MASK
     decisions: dict[str, list[Any]] = {
         "decision": [verdict.decision.value],
-        "decision_reason": [verdict.reason],
+        "decision_reason": [verdict.reason[:1000]],
         "masked": [masked],
         "final": [final],
         "retry_delay_s": [verdict.retry_delay_s if not final else None],
     }
     if masked:
         decisions["reward"] = [None]  # a masked row is never a reward, not even a verified one
-    return verdict, decisions
+    return decisions
 
 
 class Driver:
@@ -114,6 +138,10 @@ class Driver:
         self._inflight: dict[ray.ObjectRef, tuple[SessionRequest, int]] = {}
         self._load: list[int] = []
         self._stopped: str | None = None
+        self._stopped_by: str | None = None
+        self.breaker = CircuitBreaker(cfg.policy.breaker)
+        # (request, batch, verdict) of final rows waiting for the rest of their group; see policy/groups.py
+        self.groups: GroupBook[tuple[SessionRequest, pa.RecordBatch, Verdict]] = GroupBook()
 
     def run(self) -> RunSummary:
         cfg = self.cfg
@@ -134,6 +162,7 @@ class Driver:
                 max_restarts=-1,
                 max_task_retries=0,
                 max_concurrency=cfg.concurrency.sessions_per_worker + 8,
+                resources=cfg.concurrency.worker_resources or None,
                 scheduling_strategy="SPREAD",
             ).remote(cfg.model_dump_json(), str(self.run_dir), i)
             for i in range(cfg.concurrency.workers)
@@ -173,15 +202,26 @@ class Driver:
                 self.store.maybe_flush()
                 progress.tick()
         except KeyboardInterrupt:
-            self._stopped = "interrupted"
+            self._stopped, self._stopped_by = "interrupted", "interrupted"
+        except StoreError as exc:
+            self._stop(f"output: {exc}", "store")
         finally:
             self._drain_cancelled()
-            self.store.flush()
+            try:
+                self.store.flush()
+            except StoreError as exc:
+                # These rows were never written, so their samples run again on resume; none is half-kept.
+                log.error("buffered rows not written: %s", exc)
+                self._stop(f"output: {exc}", "store")
             progress.close()
         return self._summarize()
 
     def _requests(self, state: ResumeState) -> Iterator[SessionRequest]:
         for task in load_tasks(Path(self.cfg.tasks)):
+            if self.cfg.policy.group is not GroupMode.NONE:
+                pending = sum((task.id, s) not in state.final for s in range(self.cfg.samples))
+                if pending:
+                    self.groups.expect(task.id, pending)
             for sample in range(self.cfg.samples):
                 key = (task.id, sample)
                 if key not in state.final:
@@ -206,6 +246,10 @@ class Driver:
         self._load[index] -= 1
         try:
             batch: pa.RecordBatch = ray.get(ref)
+        except TaskCancelledError as exc:
+            if self._stopped:
+                return budget  # cancelled by our stop: nothing ran to an end, the sample reruns on resume
+            batch = self._lost(req, f"session cancelled: {str(exc)[:500]}")
         except RayActorError as exc:
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
         except RayTaskError as exc:
@@ -214,28 +258,79 @@ class Driver:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
         row = batch.to_pylist()[0]
         kind = FailureKind(row["failure_kind"])
-        verdict, decisions = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
-        final = verdict.decision is not Decision.RETRY
-        self.store.append(with_decisions(batch, decisions))
-        progress.record(verdict.decision.value, kind.value, final)
+        verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
+        if self.breaker.record_attempt(KIND_INFO[kind].infrastructure, kind.value):
+            self._stop(self.breaker.tripped or "", "breaker")
         if verdict.decision is Decision.RETRY:
             budget -= 1
-            heapq.heappush(
-                self._retries,
-                _Retry(
-                    time.monotonic() + verdict.retry_delay_s,
-                    next(self._seq),
-                    req.task,
-                    req.sample_index,
-                    req.attempt + 1,
-                ),
+            self._schedule(req, verdict.retry_delay_s)
+        if verdict.decision is not Decision.RETRY and self.cfg.policy.group is not GroupMode.NONE:
+            group = self.groups.hold(
+                req.task.id, req.sample_index, (req, batch, verdict), verdict.decision is Decision.MASK
             )
-        if self.cfg.policy.rule_for(kind).stop_run and not self._stopped:
-            self._stopped = f"{kind.value}: {row['error_message'] or ''}"[:500]
-            log.error("stopping the run: %s", self._stopped)
-            for pending in self._inflight:
-                ray.cancel(pending)
+            if group is not None:
+                budget = self._write_group(req.task.id, [held for _, held, _ in group], budget, progress)
+        else:
+            self.store.append(self._decided(batch, verdict, progress))
+        if self.cfg.policy.rule_for(kind).stop_run:
+            self._stop(f"{kind.value}: {row['error_message'] or ''}"[:500], "policy")
         return budget
+
+    def _decided(self, batch: pa.RecordBatch, verdict: Verdict, progress: Progress) -> pa.RecordBatch:
+        """The row with its decision columns, counted in progress and in the breaker."""
+        final = verdict.decision is not Decision.RETRY
+        masked = verdict.decision is Decision.MASK
+        progress.record(verdict.decision.value, batch.column("failure_kind")[0].as_py(), final)
+        if final and self.breaker.record_final(masked):
+            self._stop(self.breaker.tripped or "", "breaker")
+        return with_decisions(batch, decision_columns(verdict))
+
+    def _write_group(
+        self,
+        task_id: str,
+        held: list[tuple[SessionRequest, pa.RecordBatch, Verdict]],
+        budget: int,
+        progress: Progress,
+    ) -> int:
+        """Write a whole group at once, each row carrying the group's decision, in one part file."""
+        policy = self.cfg.policy
+        group = decide_group(
+            policy.group,
+            [v.decision is Decision.MASK for _, _, v in held],
+            resubmits_done=self.groups.resubmits(task_id),
+            max_resubmits=policy.group_resubmits,
+            budget_left=budget,
+        )
+        batches = []
+        for req, batch, verdict in held:
+            own = verdict
+            if group.action is GroupAction.MASK and verdict.decision is not Decision.MASK:
+                own = Verdict(Decision.MASK, group.reason)
+            elif group.action is GroupAction.RESUBMIT:
+                own = Verdict(Decision.RETRY, group.reason, 0.0)
+                budget -= 1
+                self._schedule(req, 0.0)
+            batches.append(self._decided(batch, own, progress))
+        if group.action is GroupAction.RESUBMIT:
+            self.groups.resubmitted(task_id)
+        else:
+            self.groups.close(task_id)
+        self.store.append(pa.concat_batches(batches))  # one append: a group never spans two part files
+        return budget
+
+    def _schedule(self, req: SessionRequest, delay_s: float) -> None:
+        heapq.heappush(
+            self._retries,
+            _Retry(time.monotonic() + delay_s, next(self._seq), req.task, req.sample_index, req.attempt + 1),
+        )
+
+    def _stop(self, reason: str, by: str) -> None:
+        if self._stopped:
+            return
+        self._stopped, self._stopped_by = reason, by
+        log.error("stopping the run: %s", reason)
+        for pending in self._inflight:
+            ray.cancel(pending)
 
     def _lost(self, req: SessionRequest, message: str) -> pa.RecordBatch:
         return rows_to_batch([lost_row(req, self.cfg.harness.name, self.cfg.sandbox.provider, message)])
