@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from executor.admission import AdmissionConfig
 from executor.tasks import InputError
 from harnesses.gateway import GatewayConfig
 from harnesses.registry import HARNESSES
@@ -63,6 +64,8 @@ class LocalSandboxConfig(BaseModel):
     provider: Literal["local"] = "local"
     root: str | None = None  # default: <cache>/sandboxes
     keep: bool = False  # keep each session's directory after the rollout
+    # Chaos testing only: this fraction of sandbox starts fails on purpose (sandboxes/faults.py).
+    inject_start_failures: float = Field(default=0.0, ge=0, le=1)
 
 
 class LimitsConfig(BaseModel):
@@ -82,6 +85,7 @@ class ConcurrencyConfig(BaseModel):
     # Custom Ray resources each SandboxWorker asks for, e.g. {sandbox_slot: 1}: on a cluster whose worker
     # nodes advertise them, this keeps sandboxes off the head and spreads them by each node's slots.
     worker_resources: dict[str, float] = Field(default_factory=dict)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
 
 class RunConfig(BaseModel):

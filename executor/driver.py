@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import ray
 import yaml
 from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
 
+from executor.admission import Admission
 from executor.config import RunConfig
 from executor.progress import Progress
 from executor.schema import rows_to_batch, with_decisions
@@ -126,6 +128,24 @@ def decision_columns(verdict: Verdict) -> dict[str, list[Any]]:
     return decisions
 
 
+def training_reward_stats(
+    decisions: list[str | None], rewards: list[float | None], finals: list[bool | None]
+) -> dict[str, float | int | None]:
+    """Reward statistics over final accepted rows only: a masked row is never a training signal."""
+    values = [
+        r
+        for d, r, f in zip(decisions, rewards, finals, strict=True)
+        if f and d == Decision.ACCEPT.value and r is not None
+    ]
+    mean = sum(values) / len(values) if values else None
+    return {
+        "count": len(values),
+        "mean": mean,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+    }
+
+
 class Driver:
     def __init__(self, cfg: RunConfig) -> None:
         assert cfg.run_id
@@ -140,6 +160,7 @@ class Driver:
         self._stopped: str | None = None
         self._stopped_by: str | None = None
         self.breaker = CircuitBreaker(cfg.policy.breaker)
+        self.admission = Admission(cfg.in_flight_cap, cfg.concurrency.admission)
         # (request, batch, verdict) of final rows waiting for the rest of their group; see policy/groups.py
         self.groups: GroupBook[tuple[SessionRequest, pa.RecordBatch, Verdict]] = GroupBook()
 
@@ -171,7 +192,7 @@ class Driver:
         exhausted = False
         try:
             while True:
-                while len(self._inflight) < cfg.in_flight_cap and not self._stopped:
+                while len(self._inflight) < self.admission.cap and not self._stopped:
                     now = time.monotonic()
                     if self._retries and self._retries[0].ready_at <= now:
                         r = heapq.heappop(self._retries)
@@ -191,7 +212,9 @@ class Driver:
                 if not self._inflight:
                     if self._stopped or (exhausted and not self._retries):
                         break
-                    time.sleep(min(max(self._retries[0].ready_at - time.monotonic(), 0.0), WAIT_S))
+                    # Waiting for a retry's backoff or for the endpoint's Retry-After hold to pass.
+                    wait = self._retries[0].ready_at - time.monotonic() if self._retries else WAIT_S
+                    time.sleep(min(max(wait, 0.0), WAIT_S))
                     continue
                 ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=WAIT_S)
                 if ready:
@@ -257,6 +280,7 @@ class Driver:
         except RayError as exc:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
         row = batch.to_pylist()[0]
+        self.admission.observe(row.get("model_attempts"))
         kind = FailureKind(row["failure_kind"])
         verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
         if self.breaker.record_attempt(KIND_INFO[kind].infrastructure, kind.value):
@@ -280,7 +304,16 @@ class Driver:
         """The row with its decision columns, counted in progress and in the breaker."""
         final = verdict.decision is not Decision.RETRY
         masked = verdict.decision is Decision.MASK
-        progress.record(verdict.decision.value, batch.column("failure_kind")[0].as_py(), final)
+        names = ("failure_kind", "status", "harness", "sandbox_provider")
+        first = {n: batch.column(n)[0].as_py() for n in names}
+        progress.record(
+            verdict.decision.value,
+            first["failure_kind"],
+            final,
+            status=first["status"],
+            harness=first["harness"],
+            provider=first["sandbox_provider"],
+        )
         if final and self.breaker.record_final(masked):
             self._stop(self.breaker.tripped or "", "breaker")
         return with_decisions(batch, decision_columns(verdict))
@@ -328,7 +361,8 @@ class Driver:
         if self._stopped:
             return
         self._stopped, self._stopped_by = reason, by
-        log.error("stopping the run: %s", reason)
+        # info, not error: the CLI prints the reason once, as the run's one message about it.
+        log.info("stopping the run: %s", reason)
         for pending in self._inflight:
             ray.cancel(pending)
 
@@ -349,10 +383,15 @@ class Driver:
         tmp = self.run_dir / "config.yaml.tmp"
         tmp.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         os.replace(tmp, self.run_dir / "config.yaml")
+        # A copy of the tasks beside the config, so `rollout replay` finds a row's task after the file moved.
+        snapshot = self.run_dir / ("tasks.parquet" if self.cfg.tasks.endswith(".parquet") else "tasks.jsonl")
+        shutil.copyfile(self.cfg.tasks, snapshot.with_name(snapshot.name + ".tmp"))
+        os.replace(snapshot.with_name(snapshot.name + ".tmp"), snapshot)
 
     def _summarize(self) -> RunSummary:
         table = read_table(
-            self.run_dir, ["status", "failure_kind", "decision", "final", "task_id", "sample_index"]
+            self.run_dir,
+            ["status", "failure_kind", "decision", "final", "task_id", "sample_index", "reward"],
         )
         cols = table.to_pydict()
         final_keys = {
@@ -380,10 +419,18 @@ class Driver:
             by_failure_kind=count("failure_kind"),
             stopped=self._stopped,
             exit_code=exit_code,
+            stopped_by=self._stopped_by,
+            masked=sum(cols["decision"][i] == Decision.MASK.value for i in finals),
+            reward=training_reward_stats(cols["decision"], cols["reward"], cols["final"]),
+            breaker=self.breaker.report(),
         )
         tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary.__dict__, indent=2))
-        os.replace(tmp, self.run_dir / "summary.json")
+        try:
+            tmp.write_text(json.dumps(summary.__dict__, indent=2))
+            os.replace(tmp, self.run_dir / "summary.json")
+        except OSError as exc:  # a full disk must not hide the summary the caller prints
+            tmp.unlink(missing_ok=True)
+            log.error("summary.json not written: %s", exc.strerror or exc)
         return summary
 
     def _count_expected(self) -> int:

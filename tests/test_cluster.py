@@ -35,10 +35,12 @@ def cluster():
 
 def _config(tmp_path: Path, address: str) -> Path:
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(
-        json.dumps({"id": f"t{i:02d}", "prompt": "p", "verify": "test -f done.txt"}) + "\n"
-        for i in range(N_TASKS)
-    ))
+    tasks.write_text(
+        "".join(
+            json.dumps({"id": f"t{i:02d}", "prompt": "p", "verify": "test -f done.txt"}) + "\n"
+            for i in range(N_TASKS)
+        )
+    )
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(
         f"tasks: {tasks}\nout: {tmp_path / 'out'}\nray_address: '{address}'\n"

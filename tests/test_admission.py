@@ -1,0 +1,51 @@
+from executor.admission import Admission, AdmissionConfig
+
+OK = [{"status": 200}]
+PUSHED = [{"status": 429, "retry_after_s": None}, {"status": 200}]
+
+
+def test_starts_at_the_ceiling_and_halves_on_push_back():
+    a = Admission(32, AdmissionConfig(cooldown_s=0))
+    assert a.cap == 32
+    a.observe(PUSHED)
+    assert a.cap == 16
+    a.observe(PUSHED)
+    assert a.cap == 8
+
+
+def test_never_below_the_floor_and_recovers_additively():
+    a = Admission(8, AdmissionConfig(floor=2, cooldown_s=0))
+    for _ in range(10):
+        a.observe(PUSHED)
+    assert a.cap == 2
+    caps = []
+    for _ in range(40):
+        a.observe(OK)
+        caps.append(a.cap)
+    assert caps == sorted(caps)  # grows monotonically
+    assert caps[0] <= 3 and caps[-1] == 8  # additive, then capped at the ceiling
+
+
+def test_retry_after_holds_new_admissions():
+    a = Admission(8)
+    a.observe([{"status": 429, "retry_after_s": 30.0}])
+    assert a.cap == 0
+
+
+def test_retry_after_hold_is_bounded():
+    a = Admission(8, AdmissionConfig(max_hold_s=0, cooldown_s=0))
+    a.observe([{"status": 429, "retry_after_s": 3600.0}])
+    assert a.cap == 4
+
+
+def test_fixed_when_not_adaptive():
+    a = Admission(8, AdmissionConfig(adaptive=False))
+    a.observe(PUSHED)
+    assert a.cap == 8
+
+
+def test_one_overload_seen_by_many_sessions_counts_once():
+    a = Admission(32, AdmissionConfig(cooldown_s=3600))
+    for _ in range(10):
+        a.observe(PUSHED)
+    assert a.cap == 16 and a.decreases == 1
