@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledE
 
 from executor.admission import Admission
 from executor.config import RunConfig
+from executor.gc import collect_quietly
 from executor.progress import Progress
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionRequest, lost_row
@@ -147,9 +148,11 @@ def training_reward_stats(
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker) -> None:
+        """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one)."""
         assert cfg.run_id
         self.cfg = cfg
+        self.worker_class = worker_class
         self.run_dir = Path(cfg.out) / cfg.run_id
         self.store = RunStore(self.run_dir)
         self.rng = random.Random()
@@ -178,7 +181,7 @@ class Driver:
         )
         connect_ray(cfg)
         workers = [
-            RemoteSandboxWorker.options(
+            self.worker_class.options(
                 num_cpus=0,
                 max_restarts=-1,
                 max_task_retries=0,
@@ -275,6 +278,7 @@ class Driver:
             batch = self._lost(req, f"session cancelled: {str(exc)[:500]}")
         except RayActorError as exc:
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
+            collect_quietly(self.cfg)  # its sandboxes (jobs, tasks, process trees) must not outlive it
         except RayTaskError as exc:
             batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
         except RayError as exc:

@@ -1,0 +1,401 @@
+"""`rollout bench`: what the executor itself costs, measured side by side with doing without it.
+
+(a) overhead per rollout: the real Codex harness through the executor at concurrency 1, versus the same
+    `codex exec` run directly against the same scripted model;
+(b) machinery throughput: a null harness (a command that exits at once) through the executor, versus a
+    plain asyncio runner doing the same sessions (same sandboxes, same harness) without Ray, Arrow or policy;
+(c) driver memory: peak RSS of a driver process for N and 10*N rollouts (null workers, so the driver's
+    loop, Ray transport, Arrow store and policy are what is measured);
+(d) the Arrow store: rows per second appended, and the time to resume-scan a large run.
+Figures are printed, never asserted: speed is measured here, not in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Create a file hello.txt containing exactly the line: hello world"
+SCRIPT = [
+    {"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
+    {"type": "text", "text": "Created hello.txt."},
+]
+VERIFY = "grep -qx 'hello world' hello.txt"
+NULL_COMMAND = "echo done"
+
+
+def _median_p90(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _write_config(scratch: Path, name: str, tasks: Path, extra: str) -> Path:
+    path = scratch / f"{name}.yaml"
+    path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{root: {scratch / 'sb'}}}\n{extra}")
+    return path
+
+
+def _write_tasks(path: Path, n: int, **fields: Any) -> Path:
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"id": f"b{i:06d}", "prompt": PROMPT, **fields}) + "\n")
+    return path
+
+
+def _run_driver(cfg_path: Path, worker_class: Any = None) -> tuple[Any, float]:
+    import ray
+
+    from executor.config import load_config
+    from executor.driver import Driver
+
+    cfg = load_config(cfg_path)
+    driver = Driver(cfg) if worker_class is None else Driver(cfg, worker_class)
+    t0 = time.perf_counter()
+    try:
+        summary = driver.run()
+    finally:
+        ray.shutdown()
+    return summary, time.perf_counter() - t0
+
+
+# (a) ------------------------------------------------------------------------------------------------
+
+
+class _ModelThread:
+    """The scripted model on its own event loop thread, for runs that are not asyncio themselves."""
+
+    def __init__(self) -> None:
+        from harnesses.scripted_model import ScriptedModel, parse_steps
+
+        self.loop = asyncio.new_event_loop()
+        self.model = ScriptedModel(default_script=parse_steps(SCRIPT))
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.model.start(), self.loop).result(timeout=30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.model.stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def overhead(runs: int, scratch: Path) -> dict[str, Any]:
+    from harnesses.codex import CodexHarness
+    from harnesses.install import default_cache_root
+
+    codex = CodexHarness()
+    install = codex.ensure_installed(default_cache_root())
+    codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
+    model = _ModelThread()
+    direct = []
+    try:
+        for i in range(runs):
+            home = scratch / f"direct-{i}"
+            (home / "work").mkdir(parents=True)
+            (home / "codex").mkdir()
+            base = model.model.base_url.removesuffix("/v1")
+            (home / "codex" / "config.toml").write_text(
+                'model = "scripted-model"\nmodel_provider = "bench"\napproval_policy = "never"\n'
+                'sandbox_mode = "danger-full-access"\ncheck_for_update_on_startup = false\n'
+                f'[model_providers.bench]\nname = "bench"\nbase_url = "{base}/s/d{i}/v1"\n'
+                'env_key = "BENCH_KEY"\nwire_api = "responses"\n[analytics]\nenabled = false\n'
+                "[feedback]\nenabled = false\n"
+            )
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "HOME": str(home),
+                "CODEX_HOME": str(home / "codex"),
+                "BENCH_KEY": "k",
+            }
+            argv = [
+                shutil.which("node") or "node",
+                str(codex_js),
+                "exec",
+                "--json",
+                "--skip-git-repo-check",
+                "-C",
+                str(home / "work"),
+                PROMPT,
+            ]
+            t0 = time.perf_counter()
+            proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+            direct.append(time.perf_counter() - t0)
+            if proc.returncode != 0 or not (home / "work" / "hello.txt").exists():
+                raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
+    finally:
+        model.stop()
+
+    tasks = _write_tasks(scratch / "a.jsonl", runs, model_script=SCRIPT, verify=VERIFY)
+    cfg = _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
+    summary, wall = _run_driver(cfg)
+    from executor.store import read_table
+
+    cols = read_table(Path(summary.run_dir), ["t_total_s", "t_agent_s", "reward"]).to_pydict()
+    if summary.exit_code != 0 or any(r != 1.0 for r in cols["reward"]):
+        raise RuntimeError(f"executor overhead run did not solve every task: {summary}")
+    d, e, h = (_median_p90(x) for x in (direct, cols["t_total_s"], cols["t_agent_s"]))
+    return {
+        "runs": runs,
+        "direct_median_s": d[0],
+        "direct_p90_s": d[1],
+        "executor_session_median_s": e[0],
+        "executor_session_p90_s": e[1],
+        "executor_harness_phase_median_s": h[0],
+        "ratio": e[0] / d[0],
+        "executor_run_wall_s": wall,
+    }
+
+
+# (b) ------------------------------------------------------------------------------------------------
+
+
+async def _plain_runner(n: int, concurrency: int, scratch: Path) -> tuple[float, float]:
+    """The same sessions as the executor runs, in one asyncio process: no Ray, no Arrow, no policy."""
+    from executor.config import load_config
+    from executor.session import SessionContext, SessionRequest, run_session
+    from executor.tasks import load_tasks
+    from harnesses.command import CommandHarness
+    from harnesses.gateway import Gateway
+    from harnesses.install import default_cache_root
+    from harnesses.scripted_model import ScriptedModel
+    from sandboxes.local import LocalSandboxProvider
+
+    tasks_path = _write_tasks(scratch / f"plain-{concurrency}.jsonl", n)
+    cfg = load_config(_write_config(scratch, f"plain{concurrency}", tasks_path, ""))
+    model = ScriptedModel()
+    await model.start()
+    gateway = Gateway(model.base_url, None, cfg.gateway)
+    await gateway.start()
+    ctx = SessionContext(
+        config=cfg,
+        provider=LocalSandboxProvider(scratch / "plain-sb", keep=False),
+        harness=CommandHarness(command=NULL_COMMAND),
+        gateway=gateway,
+        scripted=model,
+        evidence_root=scratch / "plain-evidence",
+        cache_root=default_cache_root(),
+    )
+    gate = asyncio.Semaphore(concurrency)
+
+    rows: list[dict[str, Any]] = []
+
+    async def one(task: Any) -> None:
+        async with gate:
+            rows.append(await run_session(SessionRequest("plain", task, 0, 1), ctx))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(t) for t in load_tasks(tasks_path)))
+    wall = time.perf_counter() - t0
+    await gateway.stop()
+    await model.stop()
+    return wall, _steady_rate([r["started_at"].timestamp() + r["t_total_s"] for r in rows])
+
+
+def _steady_rate(ends: list[float]) -> float:
+    """Rollouts per second between the first and the last to finish: start-up costs left out."""
+    ends = sorted(ends)
+    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else 0.0
+
+
+def throughput(n: int, levels: tuple[int, ...], scratch: Path) -> list[dict[str, Any]]:
+    results = []
+    for c in levels:
+        tasks = _write_tasks(scratch / f"b{c}.jsonl", n)
+        workers = 2
+        extra = (
+            f"run_id: b{c}\nharness: {{name: command, command: {NULL_COMMAND!r}}}\n"
+            f"concurrency: {{workers: {workers}, sessions_per_worker: {c // workers}}}\n"
+        )
+        summary, wall = _run_driver(_write_config(scratch, f"b{c}", tasks, extra))
+        from executor.store import read_table
+
+        cols = read_table(Path(summary.run_dir), ["started_at", "t_total_s"]).to_pydict()
+        steady = _steady_rate(
+            [s.timestamp() + t for s, t in zip(cols["started_at"], cols["t_total_s"], strict=True)]
+        )
+        plain_wall, plain_steady = asyncio.run(_plain_runner(n, c, scratch))
+        results.append(
+            {
+                "concurrency": c,
+                "rollouts": n,
+                "executor_per_s": n / wall,
+                "plain_per_s": n / plain_wall,
+                "executor_steady_per_s": steady,
+                "plain_steady_per_s": plain_steady,
+                "ratio": steady / plain_steady if plain_steady else 0.0,
+                "executor_final": summary.final,
+            }
+        )
+    return results
+
+
+# (c) ------------------------------------------------------------------------------------------------
+
+
+def _null_worker_class() -> Any:
+    import ray
+
+    from executor.schema import rows_to_batch
+
+    class NullWorker:
+        """Answers every session at once with a completed row: only the driver's side is exercised."""
+
+        def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
+            self.run_id = json.loads(config_json)["run_id"]
+
+        async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
+            task_id = json.loads(task_json)["id"]
+            return rows_to_batch(
+                [
+                    {
+                        "run_id": self.run_id,
+                        "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
+                        "task_id": task_id,
+                        "sample_index": sample_index,
+                        "attempt": attempt,
+                        "harness": "null",
+                        "sandbox_provider": "null",
+                        "status": "completed",
+                        "failure_kind": "none",
+                        "reward": 1.0,
+                        "final_text": "done",
+                        "evidence_gaps": [],
+                    }
+                ]
+            )
+
+    return ray.remote(NullWorker)
+
+
+def driver_memory_child(n: int, scratch: Path) -> dict[str, Any]:
+    """Run in a fresh process: one driver, n null rollouts; report its peak RSS."""
+    tasks = _write_tasks(scratch / f"c{n}.jsonl", n)
+    extra = (
+        f"run_id: c{n}\nharness: {{name: command}}\nconcurrency: {{workers: 2, sessions_per_worker: 128}}\n"
+    )
+    summary, wall = _run_driver(_write_config(scratch, f"c{n}", tasks, extra), _null_worker_class())
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rollouts": n, "final": summary.final, "wall_s": wall, "peak_rss_mb": peak_kb / 1024}
+
+
+def driver_memory(n: int, scratch: Path) -> list[dict[str, Any]]:
+    results = []
+    for size in (n, 10 * n):
+        out = subprocess.run(
+            [sys.executable, "-m", "executor.bench", "memory-child", str(size), str(scratch)],
+            capture_output=True,
+            text=True,
+            timeout=7200,
+            cwd=Path(__file__).parents[1],
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"memory run of {size} failed: {out.stderr[-2000:]}")
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return results
+
+
+# (d) ------------------------------------------------------------------------------------------------
+
+
+def store(rows: int, scratch: Path) -> dict[str, Any]:
+    from executor.schema import rows_to_batch
+    from executor.store import RunStore, scan
+
+    def row(i: int) -> dict[str, Any]:
+        return {
+            "run_id": "d",
+            "rollout_id": f"t{i}.s0.a1",
+            "task_id": f"t{i}",
+            "sample_index": 0,
+            "attempt": 1,
+            "status": "completed",
+            "failure_kind": "none",
+            "decision": "accept",
+            "final": True,
+            "masked": False,
+            "reward": 1.0,
+            "final_text": "done " * 40,
+            "evidence_gaps": [],
+            "tool_calls": [{"name": "shell", "status": "completed", "exit_code": 0, "output": "ok\n"}],
+            "messages": [{"role": "assistant", "text": "x" * 400}],
+        }
+
+    batches = [
+        rows_to_batch([row(i) for i in range(start, min(start + 100, rows))]) for start in range(0, rows, 100)
+    ]
+    st = RunStore(scratch / "d", flush_rows=10_000)
+    t0 = time.perf_counter()
+    for batch in batches:
+        st.append(batch)
+    st.flush()
+    append_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = scan(scratch / "d" / "rows")
+    scan_s = time.perf_counter() - t0
+    assert len(state.final) == rows
+    return {"rows": rows, "append_rows_per_s": rows / append_s, "resume_scan_s": scan_s}
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_all(
+    parts: str,
+    runs: int,
+    null_rollouts: int,
+    memory_rollouts: int,
+    store_rows: int,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
+    out: dict[str, Any] = {}
+    try:
+        if "d" in parts:
+            out["d"] = d = store(store_rows, scratch)
+            echo(
+                f"(d) store: {d['append_rows_per_s']:,.0f} rows/s appended; "
+                f"resume scan of {d['rows']:,} rows {d['resume_scan_s']:.2f} s"
+            )
+        if "a" in parts:
+            out["a"] = a = overhead(runs, scratch)
+            echo(
+                f"(a) overhead, {runs} sequential Codex rollouts: "
+                f"direct median {a['direct_median_s']:.3f} s, "
+                f"executor median {a['executor_session_median_s']:.3f} s (harness phase "
+                f"{a['executor_harness_phase_median_s']:.3f} s), ratio {a['ratio']:.2f}"
+            )
+        if "b" in parts:
+            out["b"] = b = throughput(null_rollouts, (32, 128), scratch)
+            for r in b:
+                echo(
+                    f"(b) null harness at concurrency {r['concurrency']}: "
+                    f"executor {r['executor_steady_per_s']:.1f}/s, "
+                    f"plain asyncio {r['plain_steady_per_s']:.1f}/s (steady state), "
+                    f"ratio {r['ratio']:.2f}; with start-up "
+                    f"{r['executor_per_s']:.1f}/s vs {r['plain_per_s']:.1f}/s"
+                )
+        if "c" in parts:
+            out["c"] = c = driver_memory(memory_rollouts, scratch)
+            echo(
+                f"(c) driver peak RSS: {c[0]['rollouts']:,} rollouts {c[0]['peak_rss_mb']:.0f} MB, "
+                f"{c[1]['rollouts']:,} rollouts {c[1]['peak_rss_mb']:.0f} MB, "
+                f"ratio {c[1]['peak_rss_mb'] / c[0]['peak_rss_mb']:.2f}"
+            )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "memory-child":
+        print(json.dumps(driver_memory_child(int(sys.argv[2]), Path(sys.argv[3]))))
