@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -99,7 +100,9 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
     }
     spec = SandboxSpec(
         run_id=req.run_id,
-        session_id=req.rollout_id,
+        # Unique per launch, not per attempt: a resume reruns an attempt whose driver was killed before
+        # its row was written, and that launch's sandbox directory may still be there.
+        session_id=f"{req.rollout_id}.{secrets.token_hex(3)}",
         ttl_s=cfg.limits.setup_timeout_s + deadline + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
     )
@@ -114,8 +117,10 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
         row["sandbox_id"] = sandbox.id
         try:
-            await lay_out(sandbox, req.task.workspace)
-            install_dir = await asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root)
+            _, install_dir = await asyncio.gather(
+                lay_out(sandbox, req.task.workspace),
+                asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root),
+            )
         except (InstallError, Exception) as exc:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
@@ -148,16 +153,16 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         timer.lap("agent")
         outcome = classify(result, report, gw)
         _record_agent(row, result, report, gw)
-        await _keep_evidence(sandbox, result, report, evidence_dir, row)
+        # The diff is taken before the verifier runs, so it holds the agent's changes and nothing of the
+        # verifier's; it reads the workspace while the evidence copy reads the harness's own files.
+        await asyncio.gather(
+            _keep_evidence(sandbox, result, report, evidence_dir, row), _record_diff(sandbox, row)
+        )
 
         rule = cfg.policy.rule_for(outcome.failure_kind)
         if rule.grade and req.task.verify is not None:
             outcome = await _grade(sandbox, req.task, outcome, row)
         timer.lap("verify")
-        try:
-            row["workspace_diff"] = bound_text(await workspace_diff(sandbox), MAX_DIFF_CHARS)
-        except Exception as exc:
-            row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
         return _finish(row, outcome, timer)
     finally:
         if gw is not None:
@@ -166,6 +171,13 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             row["cleanup_ok"] = await _stop(sandbox)
             row["t_cleanup_s"] = round(time.monotonic() - timer._t, 4)
             row["t_total_s"] = round(sum(timer.marks.values()) + row["t_cleanup_s"], 4)
+
+
+async def _record_diff(sandbox: Sandbox, row: dict[str, Any]) -> None:
+    try:
+        row["workspace_diff"] = bound_text(await workspace_diff(sandbox), MAX_DIFF_CHARS)
+    except Exception as exc:
+        row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
 
 
 async def _grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, Any]) -> Outcome:
@@ -214,7 +226,8 @@ def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport
 
 def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
     """Summed token counts of the answered attempts; unknown if any answered attempt lacked them."""
-    answered = [a for a in gw.attempts if a.kind is FailureKind.NONE]
+    # Model calls only: a GET (Hermes lists /models to look up prices) never carries usage.
+    answered = [a for a in gw.attempts if a.kind is FailureKind.NONE and a.method != "GET"]
     if not answered:
         return None, None
     ins = [a.input_tokens for a in answered]
