@@ -72,6 +72,9 @@ class _Timer:
         self.marks[name] = round(now - self._t, 4)
         self._t = now
 
+    def since_lap(self) -> float:
+        return round(time.monotonic() - self._t, 4)
+
 
 async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any]:
     """Run one attempt to the end and return its row (decision columns left for the driver)."""
@@ -169,7 +172,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             ctx.gateway.close_session(gw)
         if sandbox is not None:
             row["cleanup_ok"] = await _stop(sandbox)
-            row["t_cleanup_s"] = round(time.monotonic() - timer._t, 4)
+            row["t_cleanup_s"] = timer.since_lap()
             row["t_total_s"] = round(sum(timer.marks.values()) + row["t_cleanup_s"], 4)
 
 
