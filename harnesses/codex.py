@@ -14,7 +14,6 @@ Measured facts this adapter relies on (0.171.0, also 0.144.4; see shared/referen
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 import re
@@ -26,6 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage
+from harnesses.evidence import (
+    MAX_ARGUMENT_CHARS,
+    add_usage,
+    as_text,
+    bound_middle,
+    int_or_none,
+    json_lines,
+    read_event_stream,
+    read_or_none,
+)
 from harnesses.install import npm_install, npm_prefix
 from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox, SandboxError
@@ -45,11 +54,9 @@ STREAM_MAX_RETRIES = 2
 API_KEY_ENV = "ROLLOUT_API_KEY"
 PROVIDER_ID = "rollout"
 
-MAX_EVENT_STREAM_BYTES = 64 * 1024 * 1024
 MAX_TRANSCRIPT_BYTES = 64 * 1024 * 1024
 MAX_LAST_MESSAGE_BYTES = 1024 * 1024
 MAX_TOOL_OUTPUT_CHARS = 4_000
-MAX_ARGUMENT_CHARS = 4_000
 MAX_MESSAGE_CHARS = 64_000
 MAX_CLAIMED_MESSAGE_CHARS = 4_000
 MAX_UNKNOWN_TYPES = 20
@@ -234,7 +241,7 @@ class CodexHarness:
 
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport:
         state = _StreamState()
-        raw = await _read_stream(sandbox, result, state)
+        raw = await read_event_stream(sandbox, result, state.gaps)
         _parse_events(raw, state)
 
         transcript = _Transcript()
@@ -242,7 +249,7 @@ class CodexHarness:
         if path is None:
             state.gaps.append("transcript_unavailable")
         else:
-            data = await _read(sandbox, path, MAX_TRANSCRIPT_BYTES)
+            data = await read_or_none(sandbox, path, MAX_TRANSCRIPT_BYTES)
             if data is None:
                 state.gaps.append("transcript_unavailable")
                 path = None
@@ -257,15 +264,17 @@ class CodexHarness:
 
         final_text = state.last_agent_text
         if final_text is None:
-            last = await _read(sandbox, _last_message_path(sandbox), MAX_LAST_MESSAGE_BYTES)
+            last = await read_or_none(sandbox, _last_message_path(sandbox), MAX_LAST_MESSAGE_BYTES)
             if last:
                 final_text = last.decode("utf-8", "replace")
         if final_text is None:
             final_text = transcript.last_agent_message
         if final_text is not None:
-            final_text = _bound(final_text, MAX_MESSAGE_CHARS)
+            final_text = bound_middle(final_text, MAX_MESSAGE_CHARS)
 
-        messages = [Message(role="user", text=_bound(t, MAX_MESSAGE_CHARS)) for t in transcript.user_texts]
+        messages = [
+            Message(role="user", text=bound_middle(t, MAX_MESSAGE_CHARS)) for t in transcript.user_texts
+        ]
         messages += state.messages
 
         claimed_message = state.turn_failed_message or state.last_error_message
@@ -275,7 +284,9 @@ class CodexHarness:
             usage=usage or Usage(),
             final_text=final_text,
             claimed_failure=recognize_failure(claimed_message),
-            claimed_message=_bound(claimed_message, MAX_CLAIMED_MESSAGE_CHARS) if claimed_message else None,
+            claimed_message=bound_middle(claimed_message, MAX_CLAIMED_MESSAGE_CHARS)
+            if claimed_message
+            else None,
             evidence_gaps=state.gaps,
             native_transcript_path=path,
             reconnects=state.reconnects,
@@ -340,25 +351,7 @@ async def _find_transcript(sandbox: Sandbox, thread_id: str | None) -> str | Non
 
 
 async def _exists(sandbox: Sandbox, path: str) -> bool:
-    return await _read(sandbox, path, 0) is not None
-
-
-async def _read(sandbox: Sandbox, path: str, limit: int) -> bytes | None:
-    try:
-        return await sandbox.read_file(path, limit)
-    except (SandboxError, OSError):
-        return None
-
-
-async def _read_stream(sandbox: Sandbox, result: ExecResult, state: _StreamState) -> bytes:
-    data = await _read(sandbox, result.stdout_path, MAX_EVENT_STREAM_BYTES) if result.stdout_path else None
-    if data is None:
-        # Only the tail survived: its first line is likely cut, and is then counted as unparseable.
-        state.gaps.append("event_stream_partial")
-        return result.stdout_tail.encode("utf-8", "replace")
-    if len(data) >= MAX_EVENT_STREAM_BYTES or result.stdout_bytes > len(data):
-        state.gaps.append("event_stream_truncated")
-    return data
+    return await read_or_none(sandbox, path, 0) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,27 +380,8 @@ class _StreamState:
             self.gaps.append(code)
 
 
-def _json_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
-    """Each line that is a JSON object, and how many non-empty lines were not."""
-    objects: list[dict[str, Any]] = []
-    bad = 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line.decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            bad += 1
-            continue
-        if isinstance(value, dict):
-            objects.append(value)
-        else:
-            bad += 1
-    return objects, bad
-
-
 def _parse_events(data: bytes, state: _StreamState) -> None:
-    events, bad = _json_lines(data)
+    events, bad = json_lines(data)
     state.unparseable = bad
     for event in events:
         try:
@@ -432,7 +406,7 @@ def _apply_event(event: dict[str, Any], state: _StreamState) -> None:
         state.last_error_message = None  # whatever was reported before, the turn recovered from it
         usage = _usage_of(event.get("usage"))
         if usage is not None:
-            state.usage = usage if state.usage is None else _add_usage(state.usage, usage)
+            state.usage = usage if state.usage is None else add_usage(state.usage, usage)
     elif kind == "turn.failed":
         error = event.get("error")
         message = error.get("message") if isinstance(error, dict) else None
@@ -454,37 +428,37 @@ def _apply_item(item: dict[str, Any], *, completed: bool, state: _StreamState) -
     if item_type == "agent_message":
         text = item.get("text")
         if completed and isinstance(text, str):
-            state.messages.append(Message(role="assistant", text=_bound(text, MAX_MESSAGE_CHARS)))
+            state.messages.append(Message(role="assistant", text=bound_middle(text, MAX_MESSAGE_CHARS)))
             state.last_agent_text = text
     elif item_type == "command_execution":
         exit_code = item.get("exit_code")
         state.tool_calls[item_id] = ToolCall(
             name="shell",
             call_id=item_id,
-            arguments=_bound(_text(item.get("command")), MAX_ARGUMENT_CHARS),
+            arguments=bound_middle(as_text(item.get("command")), MAX_ARGUMENT_CHARS),
             status=_TOOL_STATUS.get(str(item.get("status")), "unknown") if completed else "unknown",
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
-            output=_bound(_text(item.get("aggregated_output")), MAX_TOOL_OUTPUT_CHARS),
+            output=bound_middle(as_text(item.get("aggregated_output")), MAX_TOOL_OUTPUT_CHARS),
         )
     elif item_type in ("file_change", "mcp_tool_call", "web_search"):
         if item_type == "file_change":
             name, arguments, output = "file_change", item.get("changes"), None
         elif item_type == "mcp_tool_call":
-            name = f"mcp:{_text(item.get('server'))}/{_text(item.get('tool'))}"
+            name = f"mcp:{as_text(item.get('server'))}/{as_text(item.get('tool'))}"
             arguments, output = item.get("arguments"), item.get("result") or item.get("error")
         else:
             name, arguments, output = "web_search", item.get("query"), None
         state.tool_calls[item_id] = ToolCall(
             name=name[:200],
             call_id=item_id,
-            arguments=_bound(_text(arguments), MAX_ARGUMENT_CHARS),
+            arguments=bound_middle(as_text(arguments), MAX_ARGUMENT_CHARS),
             status=_TOOL_STATUS.get(str(item.get("status")), "unknown") if completed else "unknown",
-            output=_bound(_text(output), MAX_TOOL_OUTPUT_CHARS) if output is not None else None,
+            output=bound_middle(as_text(output), MAX_TOOL_OUTPUT_CHARS) if output is not None else None,
         )
     elif item_type == "error":
         # Error items are warnings inside a turn (a failed turn ends with turn.failed instead); the
         # metadata one appears on every run against a model Codex does not know.
-        message = _text(item.get("message"))
+        message = as_text(item.get("message"))
         if not any(p.match(message) for p in _NON_FATAL_ERROR_ITEMS):
             log.debug("codex warning item: %s", message[:500])
     elif item_type not in _KNOWN_ITEMS:
@@ -503,7 +477,7 @@ class _Transcript:
 
 
 def _parse_transcript(data: bytes, transcript: _Transcript, gaps: list[str]) -> None:
-    records, bad = _json_lines(data)
+    records, bad = json_lines(data)
     unknown: list[str] = []
     for record in records:
         try:
@@ -549,53 +523,16 @@ def _apply_record(record: dict[str, Any], transcript: _Transcript, unknown: list
 # Small helpers
 
 
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
 def _usage_of(data: object) -> Usage | None:
     """Codex's usage object, or None when it carries no counts (Codex writes zeros for "not reported")."""
     if not isinstance(data, dict):
         return None
     usage = Usage(
-        input_tokens=_int_or_none(data.get("input_tokens")),
-        output_tokens=_int_or_none(data.get("output_tokens")),
-        cached_input_tokens=_int_or_none(data.get("cached_input_tokens")),
-        reasoning_tokens=_int_or_none(data.get("reasoning_output_tokens")),
+        input_tokens=int_or_none(data.get("input_tokens")),
+        output_tokens=int_or_none(data.get("output_tokens")),
+        cached_input_tokens=int_or_none(data.get("cached_input_tokens")),
+        reasoning_tokens=int_or_none(data.get("reasoning_output_tokens")),
     )
     if not usage.input_tokens and not usage.output_tokens:
         return None
     return usage
-
-
-def _add_usage(a: Usage, b: Usage) -> Usage:
-    def add(x: int | None, y: int | None) -> int | None:
-        return None if x is None and y is None else (x or 0) + (y or 0)
-
-    return Usage(
-        input_tokens=add(a.input_tokens, b.input_tokens),
-        output_tokens=add(a.output_tokens, b.output_tokens),
-        cached_input_tokens=add(a.cached_input_tokens, b.cached_input_tokens),
-        reasoning_tokens=add(a.reasoning_tokens, b.reasoning_tokens),
-    )
-
-
-def _text(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)[: MAX_ARGUMENT_CHARS * 2]
-    except (TypeError, ValueError, RecursionError):
-        return repr(type(value))
-
-
-def _bound(text: str, limit: int) -> str:
-    """At most ``limit`` characters, keeping the head and the tail (where errors usually are)."""
-    if len(text) <= limit:
-        return text
-    keep = max(0, limit - 40)  # 40 characters hold the marker for any realistic cut
-    marker = f"\n... [{len(text) - keep} chars cut] ...\n"
-    head = keep // 2
-    return text[:head] + marker + text[len(text) - (keep - head) :]

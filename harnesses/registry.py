@@ -19,7 +19,28 @@ def _command(version: str | None) -> Harness:
     return CommandHarness(version)
 
 
+def _opencode(version: str | None) -> Harness:
+    from harnesses.opencode import OpenCodeHarness
+
+    return OpenCodeHarness(version)
+
+
+def _hermes(version: str | None) -> Harness:
+    from harnesses.hermes import HermesHarness
+
+    return HermesHarness(version)
+
+
+def _pi(version: str | None) -> Harness:
+    from harnesses.pi import PiHarness
+
+    return PiHarness(version)
+
+
 HARNESSES: dict[str, Callable[[str | None], Harness]] = {"codex": _codex, "command": _command}
+HARNESSES["opencode"] = _opencode
+HARNESSES["pi"] = _pi
+HARNESSES["hermes"] = _hermes
 
 
 def make_harness(name: str, version: str | None = None, command: str | None = None) -> Harness:

@@ -127,13 +127,15 @@ def test_sigkill_mid_write_leaves_no_torn_part(tmp_path):
         from executor.schema import rows_to_batch
         from executor.store import RunStore
         store = RunStore(__import__("pathlib").Path({str(tmp_path / "run")!r}), flush_rows=50)
-        # The kill lands at a random moment, usually in the middle of writing a part file.
-        threading.Timer(random.uniform(0.5, 1.5), os.kill, (os.getpid(), signal.SIGKILL)).start()
         i = 0
         while True:
             store.append(rows_to_batch([{{"run_id": "r", "rollout_id": str(i), "task_id": str(i),
                                           "sample_index": 0, "attempt": 1}}] * 25))
             i += 1
+            if i == 2:
+                # Armed once the first part is written, so a slow machine cannot kill before any write;
+                # the kill lands at a random moment, usually in the middle of writing a later part file.
+                threading.Timer(random.uniform(0.05, 0.5), os.kill, (os.getpid(), signal.SIGKILL)).start()
     """)
     proc = subprocess.run([sys.executable, "-c", script], timeout=120)
     assert proc.returncode == -9

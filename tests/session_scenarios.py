@@ -1,0 +1,183 @@
+"""Session scenarios every harness adapter must pass, through ``run_session`` with the real binary.
+
+Used by the per-harness integration tests (tests/test_opencode.py, tests/test_pi.py): each scenario is a
+scripted model, a task and what the row must show. Gateway backoff and deadlines are small so a scenario
+costs little more than the harness's own start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from executor.session import SessionRequest, run_session
+from executor.tasks import Task
+from harnesses.base import HarnessReport, LaunchContext
+from harnesses.scripted_model import ScriptedModel, parse_steps
+from sandboxes.base import ExecResult
+from sandboxes.local import LocalSandbox
+from tests.conftest import processes_under, session_context
+
+FAST_GATEWAY = {"gateway": {"max_attempts_per_request": 3, "backoff_base_s": 0.1, "backoff_cap_s": 0.5}}
+MODEL = "scripted-model"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    script: list[dict[str, Any]]
+    check: Callable[[dict[str, Any]], None]
+    verify: str | None = "grep -qx 'hello world' hello.txt"
+    task: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _shell_calls(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in row["tool_calls"] if c["name"] in ("bash", "shell")]
+
+
+def _tool_success(row: dict[str, Any]) -> None:
+    assert (row["status"], row["failure_kind"], row["reward"]) == ("completed", "none", 1.0), row
+    assert row["final_text"] == "Created hello.txt."
+    calls = _shell_calls(row)
+    assert len(calls) == 2, row["tool_calls"]
+    assert [(c["status"], c["exit_code"]) for c in calls] == [("completed", 0), ("completed", 0)]
+    assert "hello world" in (calls[1]["output"] or "")
+    assert row["input_tokens"] > 0 and row["output_tokens"] > 0
+    assert row["messages"][0]["role"] == "user" and row["messages"][-1]["text"] == "Created hello.txt."
+    assert "transcript_unavailable" not in row["evidence_gaps"]
+    assert [a["status"] for a in row["model_attempts"]] == [200, 200, 200]
+
+
+def _tool_failure(row: dict[str, Any]) -> None:
+    assert (row["status"], row["reward"]) == ("completed", 1.0), row["error_message"]
+    failed, fixed = _shell_calls(row)
+    assert (failed["status"], failed["exit_code"]) == ("failed", 7)
+    assert "out" in (failed["output"] or "")
+    assert (fixed["status"], fixed["exit_code"]) == ("completed", 0)
+
+
+def _usage_omitted(row: dict[str, Any]) -> None:
+    assert row["status"] == "completed", row["error_message"]
+    assert row["input_tokens"] is None and row["output_tokens"] is None
+    # The harness's own counts are unknown too, not zeros it made up.
+    assert row["cached_input_tokens"] is None and row["reasoning_tokens"] is None
+    assert "usage_unavailable" in row["evidence_gaps"]
+
+
+def _retry_429(row: dict[str, Any]) -> None:
+    assert row["status"] == "completed", row["error_message"]
+    first, second = row["model_attempts"][:2]
+    assert (first["status"], second["status"]) == (429, 200)
+    assert first["request_sha256"] == second["request_sha256"]
+    assert second["started_at"] - first["started_at"] >= 1.0  # no sooner than Retry-After
+
+
+def _rate_limit_exhausted(row: dict[str, Any]) -> None:
+    assert (row["status"], row["failure_kind"], row["http_status"]) == ("failed", "rate_limit_exceeded", 429)
+    assert len([a for a in row["model_attempts"] if a["status"] == 429]) == 3  # the gateway's budget
+    assert row.get("reward") is None
+
+
+def _context_overflow(row: dict[str, Any]) -> None:
+    assert (row["status"], row["failure_kind"]) == ("incomplete", "model_context_limit"), row["error_message"]
+    assert row["reward"] == 1.0  # the partial work is graded
+    assert len(row["model_attempts"]) <= 12  # the gateway's overflow cap ended any compaction loop
+
+
+def _agent_hang(row: dict[str, Any]) -> None:
+    assert (row["status"], row["failure_kind"]) == ("incomplete", "agent_timeout")
+    assert row["timed_out"] is True and row["reward"] == 0.0
+
+
+_HELLO = "printf 'hello world\\n' > hello.txt"
+SCENARIOS: dict[str, Scenario] = {
+    "tool_success": Scenario(
+        [
+            {"type": "shell", "command": _HELLO},
+            {"type": "shell", "command": "cat hello.txt"},
+            {"type": "text", "text": "Created hello.txt."},
+        ],
+        _tool_success,
+    ),
+    "tool_failure": Scenario(
+        [
+            {"type": "shell", "command": "echo out; echo err >&2; exit 7"},
+            {"type": "shell", "command": _HELLO},
+            {"type": "text", "text": "Fixed it."},
+        ],
+        _tool_failure,
+    ),
+    "usage_omitted": Scenario(
+        [{"type": "text", "text": "Nothing to do.", "usage": False}], _usage_omitted, None
+    ),
+    "retry_429": Scenario(
+        [{"type": "error", "status": 429, "headers": {"Retry-After": "1"}}, {"type": "text", "text": "done"}],
+        _retry_429,
+        None,
+    ),
+    "rate_limit_exhausted": Scenario(
+        [{"type": "error", "status": 429, "headers": {"Retry-After": "0"}}], _rate_limit_exhausted, None
+    ),
+    "context_overflow": Scenario(
+        [{"type": "shell", "command": "echo partial > part.txt"}, {"type": "error", "status": 400}],
+        _context_overflow,
+        "grep -qx partial part.txt",
+    ),
+    "agent_hang": Scenario(
+        [{"type": "hang", "max_s": 600}],
+        _agent_hang,
+        "test -f hello.txt",
+        task={"deadline_s": 6},
+        config={"limits": {"grace_s": 2}},
+    ),
+}
+
+
+async def run_scenario(tmp_path: Path, harness: Any, name: str) -> dict[str, Any]:
+    """Run one scenario through ``run_session``; check the row and that no process outlived it."""
+    scenario = SCENARIOS[name]
+    fields: dict[str, Any] = {
+        "id": f"{harness.name}-{name}".replace("_", "-"),
+        "prompt": "Create hello.txt containing hello world",
+        "model_script": scenario.script,
+        **scenario.task,
+    }
+    if scenario.verify:
+        fields["verify"] = scenario.verify
+    config = {**FAST_GATEWAY, **scenario.config}
+    async with session_context(tmp_path, config, harness=harness) as ctx:
+        row = await run_session(SessionRequest("t", Task.model_validate(fields), 0, 1), ctx)
+    scenario.check(row)
+    assert row["harness"] == harness.name and row["cleanup_ok"] is True
+    assert not processes_under(str(tmp_path / "sandboxes"))
+    return row
+
+
+async def run_direct(
+    harness: Any, sandbox: LocalSandbox, model: ScriptedModel, install_dir: Path, prompt: str, steps: list
+) -> tuple[ExecResult, HarnessReport]:
+    """One harness run against the scripted model without the gateway (its requests are logged by key)."""
+    model.set_script("direct", parse_steps(steps))
+    base_url = model.base_url.removesuffix("/v1") + "/s/direct/v1"
+    ctx = LaunchContext(
+        base_url=base_url, api_key="sk-session-token", model=MODEL, prompt=prompt, install_dir=install_dir
+    )
+    launch = await harness.prepare(sandbox, ctx)
+    result = await sandbox.exec(launch.argv, env=launch.env, stdin=launch.stdin, timeout=120, name="harness")
+    return result, await harness.parse(sandbox, result)
+
+
+def user_texts(body: dict[str, Any]) -> list[str]:
+    """The user messages' texts of a Chat Completions request body."""
+    texts = []
+    for message in body.get("messages", []):
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.append("".join(p.get("text", "") for p in content if isinstance(p, dict)))
+    return texts
