@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint install clean-runs
+.PHONY: demo test lint install clean-runs conformance
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected no tests: a failure here, not a pass.
 	$(VENV)/bin/pytest -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+
+# Every scenario against every registered harness; the matrix goes to runs/conformance/conformance.md.
+conformance: $(STAMP)
+	$(VENV)/bin/rollout conformance --harness all --out runs/conformance
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from executor.tasks import InputError
+
+if TYPE_CHECKING:
+    from executor.config import RunConfig
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Distributed rollouts of coding-agent harnesses."
@@ -67,11 +70,16 @@ def run(
         _fail_input(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from executor.driver import Driver
+    from executor.runs import running_marker
 
-    summary = Driver(cfg).run()
+    _ensure_harness(cfg)
+    with running_marker(Path(cfg.out) / (cfg.run_id or "")):
+        summary = Driver(cfg).run()
     _print_counts(Path(summary.run_dir))
     if summary.stopped:
-        Console(stderr=True).print(f"[bold red]run stopped:[/] {summary.stopped}", highlight=False)
+        Console(stderr=True).print(
+            f"[bold red]run stopped:[/] {summary.stopped}", highlight=False, soft_wrap=True
+        )
     console.print(
         f"rows: {summary.rows}  final: {summary.final}  pending: {summary.pending}  -> {summary.run_dir}",
         highlight=False,
@@ -88,49 +96,275 @@ def _validate_tasks(path: Path) -> None:
 
 
 @app.command()
-def status(run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")]) -> None:
-    """Counts by status, failure kind and decision; works while the run is going."""
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    slowest: Annotated[int, typer.Option(min=0, max=1000, help="How many slowest rollouts to list.")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as one JSON object.")] = False,
+) -> None:
+    """Tables by status, failure kind, harness and provider; retries, masks, the slowest rollouts.
+
+    Reads the part files written so far, so it works while the run is going."""
+    import json
+
+    from executor.status import print_status, status_data
+
     if not (run_dir / "rows").is_dir():
         _fail_input(f"{run_dir}: not a run directory (no rows/ inside)")
-    _print_counts(run_dir)
+    data = status_data(run_dir, slowest=slowest)
+    if as_json:
+        print(json.dumps(data))
+    else:
+        print_status(data, console)
 
 
 def _print_counts(run_dir: Path) -> None:
-    from executor.store import read_table
+    from executor.status import counts_table, status_data
 
-    cols = read_table(
-        run_dir,
-        [
-            "task_id",
-            "sample_index",
-            "status",
-            "failure_kind",
-            "decision",
-            "final",
-            "reward",
-            "t_total_s",
-            "rollout_id",
-        ],
-    ).to_pydict()
-    n = len(cols["task_id"])
-    final_rows = [i for i in range(n) if cols["final"][i]]
-    table = Table(title=f"{run_dir.name}: {n} rows, {len(final_rows)} final")
-    for name in ("status", "failure_kind", "decision", "rows", "final", "mean reward"):
-        table.add_column(name, justify="right" if name in ("rows", "final", "mean reward") else "left")
-    groups: Counter[tuple[str, str, str]] = Counter()
-    finals: Counter[tuple[str, str, str]] = Counter()
-    rewards: dict[tuple[str, str, str], list[float]] = {}
-    for i in range(n):
-        key = (cols["status"][i], cols["failure_kind"][i], cols["decision"][i])
-        groups[key] += 1
-        finals[key] += int(bool(cols["final"][i]))
-        if cols["reward"][i] is not None and cols["decision"][i] == "accept":
-            rewards.setdefault(key, []).append(cols["reward"][i])
-    for key, count in sorted(groups.items()):
-        rs = rewards.get(key)
-        mean = f"{sum(rs) / len(rs):.3f}" if rs else "-"
-        table.add_row(*key, str(count), str(finals[key]), mean)
+    console.print(counts_table(status_data(run_dir, slowest=0)))
+
+
+def _ensure_harness(cfg: RunConfig) -> None:
+    """Install the harness before the run starts, saying so when it was not in the cache yet."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harnesses.install import InstallError, default_cache_root
+    from harnesses.registry import make_harness
+
+    harness = make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command)
+    cache = default_cache_root()
+    err = Console(stderr=True)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        job = pool.submit(harness.ensure_installed, cache)
+        try:
+            job.result(timeout=1.0)  # an installed harness answers in milliseconds
+        except TimeoutError:
+            err.print(
+                f"harness {harness.name} {harness.version} is not in the cache yet: installing it into "
+                f"{cache} now (once; later runs and sessions reuse it; set ROLLOUT_CACHE to move the cache)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        except InstallError:
+            pass  # reported below, with the installer's output
+        try:
+            job.result()
+        except InstallError as exc:
+            err.print(
+                f"[bold red]error:[/] harness {harness.name} {harness.version} could not be installed: "
+                f"{exc.message}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            if exc.output_tail:
+                err.print("--- installer output (tail) ---", highlight=False)
+                err.print(exc.output_tail, highlight=False, markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+@app.command()
+def runs(
+    out_root: Annotated[Path, typer.Argument(help="An output root holding run directories.")] = Path("runs"),
+) -> None:
+    """The runs under OUT_ROOT with their state (running, complete, stopped, ...) and counts."""
+    import datetime
+
+    from executor.runs import list_runs
+
+    if not out_root.is_dir():
+        _fail_input(f"{out_root}: no such directory")
+    found = list_runs(out_root)
+    if not found:
+        console.print(f"{out_root}: no runs", highlight=False)
+        return
+    table = Table(title=str(out_root), box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in ("run", "state", "rows", "final", "accept", "mask", "retry", "pending", "updated UTC"):
+        justify = "left" if name in ("run", "state", "updated UTC") else "right"
+        table.add_column(name, justify=justify, no_wrap=True)
+    for r in found:
+        updated = (
+            datetime.datetime.fromtimestamp(r.updated_at, datetime.UTC).strftime("%m-%d %H:%M")
+            if r.updated_at
+            else "-"
+        )
+        table.add_row(
+            r.run_id,
+            r.state,
+            str(r.rows),
+            str(r.final),
+            str(r.by_decision.get("accept", 0)),
+            str(r.by_decision.get("mask", 0)),
+            str(r.by_decision.get("retry", 0)),
+            "-" if r.pending is None else str(r.pending),
+            updated,
+        )
     console.print(table)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    out: Annotated[Path | None, typer.Option(help="HTML file to write (default RUN_DIR/report.html).")] = (
+        None
+    ),
+) -> None:
+    """One self-contained HTML file with the run's plots; nothing is fetched when it is viewed."""
+    from executor.report import write_report
+
+    try:
+        path = write_report(run_dir, out)
+    except InputError as exc:
+        _fail_input(str(exc))
+    console.print(f"report -> {path}", highlight=False)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    train: Annotated[Path, typer.Option(help="File to write (Parquet, or JSON lines with --format jsonl).")],
+    fmt: Annotated[str, typer.Option("--format", help="parquet or jsonl.")] = "parquet",
+    all_rows: Annotated[
+        bool, typer.Option("--all", help="Every attempt with its decision columns, not just trainable rows.")
+    ] = False,
+) -> None:
+    """Rows for a trainer: final, unmasked, accepted (or --all), in the documented export schema."""
+    from executor.export import export as write_export
+
+    if fmt not in ("parquet", "jsonl"):
+        _fail_input(f"--format: {fmt!r} is not one of parquet, jsonl")
+    try:
+        rows = write_export(run_dir, train, fmt, include_all=all_rows)  # type: ignore[arg-type]
+    except InputError as exc:
+        _fail_input(str(exc))
+    console.print(f"{rows} rows -> {train}", highlight=False)
+
+
+@app.command()
+def replay(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    rollout_id: Annotated[str, typer.Argument(help="The row's rollout id (TASK.sN.aN).")],
+    model_url: Annotated[str | None, typer.Option(help="Another OpenAI-compatible endpoint (…/v1).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name to request.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key.")] = None,
+) -> None:
+    """Run one recorded rollout again, locally, with its harness version, config, task and sample.
+
+    Prints what differs; exits 0 when status, failure kind, reward and tool calls match, 1 otherwise."""
+    from executor.replay import describe_tool_calls, run_replay
+
+    overrides: dict[str, object] = {}
+    if model_url:
+        overrides["model.provider"] = "openai"
+        overrides["model.base_url"] = model_url
+    if model:
+        overrides["model.name"] = model
+    if api_key_env:
+        overrides["model.api_key_env"] = api_key_env
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_replay(run_dir, rollout_id, overrides)
+    except InputError as exc:
+        _fail_input(str(exc))
+    table = Table(title=f"replay of {rollout_id}")
+    for name in ("field", "recorded", "replayed", ""):
+        table.add_column(name)
+    for name, recorded, replayed, same in result.comparison():
+        if name == "tool_calls":
+            recorded, replayed = describe_tool_calls(recorded), describe_tool_calls(replayed)
+        mark = "" if same is None else ("same" if same else "[bold red]DIFFERS[/]")
+        table.add_row(name, str(recorded), str(replayed), mark)
+    console.print(table)
+    verdict = "same outcome" if result.same else f"differs in: {', '.join(result.differences)}"
+    console.print(f"{verdict}; evidence -> {result.evidence_dir}", highlight=False)
+    raise typer.Exit(0 if result.same else 1)
+
+
+@app.command()
+def conformance(
+    harness: Annotated[str, typer.Option(help="A harness name, or 'all'.")] = "all",
+    version: Annotated[
+        list[str] | None,
+        typer.Option(help="V (one harness), NAME=V (repeatable), or nemo-gym (NeMo Gym's versions)."),
+    ] = None,
+    scenario: Annotated[list[str] | None, typer.Option(help="Only this scenario; repeatable.")] = None,
+    out: Annotated[Path, typer.Option(help="Where conformance.md/.json and each cell's rows go.")] = Path(
+        "runs/conformance"
+    ),
+    concurrency: Annotated[int, typer.Option(min=1, max=64, help="Cells running at once.")] = 4,
+    network: Annotated[
+        str, typer.Option(help="isolated (a loopback-only network namespace), host, or auto.")
+    ] = "auto",
+) -> None:
+    """Every scenario against every harness through the real executor path; writes the matrix."""
+    import asyncio
+
+    from executor.conformance import network_mode, parse_scenarios, parse_targets, run_matrix
+
+    try:
+        targets = parse_targets(harness, version or [])
+        scenarios = parse_scenarios(scenario or [])
+        network_mode(network)
+    except InputError as exc:
+        _fail_input(str(exc))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    matrix = asyncio.run(
+        run_matrix(targets, scenarios, out.resolve(), concurrency=concurrency, network=network)
+    )
+    passed = sum(c.passed for c in matrix.cells)
+    for cell in matrix.cells:
+        if not cell.passed:
+            line = f"FAIL {cell.harness} {cell.version} {cell.scenario}: {cell.first_failure}"
+            console.print(line, highlight=False, soft_wrap=True)
+    console.print(
+        f"{passed}/{len(matrix.cells)} cells pass in {matrix.wall_s:.1f}s -> {out / 'conformance.md'}",
+        highlight=False,
+    )
+    raise typer.Exit(0 if matrix.passed else 1)
+
+
+@app.command()
+def bench(
+    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d.")] = "abcd",
+    runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
+    null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 256,
+    memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
+    store_rows: Annotated[int, typer.Option(help="(d) rows appended, then resume-scanned.")] = 100_000,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
+) -> None:
+    """Measure what the executor itself costs, side by side with doing without it."""
+    import json
+
+    from executor.bench import run_all
+
+    if not set(parts) <= set("abcd") or not parts:
+        _fail_input(f"--parts {parts!r}: use letters from 'abcd'")
+    figures = run_all(parts, runs, null_rollouts, memory_rollouts, store_rows, echo=console.print)
+    if json_out:
+        json_out.write_text(json.dumps(figures, indent=2))
+
+
+@app.command()
+def gc(
+    config: Annotated[Path, typer.Argument(help="The run config (YAML): it names the sandbox provider.")],
+    run: Annotated[str | None, typer.Option("--run", help="Only this run's sandboxes.")] = None,
+    everything: Annotated[
+        bool, typer.Option("--all", help="With --run: end all of them, owners alive or not.")
+    ] = False,
+) -> None:
+    """End the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left."""
+    from executor.config import load_config
+    from executor.gc import collect
+
+    if everything and not run:
+        _fail_input("--all needs --run RUN: it ends every sandbox of that run")
+    try:
+        cfg = load_config(config)
+    except InputError as exc:
+        _fail_input(str(exc))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    reaped = collect(cfg, run, everything=everything)
+    for sandbox_id in reaped:
+        console.print(f"ended {sandbox_id}", highlight=False)
+    console.print(f"{cfg.sandbox.provider}: {len(reaped)} sandboxes ended", highlight=False)
 
 
 @model_app.command("serve")

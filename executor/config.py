@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from executor.admission import AdmissionConfig
-from executor.tasks import InputError
+from executor.tasks import InputError, location_of
 from harnesses.gateway import GatewayConfig
 from harnesses.registry import HARNESSES
 from policy import PolicyConfig
+from sandboxes.base import SandboxProvider
+from sandboxes.ecs import EcsSandboxConfig
+from sandboxes.provider_config import ProviderConfig
+from sandboxes.slurm import SlurmSandboxConfig
 
 
 class HarnessConfig(BaseModel):
@@ -58,14 +62,51 @@ class ModelConfig(BaseModel):
         return value
 
 
-class LocalSandboxConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class LocalSandboxConfig(ProviderConfig):
     provider: Literal["local"] = "local"
-    root: str | None = None  # default: <cache>/sandboxes
-    keep: bool = False  # keep each session's directory after the rollout
-    # Chaos testing only: this fraction of sandbox starts fails on purpose (sandboxes/faults.py).
-    inject_start_failures: float = Field(default=0.0, ge=0, le=1)
+    # isolated: every command in a loopback-only network namespace of its own, which reaches the
+    # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
+    network: Literal["host", "isolated"] = "host"
+
+    @model_validator(mode="after")
+    def _can_isolate(self) -> LocalSandboxConfig:
+        if self.network == "isolated":
+            from sandboxes.netns import IsolationUnavailable, check_available
+
+            try:
+                check_available()
+            except IsolationUnavailable as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def build(self, root: Path, network_forward: tuple[int, str] | None = None) -> SandboxProvider:
+        from sandboxes.local import LocalSandboxProvider
+
+        if self.network == "isolated" and network_forward is None:
+            raise ValueError("sandbox.network 'isolated' needs the gateway's port and Unix socket")
+        return LocalSandboxProvider(root, keep=self.keep, network_forward=network_forward)
+
+    def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
+        # A local sandbox's owner is a process on this host: a crashed run's owners are all dead.
+        from sandboxes.local import reap_stale
+
+        return reap_stale(root, run_id)
+
+
+def _provider_of(value: Any) -> str | None:
+    # A section without ``provider`` is local, as it was before there were other providers.
+    if isinstance(value, dict):
+        return value.get("provider", "local")
+    return getattr(value, "provider", None)
+
+
+# One section per provider, told apart by ``provider``; each builds its provider and reaps its leftovers.
+SandboxConfig = Annotated[
+    Annotated[LocalSandboxConfig, Tag("local")]
+    | Annotated[SlurmSandboxConfig, Tag("slurm")]
+    | Annotated[EcsSandboxConfig, Tag("ecs")],
+    Discriminator(_provider_of),
+]
 
 
 class LimitsConfig(BaseModel):
@@ -97,7 +138,7 @@ class RunConfig(BaseModel):
     samples: int = Field(default=1, ge=1, le=10_000)
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    sandbox: LocalSandboxConfig = Field(default_factory=LocalSandboxConfig)
+    sandbox: SandboxConfig = Field(default_factory=LocalSandboxConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
@@ -112,10 +153,24 @@ class RunConfig(BaseModel):
 
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(root)"
+    where = location_of(first["loc"])
+    allowed = _keys_at(first["loc"][:-1]) if first["type"] == "extra_forbidden" else None
+    if allowed:
+        return f"{where}: {first['msg']} (an unknown key); allowed here: {', '.join(allowed)}"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {str(value)[:80]!r})"
     return f"{where}: {first['msg']}{shown}"
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys the config accepts at ``loc``, so a typo's error can list them."""
+    model: Any = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return list(model.model_fields)
 
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -18,7 +18,13 @@ from typing import Any
 import pyarrow as pa
 import ray
 import yaml
-from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
+from ray.exceptions import (
+    ActorUnavailableError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+    TaskCancelledError,
+)
 
 from executor.admission import Admission
 from executor.config import RunConfig
@@ -51,6 +57,10 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 0.25
 CANCEL_GRACE_S = 60.0
+# A session sent to a worker we already know died, while Ray restarts it, never ran: send it again,
+# same attempt, after a pause; bounded, after which it is a sandbox_lost attempt like any other.
+UNAVAILABLE_PAUSE_S = 1.0
+UNAVAILABLE_RESENDS = 120
 
 
 @dataclass(order=True)
@@ -162,6 +172,9 @@ class Driver:
         self._load: list[int] = []
         self._stopped: str | None = None
         self._stopped_by: str | None = None
+        self._submitted_at: dict[ray.ObjectRef, float] = {}
+        self._worker_died_at: dict[int, float] = {}
+        self._resends: dict[tuple[str, int], int] = {}
         self.breaker = CircuitBreaker(cfg.policy.breaker)
         self.admission = Admission(cfg.in_flight_cap, cfg.concurrency.admission)
         # (request, batch, verdict) of final rows waiting for the rest of their group; see policy/groups.py
@@ -265,18 +278,40 @@ class Driver:
         index = min(range(len(workers)), key=self._load.__getitem__)
         ref = workers[index].run.remote(req.task.model_dump_json(), req.sample_index, req.attempt)
         self._inflight[ref] = (req, index)
+        self._submitted_at[ref] = time.monotonic()
         self._load[index] += 1
 
     def _settle(self, ref: ray.ObjectRef, budget: int, progress: Progress) -> int:
         req, index = self._inflight.pop(ref)
         self._load[index] -= 1
+        submitted_at = self._submitted_at.pop(ref, 0.0)
         try:
             batch: pa.RecordBatch = ray.get(ref)
+        except ActorUnavailableError as exc:
+            key = (req.task.id, req.sample_index)
+            died_at = self._worker_died_at.get(index)
+            known_dead = died_at is not None and submitted_at >= died_at
+            if known_dead and self._resends.get(key, 0) < UNAVAILABLE_RESENDS:
+                self._resends[key] = self._resends.get(key, 0) + 1
+                heapq.heappush(
+                    self._retries,
+                    _Retry(
+                        time.monotonic() + UNAVAILABLE_PAUSE_S,
+                        next(self._seq),
+                        req.task,
+                        req.sample_index,
+                        req.attempt,
+                    ),
+                )
+                return budget
+            self._note_death(index, submitted_at)
+            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
         except TaskCancelledError as exc:
             if self._stopped:
                 return budget  # cancelled by our stop: nothing ran to an end, the sample reruns on resume
             batch = self._lost(req, f"session cancelled: {str(exc)[:500]}")
         except RayActorError as exc:
+            self._note_death(index, submitted_at)
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
             collect_quietly(self.cfg)  # its sandboxes (jobs, tasks, process trees) must not outlive it
         except RayTaskError as exc:
@@ -369,6 +404,12 @@ class Driver:
         log.info("stopping the run: %s", reason)
         for pending in self._inflight:
             ray.cancel(pending)
+
+    def _note_death(self, index: int, submitted_at: float) -> None:
+        """Record a worker's death once per burst: sessions sent before it died do not move the mark."""
+        died_at = self._worker_died_at.get(index)
+        if died_at is None or submitted_at > died_at:
+            self._worker_died_at[index] = time.monotonic()
 
     def _lost(self, req: SessionRequest, message: str) -> pa.RecordBatch:
         return rows_to_batch([lost_row(req, self.cfg.harness.name, self.cfg.sandbox.provider, message)])

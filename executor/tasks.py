@@ -52,10 +52,20 @@ class Task(BaseModel):
         return value
 
 
+def location_of(loc: tuple[Any, ...]) -> str:
+    """A validation error's key path as one bounded line: keys come from the input, so escape them."""
+    parts = []
+    for part in loc[:8]:
+        text = str(part)
+        if not text.isprintable():
+            text = repr(text)[1:-1]  # a control character in a key must not break the error's line
+        parts.append(text if len(text) <= 60 else text[:57] + "...")
+    return ".".join(parts) or "(root)"
+
+
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(root)"
-    return f"{where}: {first['msg']}"
+    return f"{location_of(first['loc'])}: {first['msg']}"
 
 
 def load_tasks(path: Path) -> Iterator[Task]:

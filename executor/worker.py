@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import ray
 
-from executor.config import RunConfig
+from executor.config import LocalSandboxConfig, RunConfig
+from executor.gc import collect_quietly
 from executor.schema import rows_to_batch
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.tasks import Task
@@ -18,11 +22,17 @@ from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
 from harnesses.scripted_model import ScriptedModel
-from sandboxes.local import LocalSandboxProvider, reap_stale
+from sandboxes.base import SandboxProvider
+from sandboxes.faults import FlakyStartProvider
 
 
 def sandbox_root(cfg: RunConfig) -> Path:
     return Path(cfg.sandbox.root) if cfg.sandbox.root else default_cache_root() / "sandboxes"
+
+
+def gateway_host(cfg: RunConfig) -> str:
+    host = cfg.sandbox.gateway_host
+    return ray.util.get_node_ip_address() if host == "node-ip" else host
 
 
 class SandboxWorker:
@@ -49,13 +59,13 @@ class SandboxWorker:
             else:
                 upstream, key = cfg.model.base_url or "", cfg.model.api_key()
             gateway = Gateway(upstream, key, cfg.gateway)
-            await gateway.start()
+            await gateway.start(host=gateway_host(cfg), unix_path=_gateway_socket(cfg))
             root = sandbox_root(cfg)
-            # A worker that died before us may have left sandboxes; its process trees are ours to end.
-            await asyncio.to_thread(reap_stale, root, None)
+            # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
+            await asyncio.to_thread(collect_quietly, cfg)
             self._ctx = SessionContext(
                 config=cfg,
-                provider=LocalSandboxProvider(root, keep=cfg.sandbox.keep),
+                provider=_provider(cfg, root, gateway),
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
@@ -77,6 +87,25 @@ class SandboxWorker:
 
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id}
+
+
+def _gateway_socket(cfg: RunConfig) -> str | None:
+    """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,
+    since a socket path must fit in 108 bytes."""
+    if not isinstance(cfg.sandbox, LocalSandboxConfig) or cfg.sandbox.network != "isolated":
+        return None
+    return os.path.join(tempfile.gettempdir(), f"rollout-gw-{os.getpid()}-{secrets.token_hex(4)}.sock")
+
+
+def _provider(cfg: RunConfig, root: Path, gateway: Gateway) -> SandboxProvider:
+    provider: SandboxProvider
+    if isinstance(cfg.sandbox, LocalSandboxConfig) and gateway.unix_path:
+        provider = cfg.sandbox.build(root, (urlsplit(gateway.url).port or 0, gateway.unix_path))
+    else:
+        provider = cfg.sandbox.build(root)
+    if cfg.sandbox.inject_start_failures:
+        provider = FlakyStartProvider(provider, cfg.sandbox.inject_start_failures)
+    return provider
 
 
 RemoteSandboxWorker = ray.remote(SandboxWorker)

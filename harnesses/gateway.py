@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import random
 import secrets
 import time
@@ -370,6 +371,7 @@ class Gateway:
         self._client: httpx.AsyncClient | None = None
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
+        self.unix_path: str | None = None  # the Unix socket it also listens on, if any
 
     @property
     def url(self) -> str:
@@ -377,7 +379,9 @@ class Gateway:
             raise RuntimeError("the gateway is not started")
         return self._url
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, unix_path: str | None = None) -> None:
+        """Listen on ``host:port``; with ``unix_path`` on that Unix socket too, which is how a sandbox in
+        its own network namespace reaches the gateway (``sandboxes/netns.py``)."""
         if self._runner is not None:
             raise RuntimeError("the gateway is already started")
         app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
@@ -388,6 +392,9 @@ class Gateway:
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
+            if unix_path is not None:
+                await web.UnixSite(runner, unix_path).start()
+                self.unix_path = unix_path
         except BaseException:
             await runner.cleanup()
             raise
@@ -416,6 +423,10 @@ class Gateway:
             await self._client.aclose()
             self._client = None
         self._url = None
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
+            self.unix_path = None
 
     def open_session(self, session_id: str, evidence_dir: Path) -> GatewaySession:
         token = secrets.token_urlsafe(32)

@@ -174,9 +174,7 @@ def venv_prefix(cache_root: Path, package: str, version: str) -> Path:
     return Path(cache_root) / "venv" / f"{package}@{version}"
 
 
-def venv_install(
-    cache_root: Path, package: str, version: str, bin_name: str, timeout_s: float = 600
-) -> Path:
+def venv_install(cache_root: Path, package: str, version: str, bin_name: str, timeout_s: float = 600) -> Path:
     """Install PyPI ``package==version`` into its own venv once; return the venv's ``bin/<bin_name>``.
 
     The venv is made by the interpreter our own venv was made from, so it shares nothing of our

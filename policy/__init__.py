@@ -1,5 +1,7 @@
 """The outcome vocabulary and the retry / grade / mask policy. Imports nothing of ours."""
 
+from policy.breaker import BreakerConfig, CircuitBreaker
+from policy.groups import GroupAction, GroupBook, GroupMode, GroupVerdict, decide_group
 from policy.http_errors import (
     error_message_of,
     is_context_overflow,
@@ -24,9 +26,15 @@ __all__ = [
     "DEFAULT_RULES",
     "KIND_INFO",
     "MAX_ERROR_MESSAGE_CHARS",
+    "BreakerConfig",
+    "CircuitBreaker",
     "Decision",
     "FailureKind",
     "FinalAs",
+    "GroupAction",
+    "GroupBook",
+    "GroupMode",
+    "GroupVerdict",
     "KindInfo",
     "Outcome",
     "PolicyConfig",
@@ -36,6 +44,7 @@ __all__ = [
     "backoff_delay",
     "bound_text",
     "decide",
+    "decide_group",
     "error_message_of",
     "is_context_overflow",
     "is_retryable",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policy.breaker import BreakerConfig
+from policy.groups import GroupMode
 from policy.outcome import KIND_INFO, Decision, FailureKind, Outcome
 
 
@@ -66,7 +67,9 @@ class PolicyConfig(BaseModel):
 
     rules: dict[FailureKind, Rule] = Field(default_factory=dict)
     retry_budget: int = Field(default=1_000, ge=0)  # extra attempts for the whole run
-    group: Literal["none"] = "none"
+    group: GroupMode = GroupMode.NONE
+    group_resubmits: int = Field(default=1, ge=0, le=10)  # resubmit_group: whole-group reruns per task
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
 
     @model_validator(mode="after")
     def _no_graded_infrastructure_zero(self) -> PolicyConfig:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandboxes import netns
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -153,6 +154,7 @@ class LocalSandboxProvider:
         nofile_limit: int = DEFAULT_NOFILE_LIMIT,
         path_prefixes: Sequence[str] = (),
         supervisor_slack_s: float = SUPERVISOR_SLACK_S,
+        network_forward: tuple[int, str] | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -162,6 +164,9 @@ class LocalSandboxProvider:
         self.nofile_limit = nofile_limit
         self.path_prefixes = tuple(path_prefixes)
         self.supervisor_slack_s = supervisor_slack_s
+        # (port, unix socket): every command runs in a loopback-only network namespace of its own, where
+        # 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
+        self.network_forward = network_forward
 
     async def start(self, spec: SandboxSpec) -> LocalSandbox:
         _check_component("run_id", spec.run_id)
@@ -208,6 +213,7 @@ class LocalSandbox:
         self._grace = provider.kill_grace_s
         self._nofile = provider.nofile_limit
         self._slack = provider.supervisor_slack_s
+        self._network_forward = provider.network_forward
         self._marker_token = uuid.uuid4().hex
         self._marker = marker_entry(self._marker_token)
         base = base_environment(
@@ -399,6 +405,8 @@ class LocalSandbox:
         if stdin is not None:
             await asyncio.to_thread(files.stdin.write_bytes, stdin)
         memory_mb = self.spec.memory_limit_mb
+        if self._network_forward is not None:
+            argv = netns.isolated_argv(argv, *self._network_forward)
         params = {
             "argv": argv,
             "cwd": str(cwd_real),

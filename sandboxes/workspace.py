@@ -81,10 +81,7 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec) -> None:
 
 # One shell script per operation rather than one exec per git command: each exec costs a process
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
-_PRELUDE = (
-    "command -v git >/dev/null 2>&1 || exit 127\n"
-    "g() { git " + shlex.join(_GIT_OPTIONS) + ' "$@"; }\n'
-)
+_PRELUDE = "command -v git >/dev/null 2>&1 || exit 127\ng() { git " + shlex.join(_GIT_OPTIONS) + ' "$@"; }\n'
 
 _BASELINE_SCRIPT = f"""set -e
 if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then

@@ -15,23 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def processes_under(marker: str) -> list[str]:
-    """Live processes whose command line or working directory mentions ``marker``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = (
-                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-            )
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if state != "Z" and (marker in cmdline or cwd.startswith(marker)):
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
+from sandboxes.leaks import processes_under  # noqa: F401  (its home; tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +26,30 @@ def codex_installed() -> Path:
     return CodexHarness().ensure_installed(default_cache_root())
 
 
+@pytest.fixture(scope="session")
+def opencode_installed() -> Path:
+    from harnesses.install import default_cache_root
+    from harnesses.opencode import OpenCodeHarness
+
+    return OpenCodeHarness().ensure_installed(default_cache_root())
+
+
+@pytest.fixture(scope="session")
+def pi_installed() -> Path:
+    from harnesses.install import default_cache_root
+    from harnesses.pi import PiHarness
+
+    return PiHarness().ensure_installed(default_cache_root())
+
+
+@pytest.fixture(scope="session")
+def hermes_installed() -> Path:
+    from harnesses.hermes import HermesHarness
+    from harnesses.install import default_cache_root
+
+    return HermesHarness().ensure_installed(default_cache_root())
+
+
 @asynccontextmanager
 async def session_context(
     tmp_path: Path,
@@ -49,8 +57,12 @@ async def session_context(
     *,
     upstream: str | None = None,
     api_key: str | None = None,
+    harness: Any = None,
 ) -> AsyncIterator[Any]:
-    """A SessionContext like a worker builds, with the scripted model as the endpoint unless given one."""
+    """A SessionContext like a worker builds, with the scripted model as the endpoint unless given one.
+
+    ``harness`` is an adapter instance; Codex when not given.
+    """
     from executor.config import RunConfig
     from executor.session import SessionContext
     from harnesses.codex import CodexHarness
@@ -68,7 +80,7 @@ async def session_context(
         yield SessionContext(
             config=cfg,
             provider=LocalSandboxProvider(tmp_path / "sandboxes"),
-            harness=CodexHarness(),
+            harness=harness if harness is not None else CodexHarness(),
             gateway=gateway,
             scripted=scripted,
             evidence_root=tmp_path / "evidence",
@@ -77,3 +89,68 @@ async def session_context(
     finally:
         await gateway.stop()
         await scripted.stop()
+
+
+DEMO_RUN_CONFIG = """\
+tasks: {tasks}
+out: {out}
+run_id: demo
+sandbox: {{root: {sandboxes}}}
+gateway: {{max_attempts_per_request: 3, backoff_base_s: 0.1}}
+policy:
+  rules:
+    rate_limit_exceeded: {{retry: true, max_attempts: 2, backoff_base_s: 0.2, backoff_cap_s: 0.5}}
+limits: {{deadline_s: 60, grace_s: 3}}
+concurrency: {{workers: 1, sessions_per_worker: 4}}
+"""
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory, codex_installed: Path) -> Path:
+    """One real `rollout run` of examples/tasks.jsonl per test session; the operator commands read it."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).parents[1]
+    root = tmp_path_factory.mktemp("demo-run")
+    config = root / "demo.yaml"
+    config.write_text(
+        DEMO_RUN_CONFIG.format(
+            tasks=repo / "examples" / "tasks.jsonl", out=root / "out", sandboxes=root / "sandboxes"
+        )
+    )
+    for _ in range(2):  # a second try only when Ray itself could not start (an overloaded machine)
+        proc = subprocess.run(
+            [sys.executable, "-m", "executor.cli", "run", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "RAY_TMPDIR": "/tmp/rollout-ray-tests"},
+            cwd=repo,
+        )
+        if "timed out during startup" not in proc.stderr:
+            break
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "out" / "demo"
+
+
+@pytest.fixture
+def partial_run(tmp_path: Path, demo_run: Path) -> Path:
+    """A run caught mid-way: its config and tasks, one part file with three rows, no summary, and a
+    driver marker naming a live process (this one)."""
+    import json
+    import shutil
+    import socket
+
+    import pyarrow.parquet as pq
+
+    from executor.store import read_table
+
+    run = tmp_path / "out" / "partial"
+    (run / "rows").mkdir(parents=True)
+    for name in ("config.yaml", "tasks.jsonl"):
+        shutil.copy(demo_run / name, run / name)
+    first = read_table(demo_run).slice(0, 3)
+    pq.write_table(first, run / "rows" / "part-000000.parquet")
+    (run / "driver.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    return run

@@ -1,0 +1,165 @@
+"""``rollout export``: a run's rows as a training set with a documented, versioned schema.
+
+``--train`` (the default selection) keeps only rows that are final, unmasked and accepted: the rows a
+trainer may learn from. ``--all`` keeps every attempt and adds the decision columns. The schema is
+``TRAIN_SCHEMA`` below (version ``TRAIN_SCHEMA_VERSION``, stored in the Parquet metadata under
+``rollout_executor_train_schema`` and as the ``schema_version`` column); the README documents each column.
+Part files are read one batch at a time and the output is written whole, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import yaml
+
+from executor.schema import ROW_SCHEMA
+from executor.store import iter_batches
+from executor.tasks import InputError, load_tasks
+
+TRAIN_SCHEMA_VERSION = "1"
+Format = Literal["parquet", "jsonl"]
+
+# Columns taken from the row as they are (their types live in executor/schema.py, one home).
+_ROW_COLUMNS = (
+    "run_id",
+    "rollout_id",
+    "task_id",
+    "sample_index",
+    "attempt",
+    "harness",
+    "harness_version",
+    "status",
+    "failure_kind",
+    "final_text",
+    "messages",
+    "tool_calls",
+    "model_attempts",
+    "input_tokens",
+    "output_tokens",
+    "reward",
+    "verified",
+    "evidence_dir",
+    "started_at",
+)
+_DECISION_COLUMNS = ("decision", "decision_reason", "masked", "final", "http_status", "error_message")
+
+
+def _field(name: str, out_name: str | None = None) -> pa.Field:
+    return pa.field(out_name or name, ROW_SCHEMA.field(name).type)
+
+
+def _schema(with_decisions: bool) -> pa.Schema:
+    fields = [
+        pa.field("schema_version", pa.string()),
+        *(_field(n, "model_calls" if n == "model_attempts" else None) for n in _ROW_COLUMNS[:7]),
+        pa.field("model", pa.string()),
+        pa.field("prompt", pa.large_string()),
+        pa.field("task_metadata", pa.large_string()),
+        *(_field(n, "model_calls" if n == "model_attempts" else None) for n in _ROW_COLUMNS[7:]),
+    ]
+    if with_decisions:
+        fields += [_field(n) for n in _DECISION_COLUMNS]
+    return pa.schema(fields, metadata={"rollout_executor_train_schema": TRAIN_SCHEMA_VERSION})
+
+
+TRAIN_SCHEMA = _schema(with_decisions=False)
+ALL_SCHEMA = _schema(with_decisions=True)
+
+
+def trainable(batch: pa.RecordBatch) -> pa.Array:
+    """The rows a trainer may use: final, not masked, accepted."""
+    return pc.and_(
+        pc.and_(
+            pc.fill_null(batch.column("final"), False), pc.invert(pc.fill_null(batch.column("masked"), True))
+        ),
+        pc.equal(pc.fill_null(batch.column("decision"), ""), "accept"),
+    )
+
+
+def task_index(run_dir: Path) -> dict[str, tuple[str, str]]:
+    """task id -> (prompt, metadata JSON), from the run's task snapshot, else the config's task file."""
+    path = task_file(run_dir)
+    if path is None:
+        return {}
+    return {t.id: (t.prompt, json.dumps(t.metadata, sort_keys=True)) for t in load_tasks(path)}
+
+
+def task_file(run_dir: Path) -> Path | None:
+    for name in ("tasks.jsonl", "tasks.parquet"):
+        if (run_dir / name).is_file():
+            return run_dir / name
+    configured = run_config(run_dir).get("tasks")
+    return Path(configured) if configured and Path(configured).is_file() else None
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.RecordBatch]:
+    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
+    tasks = task_index(run_dir)
+    model = (run_config(run_dir).get("model") or {}).get("name")
+    wanted = list(_ROW_COLUMNS) + list(_DECISION_COLUMNS)
+    for batch in iter_batches(run_dir / "rows", wanted):
+        if not include_all:
+            batch = batch.filter(trainable(batch))
+        if batch.num_rows == 0:
+            continue
+        ids = batch.column("task_id").to_pylist()
+        known = [tasks.get(i) for i in ids]
+        extra = {
+            "schema_version": pa.array([TRAIN_SCHEMA_VERSION] * batch.num_rows, pa.string()),
+            "model": pa.array([model] * batch.num_rows, pa.string()),
+            "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
+            "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
+        }
+        arrays = []
+        for f in schema:
+            source = "model_attempts" if f.name == "model_calls" else f.name
+            arrays.append(extra[f.name] if f.name in extra else batch.column(source))
+        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def export(run_dir: Path, out: Path, fmt: Format = "parquet", include_all: bool = False) -> int:
+    """Write the export to ``out`` (whole, then renamed into place); return the number of rows."""
+    if not (run_dir / "rows").is_dir():
+        raise InputError(f"{run_dir}: not a run directory (no rows/ inside)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    rows = 0
+    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
+    try:
+        if fmt == "parquet":
+            with pq.ParquetWriter(str(tmp), schema, compression="zstd") as writer:
+                for batch in export_batches(run_dir, include_all):
+                    writer.write_batch(batch)
+                    rows += batch.num_rows
+        else:
+            with tmp.open("w", encoding="utf-8") as fh:
+                for batch in export_batches(run_dir, include_all):
+                    for row in batch.to_pylist():
+                        fh.write(json.dumps(row, default=_json_default, ensure_ascii=False) + "\n")
+                    rows += batch.num_rows
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return rows
+
+
+def _json_default(value: object) -> str:
+    isoformat = getattr(value, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(value)

@@ -1,0 +1,37 @@
+"""Finding and ending what a dead worker or a crashed run left behind, on whichever provider it ran.
+
+Three callers: a worker at start-up and the driver when a worker actor dies (owners dead or TTL passed,
+any run), and ``rollout gc`` after a crash (``--run RUN --all``: everything of that run, alive owner or
+not, for when the run is known to be over). Every provider's reaper is idempotent and bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from executor.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def collect(cfg: RunConfig, run_id: str | None = None, *, everything: bool = False) -> list[str]:
+    """End the sandboxes ``cfg.sandbox`` describes that are stale (``everything``: all of ``run_id``)."""
+    from executor.worker import sandbox_root  # the worker module imports Ray: only when needed
+
+    if everything and not run_id:
+        raise ValueError("ending every sandbox needs a run id")
+    return cfg.sandbox.reap(sandbox_root(cfg), run_id, everything=everything)
+
+
+def collect_quietly(cfg: RunConfig) -> list[str]:
+    """``collect`` for callers in the middle of a run: a failing reaper is logged, never raised."""
+    try:
+        reaped = collect(cfg)
+    except Exception as exc:
+        log.warning("reaping %s sandboxes failed: %s", cfg.sandbox.provider, str(exc)[:1000])
+        return []
+    if reaped:
+        log.warning(
+            "reaped %d %s sandboxes of dead workers: %s", len(reaped), cfg.sandbox.provider, reaped[:20]
+        )
+    return reaped

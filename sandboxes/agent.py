@@ -1,0 +1,521 @@
+"""The in-sandbox agent: a token-authenticated HTTP server that runs commands and moves files in a sandbox.
+
+Standard library only, so it runs under whatever python3 an image or a compute node has; it ships next to
+``supervisor.py`` (copied beside it, or imported from the package) and runs every command under it, so an
+exec here gets what a local exec gets: its own session and process group, capped output files, the
+timeout and the TTL, and the whole tree killed before the answer. The supervisor needs python3 >= 3.11;
+this module itself keeps to python3 >= 3.8.
+
+    python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
+                     [--ttl-s N] [--rendezvous FILE]
+
+With no token it refuses to start. Once listening it writes ``--rendezvous`` (JSON: host, port, pid,
+paths) atomically, which is how a starter on another machine learns it is ready and where. Endpoints
+(all but none need ``Authorization: Bearer TOKEN``):
+
+    GET  /health                      {"ok": true, ...}
+    POST /exec       JSON             the supervisor's result (exit code, tails, byte counts, log paths)
+    POST /upload?path=P&mode=M        body: the file's bytes (at most --max-upload-bytes)
+    GET  /download?path=P&limit=N     the first N bytes of a regular file
+    POST /untar?dest=P                body: an uncompressed tar, extracted without leaving the root
+    POST /stop                        kills every exec's tree, answers, then exits
+
+Layout under ``--root``: work/ (the workspace), home/, tmp/, logs/ (each exec's output), run/ (each
+exec's supervisor files). Every path a request names must resolve inside the root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hmac
+import io
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+try:  # as part of the package
+    from sandboxes import supervisor as sup
+except ImportError:  # copied beside supervisor.py into a sandbox
+    import supervisor as sup  # type: ignore[no-redef]
+
+SUPERVISOR_PATH = os.path.abspath(sup.__file__)
+TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
+TAIL_BYTES = 16_000
+DEFAULT_MAX_UPLOAD = 256 * 1024 * 1024
+DEFAULT_OUTPUT_CAP = 64 * 1024 * 1024
+MAX_JSON_BYTES = 64 * 1024 * 1024  # an exec request carries argv, env and stdin
+MAX_DOWNLOAD = 1024 * 1024 * 1024
+# The supervisor's own worst case past the command's timeout; past that we kill its tree from here.
+SUPERVISOR_SLACK_S = 5.0 + sup.KILL_ROUNDS * sup.KILL_SETTLE_S + sup.DRAIN_S
+STOP_GRACE_S = 1.0
+# Members are vetted above; where tarfile has extraction filters, say so rather than get a warning.
+_TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
+SUBDIRS = ("work", "home", "tmp", "logs", "run")
+
+
+class AgentError(Exception):
+    """A request the agent refuses; ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Agent:
+    """The state behind the server: the root, the running supervisors, the TTL."""
+
+    def __init__(
+        self,
+        root: str,
+        token: str,
+        *,
+        ttl_s: float | None = None,
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD,
+        output_cap_bytes: int = DEFAULT_OUTPUT_CAP,
+    ) -> None:
+        if not token:
+            raise ValueError("the agent needs a token")
+        self.root = os.path.realpath(root)
+        self.token = token.encode()
+        self.deadline = time.time() + ttl_s if ttl_s else None
+        self.max_upload_bytes = max_upload_bytes
+        self.output_cap_bytes = output_cap_bytes
+        self.lock = threading.Lock()
+        self.running = {}  # type: dict[int, tuple[subprocess.Popen, bytes | None]]
+        self.stopping = False
+        self.started_at = time.time()
+        for sub in SUBDIRS:
+            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+
+    # -- auth and paths ---------------------------------------------------------------------------------
+
+    def authorized(self, header: str | None) -> bool:
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[len("Bearer ") :].encode(), self.token)
+
+    def inside(self, path: str) -> str:
+        """The real path of ``path`` (absolute, or relative to work/), refused if it leaves the root."""
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise AgentError(400, f"invalid path {path!r}")
+        candidate = path if os.path.isabs(path) else os.path.join(self.root, "work", path)
+        real = os.path.realpath(candidate)
+        if os.path.commonpath([real, self.root]) != self.root:
+            raise AgentError(403, f"path {path!r} resolves outside the sandbox root")
+        return real
+
+    # -- files ------------------------------------------------------------------------------------------
+
+    def upload(self, path: str, mode: int, data: bytes) -> None:
+        real = self.inside(path)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        self.inside(os.path.dirname(real))  # the directories just made must still be ours
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+
+    def download(self, path: str, limit: int) -> bytes:
+        real = self.inside(path)
+        try:
+            # O_NONBLOCK: a FIFO planted at this path must not hang the request in open().
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise AgentError(404, f"no file {path!r}") from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise AgentError(400, f"{path!r} is not a regular file")
+            return f.read(limit)
+
+    def untar(self, dest: str, data: bytes) -> int:
+        """Extract a tar into ``dest``; any member or link target outside ``dest`` refuses the whole."""
+        base = self.inside(dest)
+        os.makedirs(base, exist_ok=True)
+
+        def within(path: str) -> bool:
+            return os.path.commonpath([os.path.normpath(path), base]) == base
+
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            for m in members:
+                target = os.path.join(base, m.name)
+                if os.path.isabs(m.name) or not within(target):
+                    raise AgentError(403, f"tar member {m.name!r} leaves {dest!r}")
+                if m.islnk() or not (m.isfile() or m.isdir() or m.issym()):
+                    raise AgentError(400, f"tar member {m.name!r} is not a file, directory or symlink")
+                if m.issym() and not within(os.path.join(os.path.dirname(target), m.linkname)):
+                    raise AgentError(403, f"symlink {m.name!r} points outside {dest!r}")
+            for m in members:
+                # Checked again at extraction time: an earlier member may have become a symlink parent.
+                self.inside(os.path.dirname(os.path.join(base, m.name)))
+                tar.extract(m, base, set_attrs=not m.issym(), **_TRUSTED)
+        return len(members)
+
+    # -- exec -------------------------------------------------------------------------------------------
+
+    def exec(self, req: dict) -> dict:
+        argv, env = req.get("argv"), req.get("env")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise AgentError(400, "argv must be a non-empty list of strings")
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise AgentError(400, "env must be a mapping of strings")
+        timeout = req.get("timeout")
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+            raise AgentError(400, f"invalid timeout {timeout!r}")
+        cwd = self.inside(req.get("cwd") or os.path.join(self.root, "work"))
+        if not os.path.isdir(cwd):
+            raise AgentError(400, f"working directory {cwd!r} is not a directory")
+        deadline = self.deadline or time.time() + float(timeout) + 3600
+        if time.time() >= deadline:
+            raise AgentError(409, "the sandbox is past its TTL")
+        stem = "{}.{}".format(str(req.get("name") or "exec")[:60].replace("/", "_"), uuid.uuid4().hex[:8])
+        logs, run = os.path.join(self.root, "logs"), os.path.join(self.root, "run")
+        files = {
+            "stdout_path": os.path.join(logs, stem + ".stdout"),
+            "stderr_path": os.path.join(logs, stem + ".stderr"),
+            "result_path": os.path.join(run, stem + ".result.json"),
+        }
+        for key in ("stdout_path", "stderr_path"):
+            open(files[key], "wb").close()
+        stdin_path = None
+        if req.get("stdin_b64") is not None:
+            stdin_path = os.path.join(run, stem + ".stdin")
+            with open(stdin_path, "wb") as f:
+                f.write(base64.b64decode(req["stdin_b64"]))
+        memory_mb = req.get("memory_limit_mb")
+        params = dict(
+            files,
+            argv=argv,
+            cwd=cwd,
+            stdin_path=stdin_path,
+            timeout_s=float(timeout),
+            deadline_epoch=deadline,
+            parent_pid=os.getpid(),
+            output_cap_bytes=self.output_cap_bytes,
+            tail_bytes=TAIL_BYTES,
+            kill_grace_s=STOP_GRACE_S,
+            nofile_limit=65_536,
+            memory_limit_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
+        )
+        params_path = os.path.join(run, stem + ".params.json")
+        with open(params_path, "w", encoding="utf-8") as f:
+            json.dump(params, f)
+        marker = None
+        if "ROLLOUT_SANDBOX" in env:
+            marker = ("ROLLOUT_SANDBOX=" + env["ROLLOUT_SANDBOX"]).encode()
+        started = time.monotonic()
+        with self.lock:
+            if self.stopping:
+                raise AgentError(409, "the agent is stopping")
+            with open(os.path.join(run, stem + ".supervisor.log"), "wb") as sup_log:
+                # The command's environment is exactly what the client sent: nothing of ours leaks in.
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", SUPERVISOR_PATH, params_path],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=sup_log,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                )
+            self.running[proc.pid] = (proc, marker)
+        killed = False
+        try:
+            budget = min(float(timeout), max(0.0, deadline - time.time())) + STOP_GRACE_S + SUPERVISOR_SLACK_S
+            try:
+                proc.wait(budget)
+            except subprocess.TimeoutExpired:
+                killed = True
+                self._kill_tree([proc.pid], marker)
+                try:
+                    proc.wait(SUPERVISOR_SLACK_S)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            with self.lock:
+                self.running.pop(proc.pid, None)
+            if stdin_path:
+                _unlink(stdin_path)
+        return self._result(files, proc, killed, time.monotonic() - started)
+
+    def _result(self, files: dict, proc: subprocess.Popen, killed: bool, duration: float) -> dict:
+        try:
+            with open(files["result_path"], encoding="utf-8") as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            res = None
+        out = {"stdout_path": files["stdout_path"], "stderr_path": files["stderr_path"]}
+        out["duration_s"] = duration
+        if res is None:
+            if killed and not self.stopping:
+                out.update(exit_code=None, signal=signal.SIGKILL, timed_out=True)
+                for key in ("stdout", "stderr"):
+                    size, tail = _file_tail(files[key + "_path"])
+                    out[key + "_bytes"], out[key + "_tail_b64"] = size, _b64(tail)
+                return out
+            raise AgentError(410, f"supervisor ended (status {proc.returncode}) without a result")
+        if res.get("error"):
+            raise AgentError(500, "exec failed: {}".format(str(res["error"])[:2000]))
+        if res["reason"] == "terminated":
+            raise AgentError(410, "the sandbox was stopped while the command ran")
+        out.update(
+            exit_code=res["exit_code"],
+            signal=res["signal"],
+            timed_out=bool(res["timed_out"]),
+            stdout_bytes=int(res.get("stdout_bytes", 0)),
+            stderr_bytes=int(res.get("stderr_bytes", 0)),
+            stdout_tail_b64=res.get("stdout_tail_b64", ""),
+            stderr_tail_b64=res.get("stderr_tail_b64", ""),
+        )
+        return out
+
+    # -- end of life ------------------------------------------------------------------------------------
+
+    def _kill_tree(self, roots: list, marker: bytes | None) -> bool:
+        me = os.getpid()
+
+        def find() -> set:
+            procs = sup.snapshot()
+            found = set()
+            for root in roots:
+                if root in procs and procs[root].alive:
+                    found |= {root} | sup.descendants(procs, root)
+            if marker is not None:
+                found |= {p for p, i in procs.items() if i.alive and sup.has_env_entry(p, marker)}
+            found.discard(me)
+            return {p for p in found if p in procs and procs[p].alive}
+
+        return sup.kill_processes(find, grace_s=0, idle=time.sleep)
+
+    def stop(self) -> bool:
+        """Ask every supervisor to end its tree, then force whatever is left; idempotent."""
+        with self.lock:
+            self.stopping = True
+            running = list(self.running.values())
+        for proc, _marker in running:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + STOP_GRACE_S + sup.DRAIN_S + 2.0
+        for proc, _marker in running:
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        clean = True
+        for proc, marker in running:
+            roots = [proc.pid] if proc.poll() is None else []
+            clean = self._kill_tree(roots, marker) and clean
+        return clean
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _file_tail(path: str) -> tuple:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - TAIL_BYTES))
+            return size, f.read(TAIL_BYTES)
+    except OSError:
+        return 0, b""
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "rollout-agent/1"
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in two writes; with Nagle on, the second waits for the client's
+        # delayed ACK (~40 ms on every request).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @property
+    def agent(self) -> Agent:
+        return self.server.agent  # type: ignore[attr-defined]
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per request is noise; errors go in the answers
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, data: dict) -> None:
+        self._send(status, json.dumps(data).encode())
+
+    def _body(self, limit: int) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise AgentError(411, "a Content-Length is required")
+        if int(length) > limit:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            raise AgentError(413, f"body of {length} bytes exceeds the limit of {limit}")
+        return self.rfile.read(int(length))
+
+    def _handle(self, method: str) -> None:
+        url = urlparse(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            if not self.agent.authorized(self.headers.get("Authorization")):
+                self.close_connection = True
+                raise AgentError(401, "missing or wrong token")
+            route = (method, url.path)
+            if route == ("GET", "/health"):
+                a = self.agent
+                self._json(200, {"ok": True, "pid": os.getpid(), "root": a.root, "running": len(a.running)})
+            elif route == ("POST", "/exec"):
+                req = json.loads(self._body(MAX_JSON_BYTES) or b"{}")
+                self._json(200, self.agent.exec(req))
+            elif route == ("POST", "/upload"):
+                mode = int(query.get("mode", "644"), 8)
+                data = self._body(self.agent.max_upload_bytes)
+                self.agent.upload(query.get("path", ""), mode & 0o7777, data)
+                self._json(200, {"ok": True, "bytes": len(data)})
+            elif route == ("GET", "/download"):
+                limit = min(int(query.get("limit", str(MAX_DOWNLOAD))), MAX_DOWNLOAD)
+                if limit < 0:
+                    raise AgentError(400, "negative limit")
+                self._send(200, self.agent.download(query.get("path", ""), limit), "application/octet-stream")
+            elif route == ("POST", "/untar"):
+                data = self._body(self.agent.max_upload_bytes)
+                count = self.agent.untar(query.get("dest", "."), data)
+                self._json(200, {"ok": True, "members": count})
+            elif route == ("POST", "/stop"):
+                clean = self.agent.stop()
+                self._json(200, {"ok": True, "clean": clean})
+                threading.Thread(target=self.server.shutdown, daemon=True).start()
+            else:
+                raise AgentError(404, "no route {} {}".format(*route))
+        except AgentError as exc:
+            self._json(exc.status, {"error": str(exc)[:4000]})
+        except (ValueError, KeyError, TypeError, tarfile.TarError) as exc:
+            self._json(400, {"error": (f"{type(exc).__name__}: {exc}")[:4000]})
+        except OSError as exc:
+            self._json(500, {"error": (f"{type(exc).__name__}: {exc}")[:4000]})
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+
+class AgentServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple, agent: Agent) -> None:
+        super().__init__(address, Handler)
+        self.agent = agent
+
+
+def _read_token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        with open(args.token_file, encoding="ascii") as f:
+            return f.read().strip()
+    if args.token_env:
+        return os.environ.pop(args.token_env, "").strip()  # not passed on to anything we start
+    return ""
+
+
+def _write_rendezvous(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The in-sandbox agent.")
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--advertise", default=None, help="the host others should dial (default: --host)")
+    parser.add_argument("--token-file")
+    parser.add_argument("--token-env")
+    parser.add_argument("--ttl-s", type=float, default=None)
+    parser.add_argument("--rendezvous")
+    parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD)
+    parser.add_argument("--output-cap-bytes", type=int, default=DEFAULT_OUTPUT_CAP)
+    args = parser.parse_args(argv)
+    try:
+        token = _read_token(args)
+    except OSError as exc:
+        print(f"agent: cannot read the token: {exc}", file=sys.stderr)
+        return 2
+    if not token:
+        print("agent: no token (--token-file or --token-env): refusing to start", file=sys.stderr)
+        return 2
+    agent = Agent(
+        args.root,
+        token,
+        ttl_s=args.ttl_s,
+        max_upload_bytes=args.max_upload_bytes,
+        output_cap_bytes=args.output_cap_bytes,
+    )
+    server = AgentServer((args.host, args.port), agent)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        # scancel and StopTask send SIGTERM first: end the exec trees, then leave.
+        threading.Thread(target=lambda: (agent.stop(), server.shutdown()), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if agent.deadline is not None:
+        timer = threading.Timer(max(0.0, agent.deadline - time.time()), on_signal, (0, None))
+        timer.daemon = True
+        timer.start()
+    host, port = server.server_address[:2]
+    if args.rendezvous:
+        _write_rendezvous(
+            args.rendezvous,
+            {
+                "host": args.advertise or host,
+                "port": port,
+                "pid": os.getpid(),
+                "root": agent.root,
+                "workdir": os.path.join(agent.root, "work"),
+                "home": os.path.join(agent.root, "home"),
+                "tmpdir": os.path.join(agent.root, "tmp"),
+                "node": os.uname()[1],
+                "started_at": agent.started_at,
+            },
+        )
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        agent.stop()
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

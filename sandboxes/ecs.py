@@ -1,0 +1,331 @@
+"""The ``ecs`` sandbox: one ECS task per session whose container runs the in-sandbox agent.
+
+``RunTask`` (one task per call, since each carries its own token; ``clientToken`` makes a retried call
+idempotent; ``startedBy`` and tags carry the run id and the owner), ``DescribeTasks`` until the task is
+RUNNING and its agent answers, ``StopTask`` at the end. Why a task stopped is read from ``stopCode`` and
+``stoppedReason``: before readiness it is a failed start, after it a lost sandbox. Launches go through a
+token bucket within ECS's RunTask limits. The token reaches the agent as an environment override, which
+``ecs:DescribeTasks`` can read: grant that permission only to the workers (cluster/ecs/README.md).
+
+boto3 is optional (``pip install .[ecs]``); it is imported when a provider is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import Field
+
+from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
+from sandboxes.owner import Owner
+from sandboxes.provider_config import ProviderConfig
+from sandboxes.remote import RemoteSandbox, agent_health
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
+RUN_TAG, SESSION_TAG, TTL_TAG = "rollout:run", "rollout:session", "rollout:ttl"
+OWNER_TAG_PREFIX = "rollout:owner:"
+# Transient answers of the ECS API: the same call (same clientToken) is tried again.
+RETRYABLE_CODES = {
+    "ThrottlingException",
+    "ServerException",
+    "ServiceUnavailableException",
+    "LimitExceededException",
+}
+# failures[] reasons that mean "no room right now" rather than a broken request.
+CAPACITY_REASONS = ("RESOURCE:", "AGENT", "capacity", "Capacity")
+
+AddressResolver = Callable[[dict[str, Any]], "tuple[str, int] | None"]
+
+
+class EcsSandboxConfig(ProviderConfig):
+    provider: Literal["ecs"] = "ecs"
+    cluster: str
+    task_definition: str  # family[:revision] or ARN
+    container_name: str = "sandbox"
+    launch_type: Literal["FARGATE", "EC2"] | None = "FARGATE"
+    capacity_provider_strategy: list[dict[str, Any]] = Field(default_factory=list)  # e.g. FARGATE_SPOT
+    subnets: list[str] = Field(default_factory=list)
+    security_groups: list[str] = Field(default_factory=list)
+    assign_public_ip: bool = False
+    region: str | None = None
+    endpoint_url: str | None = None
+    agent_port: int = Field(default=8080, ge=1, le=65_535)
+    agent_python: str = "python3"
+    agent_path: str = "/opt/rollout/agent.py"  # where the image has the agent (cluster/ecs/Dockerfile)
+    sandbox_root: str = "/sandbox"  # inside the container
+    launch_burst: int = Field(default=100, ge=1)
+    launch_rate_per_s: float = Field(default=20.0, gt=0)
+    max_launch_attempts: int = Field(default=6, ge=1, le=50)
+    start_timeout_s: float = Field(default=600.0, gt=0)
+    poll_s: float = Field(default=2.0, gt=0)
+
+    def build(self, root: Path) -> EcsSandboxProvider:
+        return EcsSandboxProvider(self)
+
+    def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
+        return EcsSandboxProvider(self).reap(run_id, everything=everything)
+
+
+def started_by(run_id: str) -> str:
+    """ECS allows 36 characters of [A-Za-z0-9_/-] here; a digest of the run id fits any run id."""
+    return "rollout-" + hashlib.sha256(run_id.encode()).hexdigest()[:20]
+
+
+class TokenBucket:
+    """``burst`` launches at once, then ``rate`` per second. Fair to waiters in arrival order."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens = float(burst)
+        self.stamp = clock()
+        self._lock = asyncio.Lock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            self._refill()
+            if self.tokens < 1:
+                await asyncio.sleep((1 - self.tokens) / self.rate)
+                self._refill()
+            self.tokens -= 1
+
+
+def describe_stop(task: dict[str, Any]) -> str:
+    """One line on why a task stopped: ECS's stop code and reason, and the container's exit."""
+    exits = [
+        f"{c.get('name')} exit {c.get('exitCode')}" + (f" ({c['reason']})" if c.get("reason") else "")
+        for c in task.get("containers", [])
+    ]
+    text = f"ECS task {task.get('taskArn', '?')} stopped: {task.get('stopCode', 'unknown')}"
+    text += f": {task.get('stoppedReason', '')}"
+    return (text + ("; " + ", ".join(exits) if exits else ""))[:2000]
+
+
+def default_address(task: dict[str, Any], port: int) -> tuple[str, int] | None:
+    """The task's private IP (awsvpc network mode) and the agent's port."""
+    for attachment in task.get("attachments", []):
+        for detail in attachment.get("details", []):
+            if detail.get("name") == "privateIPv4Address" and detail.get("value"):
+                return detail["value"], port
+    return None
+
+
+class EcsSandboxProvider:
+    def __init__(
+        self, config: EcsSandboxConfig, *, client: Any = None, resolve: AddressResolver | None = None
+    ) -> None:
+        self.cfg = config
+        self.name = "ecs"
+        if client is None:
+            import boto3  # optional dependency: only ECS runs need it
+
+            client = boto3.client("ecs", region_name=config.region, endpoint_url=config.endpoint_url)
+        self.client = client
+        self.resolve: AddressResolver = resolve or (lambda task: default_address(task, config.agent_port))
+        self.bucket = TokenBucket(config.launch_rate_per_s, config.launch_burst)
+
+    # -- API calls, retried when ECS says so -----------------------------------------------------------
+
+    async def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for attempt in range(1, self.cfg.max_launch_attempts + 1):
+            try:
+                return await asyncio.to_thread(getattr(self.client, op), **kwargs)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code not in RETRYABLE_CODES or attempt == self.cfg.max_launch_attempts:
+                    raise SandboxError(f"ECS {op}: {code}: {str(exc)[:1000]}") from exc
+            except BotoCoreError as exc:
+                if attempt == self.cfg.max_launch_attempts:
+                    raise SandboxError(f"ECS {op}: {str(exc)[:1000]}") from exc
+            await asyncio.sleep(random.uniform(0, min(8.0, 0.2 * 2**attempt)))
+        raise AssertionError("unreachable")
+
+    def _run_task_args(self, spec: SandboxSpec, token: str) -> dict[str, Any]:
+        cfg = self.cfg
+        owner = Owner.current()
+        tags = {
+            RUN_TAG: spec.run_id,
+            SESSION_TAG: spec.session_id,
+            TTL_TAG: str(int(time.time() + spec.ttl_s)),
+            **{OWNER_TAG_PREFIX + k: v for k, v in owner.encode().items()},
+        }
+        command = [
+            cfg.agent_python, cfg.agent_path,
+            "--root", cfg.sandbox_root,
+            "--token-env", TOKEN_ENV,
+            "--host", "0.0.0.0",
+            "--port", str(cfg.agent_port),
+            "--ttl-s", f"{spec.ttl_s:.0f}",
+        ]  # fmt: skip
+        args: dict[str, Any] = {
+            "cluster": cfg.cluster,
+            "taskDefinition": cfg.task_definition,
+            "count": 1,
+            "startedBy": started_by(spec.run_id),
+            "clientToken": uuid.uuid4().hex,  # the same for every retry of this launch
+            "tags": [{"key": k, "value": v[:256]} for k, v in tags.items()],
+            "overrides": {
+                "containerOverrides": [
+                    {
+                        "name": cfg.container_name,
+                        "command": command,
+                        "environment": [{"name": TOKEN_ENV, "value": token}],
+                    }
+                ]
+            },
+        }
+        if cfg.capacity_provider_strategy:
+            args["capacityProviderStrategy"] = cfg.capacity_provider_strategy
+        elif cfg.launch_type:
+            args["launchType"] = cfg.launch_type
+        if cfg.subnets:
+            args["networkConfiguration"] = {
+                "awsvpcConfiguration": {
+                    "subnets": cfg.subnets,
+                    "securityGroups": cfg.security_groups,
+                    "assignPublicIp": "ENABLED" if cfg.assign_public_ip else "DISABLED",
+                }
+            }
+        return args
+
+    # -- the provider ------------------------------------------------------------------------------------
+
+    async def start(self, spec: SandboxSpec) -> RemoteSandbox:
+        await self.bucket.acquire()
+        token = secrets.token_urlsafe(32)
+        try:
+            answer = await self._call("run_task", **self._run_task_args(spec, token))
+        except SandboxError as exc:
+            raise SandboxStartError(str(exc)) from exc
+        tasks, failures = answer.get("tasks", []), answer.get("failures", [])
+        if not tasks:
+            reasons = "; ".join(f"{f.get('reason')}: {f.get('detail', '')}".strip() for f in failures)
+            kind = "no capacity" if any(r in reasons for r in CAPACITY_REASONS) else "refused"
+            raise SandboxStartError(f"ECS RunTask {kind}: {reasons or 'no task and no failure given'}"[:2000])
+        arn = tasks[0]["taskArn"]
+        try:
+            host, port = await self._wait_running(arn)
+            base_url = f"http://{host}:{port}"
+            health = await self._wait_healthy(base_url, token, arn)
+            return RemoteSandbox(
+                sandbox_id=f"ecs-{arn.rsplit('/', 1)[-1]}",
+                provider_name=self.name,
+                spec=spec,
+                base_url=base_url,
+                token=token,
+                root=str(health.get("root") or self.cfg.sandbox_root),
+                teardown=lambda: self._stop_task(arn, "rollout: session ended"),
+                probe=lambda: self._probe(arn),
+                marker_token=uuid.uuid4().hex,
+                extra={"task_arn": arn, "cluster": self.cfg.cluster},
+            )
+        except BaseException as exc:
+            await asyncio.shield(self._stop_task(arn, "rollout: start failed"))
+            if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
+                raise
+            raise SandboxStartError(f"ECS task {arn}: {exc}"[:2000]) from exc
+
+    async def _describe(self, arn: str) -> dict[str, Any] | None:
+        answer = await self._call("describe_tasks", cluster=self.cfg.cluster, tasks=[arn])
+        tasks = answer.get("tasks", [])
+        return tasks[0] if tasks else None
+
+    async def _wait_running(self, arn: str) -> tuple[str, int]:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while time.monotonic() < deadline:
+            task = await self._describe(arn)
+            if task is None:
+                raise SandboxStartError(f"ECS task {arn} is unknown to DescribeTasks")
+            if task.get("lastStatus") == "STOPPED":
+                raise SandboxStartError(describe_stop(task))
+            if task.get("lastStatus") == "RUNNING":
+                address = await asyncio.to_thread(self.resolve, task)
+                if address is not None:
+                    return address
+            await asyncio.sleep(self.cfg.poll_s)
+        raise SandboxStartError(f"ECS task {arn} not running within {self.cfg.start_timeout_s}s")
+
+    async def _wait_healthy(self, base_url: str, token: str, arn: str) -> dict[str, Any]:
+        # RUNNING means the container started, not that the agent listens yet.
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while True:
+            try:
+                return await agent_health(base_url, token)
+            except (SandboxError, httpx.HTTPError, ValueError) as exc:
+                if time.monotonic() >= deadline:
+                    raise SandboxStartError(f"ECS task {arn}: agent never answered: {exc}") from exc
+                task = await self._describe(arn)
+                if task is not None and task.get("lastStatus") == "STOPPED":
+                    raise SandboxStartError(describe_stop(task)) from exc
+            await asyncio.sleep(min(self.cfg.poll_s, 0.5))
+
+    async def _probe(self, arn: str) -> str | None:
+        task = await self._describe(arn)
+        if task is None:
+            return f"ECS task {arn} is gone"
+        if (
+            task.get("lastStatus") in ("STOPPED", "DEPROVISIONING", "STOPPING")
+            or task.get("desiredStatus") == "STOPPED"
+        ):
+            return describe_stop(task)
+        return None
+
+    async def _stop_task(self, arn: str, reason: str) -> None:
+        task = await self._describe(arn)
+        if task is not None and task.get("lastStatus") == "STOPPED":
+            return
+        await self._call("stop_task", cluster=self.cfg.cluster, task=arn, reason=reason)
+
+    # -- reaping -----------------------------------------------------------------------------------------
+
+    def reap(self, run_id: str | None, *, everything: bool = False, now: float | None = None) -> list[str]:
+        """Stop the rollout tasks of dead owners or past their TTL; ``everything``: all of ``run_id``'s."""
+        if everything and run_id is None:
+            raise ValueError("reaping everything needs a run id")
+        now = time.time() if now is None else now
+        query: dict[str, Any] = {"cluster": self.cfg.cluster, "desiredStatus": "RUNNING"}
+        if run_id is not None:
+            query["startedBy"] = started_by(run_id)
+        arns: list[str] = []
+        for page in self.client.get_paginator("list_tasks").paginate(
+            **query, PaginationConfig={"MaxItems": 10_000}
+        ):
+            arns.extend(page.get("taskArns", []))
+        stopped = []
+        for i in range(0, len(arns), 100):  # DescribeTasks takes at most 100
+            answer = self.client.describe_tasks(
+                cluster=self.cfg.cluster, tasks=arns[i : i + 100], include=["TAGS"]
+            )
+            for task in answer.get("tasks", []):
+                tags = {t["key"]: t["value"] for t in task.get("tags", [])}
+                if RUN_TAG not in tags or (run_id is not None and tags[RUN_TAG] != run_id):
+                    continue
+                owner = Owner.decode(
+                    {k[len(OWNER_TAG_PREFIX) :]: v for k, v in tags.items() if k.startswith(OWNER_TAG_PREFIX)}
+                )
+                ttl = tags.get(TTL_TAG, "")
+                expired = ttl.isdigit() and now > int(ttl)
+                if everything or expired or (owner is not None and owner.known_dead()):
+                    self.client.stop_task(
+                        cluster=self.cfg.cluster, task=task["taskArn"], reason="rollout: reaped"
+                    )
+                    stopped.append(task["taskArn"])
+        return stopped

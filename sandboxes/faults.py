@@ -1,0 +1,31 @@
+"""Fault injection at the provider seam, for the chaos suite: a provider whose starts fail on purpose."""
+
+from __future__ import annotations
+
+import math
+
+from sandboxes.base import Sandbox, SandboxProvider, SandboxSpec, SandboxStartError
+
+
+def failures_in(starts: int, fraction: float) -> int:
+    """How many of the first ``starts`` starts fail: spread evenly, exactly ``floor(starts * fraction)``."""
+    return math.floor(starts * fraction + 1e-9)
+
+
+class FlakyStartProvider:
+    """Fails ``fraction`` of starts, spread evenly, before the inner provider is asked: nothing to leak.
+
+    Counted rather than drawn, so a test knows the exact number of failures from the number of starts.
+    """
+
+    def __init__(self, inner: SandboxProvider, fraction: float) -> None:
+        self.inner = inner
+        self.fraction = fraction
+        self.name = inner.name
+        self.starts = 0
+
+    async def start(self, spec: SandboxSpec) -> Sandbox:
+        self.starts += 1
+        if failures_in(self.starts, self.fraction) > failures_in(self.starts - 1, self.fraction):
+            raise SandboxStartError(f"injected start failure for {spec.session_id}")
+        return await self.inner.start(spec)

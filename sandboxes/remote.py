@@ -1,0 +1,255 @@
+"""The client side of the in-sandbox agent: a ``Sandbox`` whose commands and files go over HTTP.
+
+A provider (Slurm, ECS) starts the agent somewhere and hands this class the address, the token and a
+``Teardown`` that knows how to end the job or task; session code cannot tell the result from a local
+sandbox. Transport failures become ``SandboxLostError`` once the provider's ``probe`` confirms the
+sandbox is gone (or cannot say), so a dead node reads as a lost sandbox, never as a command's failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import logging
+import math
+import os
+import tarfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from sandboxes.base import TAIL_BYTES, ExecResult, SandboxError, SandboxLostError, SandboxSpec
+from sandboxes.environment import base_environment, merge_environment, xdg_dirs
+
+log = logging.getLogger(__name__)
+
+AGENT_PATH = Path(__file__).with_name("agent.py")
+SUPERVISOR_PATH = Path(__file__).with_name("supervisor.py")
+# What an exec may take past its own timeout before we stop waiting for the agent's answer: the
+# supervisor's kill rounds and drain, and the agent's own slack.
+EXEC_SLACK_S = 60.0
+REQUEST_TIMEOUT_S = 60.0
+COPY_IN_LIMIT_BYTES = 256 * 1024 * 1024
+STOP_TIMEOUT_S = 15.0
+
+Probe = Callable[[], Awaitable[str | None]]  # why the sandbox is gone, or None if it seems alive
+
+
+class Teardown(Protocol):
+    """How a provider ends what it started (job, task); idempotent and bounded."""
+
+    async def __call__(self) -> None: ...
+
+
+class RemoteSandbox:
+    """A started remote sandbox. Build it through a provider; ``descriptor()`` names what to reap."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: str,
+        provider_name: str,
+        spec: SandboxSpec,
+        base_url: str,
+        token: str,
+        root: str,
+        teardown: Teardown,
+        probe: Probe,
+        marker_token: str,
+        extra: dict[str, Any] | None = None,
+        path_prefixes: tuple[str, ...] = (),
+    ) -> None:
+        self.id = sandbox_id
+        self.provider_name = provider_name
+        self.spec = spec
+        self.root = root.rstrip("/")
+        self.workdir = f"{self.root}/work"
+        self.home = f"{self.root}/home"
+        self.tmpdir = f"{self.root}/tmp"
+        self.base_url = base_url
+        self._token = token
+        self._teardown = teardown
+        self._probe = probe
+        self._extra = dict(extra or {})
+        base = base_environment(
+            home=self.home, tmpdir=self.tmpdir, marker_token=marker_token, path_prefixes=path_prefixes
+        )
+        self.xdg_dirs = xdg_dirs(base)
+        self.base_env = merge_environment(base, spec.env)
+        self.created_at = time.time()
+        self.ttl_deadline = self.created_at + spec.ttl_s
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=REQUEST_TIMEOUT_S,
+            trust_env=False,  # never through a proxy the worker's environment names
+        )
+        self._stopped = False
+        self._stop_lock = asyncio.Lock()
+
+    def descriptor(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider_name,
+            "id": self.id,
+            "run_id": self.spec.run_id,
+            "session_id": self.spec.session_id,
+            "root": self.root,
+            "workdir": self.workdir,
+            "home": self.home,
+            "address": self.base_url,
+            "created_at": self.created_at,
+            "ttl_deadline": self.ttl_deadline,
+            **self._extra,
+        }
+
+    # -- transport --------------------------------------------------------------------------------------
+
+    async def _request(
+        self, method: str, path: str, *, timeout: float | None = None, **kw: Any
+    ) -> httpx.Response:
+        if self._stopped:
+            raise SandboxError(f"sandbox {self.id} is stopped")
+        try:
+            resp = await self._client.request(method, path, timeout=timeout or REQUEST_TIMEOUT_S, **kw)
+        except httpx.TransportError as exc:
+            why = await self._why_gone()
+            raise SandboxLostError(
+                f"sandbox {self.id}: agent unreachable ({type(exc).__name__}: {str(exc)[:300]})"
+                + (f"; {why}" if why else "")
+            ) from exc
+        if resp.status_code == 410:  # the agent's own word that the sandbox is going away
+            raise SandboxLostError(f"sandbox {self.id}: {_error_text(resp)}")
+        if resp.status_code >= 400 and resp.status_code != 404:
+            raise SandboxError(
+                f"sandbox {self.id}: {method} {path} -> {resp.status_code}: {_error_text(resp)}"
+            )
+        return resp
+
+    async def _why_gone(self) -> str | None:
+        try:
+            return await asyncio.wait_for(self._probe(), timeout=REQUEST_TIMEOUT_S)
+        except Exception as exc:
+            return f"probe failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+    async def health(self) -> dict[str, Any]:
+        resp = await self._request("GET", "/health", timeout=5.0)
+        return resp.json()
+
+    # -- the Sandbox protocol ---------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        timeout: float,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        name: str = "exec",
+    ) -> ExecResult:
+        if time.time() >= self.ttl_deadline:
+            raise SandboxError(f"sandbox {self.id} is past its TTL")
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise SandboxError(f"argv must be a non-empty list of strings, not {argv!r}")
+        if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
+            raise SandboxError(f"invalid timeout {timeout!r}")
+        body = {
+            "argv": argv,
+            "cwd": cwd or self.workdir,
+            "env": merge_environment(self.base_env, env),
+            "timeout": float(timeout),
+            "name": name,
+            "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None,
+            "memory_limit_mb": self.spec.memory_limit_mb,
+        }
+        resp = await self._request("POST", "/exec", json=body, timeout=timeout + EXEC_SLACK_S)
+        if resp.status_code == 404:
+            raise SandboxError(f"sandbox {self.id}: exec: {_error_text(resp)}")
+        res = resp.json()
+        return ExecResult(
+            exit_code=res["exit_code"],
+            signal=res.get("signal"),
+            timed_out=bool(res.get("timed_out")),
+            duration_s=float(res.get("duration_s", 0.0)),
+            stdout_path=res.get("stdout_path"),
+            stderr_path=res.get("stderr_path"),
+            stdout_tail=_tail(res.get("stdout_tail_b64", "")),
+            stderr_tail=_tail(res.get("stderr_tail_b64", "")),
+            stdout_bytes=int(res.get("stdout_bytes", 0)),
+            stderr_bytes=int(res.get("stderr_bytes", 0)),
+        )
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        resp = await self._request(
+            "POST", "/upload", params={"path": path, "mode": f"{mode:o}"}, content=data
+        )
+        if resp.status_code == 404:
+            raise SandboxError(f"sandbox {self.id}: upload {path!r}: {_error_text(resp)}")
+
+    async def read_file(self, path: str, limit: int) -> bytes:
+        """At most ``limit`` bytes from the start of a regular file. A missing file: FileNotFoundError."""
+        if limit < 0:
+            raise SandboxError(f"negative read limit {limit}")
+        resp = await self._request("GET", "/download", params={"path": path, "limit": str(limit)})
+        if resp.status_code == 404:
+            raise FileNotFoundError(path)
+        return resp.content[:limit]
+
+    async def copy_in(self, src: Path) -> None:
+        """Copy a local directory's content into the workspace (symlinks kept as links, .git included)."""
+        src = Path(src)
+        if not src.is_dir():
+            raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
+        data = await asyncio.to_thread(_tar_of, src, COPY_IN_LIMIT_BYTES)
+        await self._request("POST", "/untar", params={"dest": self.workdir}, content=data, timeout=300.0)
+
+    async def stop(self) -> None:
+        """Ask the agent to end its commands, then end the job or task; idempotent, bounded."""
+        async with self._stop_lock:
+            if self._stopped:
+                return
+            with contextlib.suppress(httpx.HTTPError):
+                await self._client.post("/stop", timeout=STOP_TIMEOUT_S)
+            self._stopped = True
+            await self._client.aclose()
+            await self._teardown()
+
+
+async def agent_health(base_url: str, token: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The agent's /health answer (its root among it); raises httpx errors or SandboxError."""
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout) as client:
+        resp = await client.get(f"{base_url}/health", headers={"Authorization": f"Bearer {token}"})
+    if resp.status_code != 200:
+        raise SandboxError(f"agent at {base_url}: /health -> {resp.status_code}: {_error_text(resp)}")
+    return resp.json()
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("error", ""))[:2000]
+    except ValueError:
+        return resp.text[:2000]
+
+
+def _tail(b64: str) -> str:
+    return base64.b64decode(b64)[-TAIL_BYTES:].decode("utf-8", errors="replace")
+
+
+def _tar_of(src: Path, limit: int) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:") as tar:
+        for entry in sorted(os.listdir(src)):
+            tar.add(src / entry, arcname=entry, recursive=True)
+            if buf.tell() > limit:
+                raise SandboxError(f"{src} is larger than the copy-in limit of {limit} bytes")
+    return buf.getvalue()
+
+
+def agent_files() -> list[Path]:
+    """The files a sandbox needs to run the agent: the agent and the supervisor it runs commands under."""
+    return [AGENT_PATH, SUPERVISOR_PATH]

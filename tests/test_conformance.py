@@ -1,0 +1,219 @@
+"""The conformance matrix: every scenario against every registered agent harness, through the real
+executor path (local sandbox, gateway, scripted model, verifier, Arrow row, the driver's decision)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from executor.conformance import Target, parse_scenarios, parse_targets, render_markdown, run_cell, run_matrix
+from executor.tasks import InputError
+from harnesses.conformance import (
+    MAX_REASON_CHARS,
+    NEMO_GYM_VERSIONS,
+    SCENARIOS,
+    SCENARIOS_BY_NAME,
+    CheckContext,
+    agent_harnesses,
+    check_cell,
+)
+from harnesses.gateway import GatewayConfig
+from harnesses.install import default_cache_root
+from harnesses.registry import HARNESSES
+from policy import PolicyConfig
+from tests.conftest import processes_under
+
+REPO = Path(__file__).parents[1]
+AGENTS = agent_harnesses(list(HARNESSES))
+
+
+def _failures(matrix) -> str:
+    return "\n".join(
+        f"{c.harness} {c.version} {c.scenario}: {c.first_failure}" for c in matrix.cells if not c.passed
+    )
+
+
+def _assert_matrix(matrix, out: Path, targets: int) -> None:
+    assert len(matrix.cells) == targets * len(SCENARIOS)
+    assert matrix.passed, _failures(matrix)
+    data = json.loads((out / "conformance.json").read_text())
+    assert data["passed"] is True
+    assert {c["scenario"] for c in data["cells"]} == set(SCENARIOS_BY_NAME)
+    assert all(c["checks"] and all(r["passed"] for r in c["checks"]) for c in data["cells"])
+    md = (out / "conformance.md").read_text()
+    for name in SCENARIOS_BY_NAME:
+        assert f"| {name} | pass" in md
+
+
+# A whole matrix of one harness: 16 sessions, 4 at a time; OpenCode's alone passed 300 s on a loaded
+# 2-core machine, so these get their own bound.
+MATRIX_TIMEOUT_S = 1200
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(MATRIX_TIMEOUT_S)
+@pytest.mark.parametrize("harness", AGENTS)
+async def test_matrix_at_the_default_pin(harness, tmp_path):
+    out = tmp_path / "conformance"
+    matrix = await run_matrix([Target(harness)], SCENARIOS, out)
+    _assert_matrix(matrix, out, 1)
+    assert not processes_under(str(out))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(MATRIX_TIMEOUT_S)
+@pytest.mark.parametrize("harness", [h for h in AGENTS if h in NEMO_GYM_VERSIONS])
+async def test_matrix_at_the_nemo_gym_version(harness, tmp_path):
+    out = tmp_path / "conformance"
+    matrix = await run_matrix([Target(harness, NEMO_GYM_VERSIONS[harness])], SCENARIOS, out)
+    _assert_matrix(matrix, out, 1)
+    assert {c.version for c in matrix.cells} == {NEMO_GYM_VERSIONS[harness]}
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("codex_installed")
+async def test_a_wrong_expectation_fails_its_cell_with_the_reason(tmp_path):
+    wrong = dataclasses.replace(SCENARIOS_BY_NAME["tool_success"], status="failed", reward=0.0)
+    cell = await run_cell(Target("codex"), wrong, tmp_path, default_cache_root())
+    assert not cell.passed
+    failed = {c.name: c.reason for c in cell.checks if not c.passed}
+    assert failed == {"status": "status 'completed', expected 'failed'", "reward": "reward 1.0, expected 0.0"}
+    assert cell.first_failure == "status: status 'completed', expected 'failed'"
+    assert "**FAIL** status: status 'completed', expected 'failed'" in render_markdown(_one_cell_matrix(cell))
+
+
+def _one_cell_matrix(cell):
+    from executor.conformance import Matrix
+
+    return Matrix(targets=[cell.harness], scenarios=[cell.scenario], cells=[cell])
+
+
+def _ctx() -> CheckContext:
+    return CheckContext(PolicyConfig(), GatewayConfig(), 2.0)
+
+
+def test_a_check_reason_is_bounded_and_a_raising_check_fails_its_cell():
+    scenario = SCENARIOS_BY_NAME["model_error"]
+    row = {
+        "attempt": 1,
+        "status": "failed",
+        "failure_kind": "agent_crash",
+        "error_message": "x" * 100_000,
+        "decision": "accept",
+        "final": True,
+        "masked": False,
+        "reward": 0.0,
+        "model_attempts": None,
+        "evidence_dir": "/nonexistent",
+        "cleanup_ok": True,
+    }
+    results = {r.name: r for r in check_cell(scenario, [row], _ctx())}
+    assert not results["failure_kind"].passed
+    assert len(results["failure_kind"].reason) <= MAX_REASON_CHARS
+    assert results["failure_kind"].reason.startswith(
+        "failure kinds ['agent_crash'], expected 'model_request_error'"
+    )
+    assert results["status"].passed and results["decision"].passed and results["reward"].passed
+    assert not results["evidence"].passed and "attempts.jsonl" in results["evidence"].reason
+    assert not results["only_400"].passed
+    assert check_cell(scenario, [], _ctx())[0].reason == "the session produced no row"
+
+
+def test_targets_and_scenarios_from_the_command_line():
+    assert parse_targets("codex", []) == [Target("codex")]
+    assert parse_targets("codex", ["0.144.4"]) == [Target("codex", "0.144.4")]
+    assert parse_targets("all", ["nemo-gym"]) == [
+        Target(h, NEMO_GYM_VERSIONS[h]) for h in AGENTS if h in NEMO_GYM_VERSIONS
+    ]
+    assert "command" not in {t.harness for t in parse_targets("all", [])}
+    with pytest.raises(InputError, match="unknown harness 'nope'"):
+        parse_targets("nope", [])
+    with pytest.raises(InputError, match="harness 'nope' is not in this run"):
+        parse_targets("codex", ["nope=1.0"])
+    with pytest.raises(InputError, match="unknown scenario 'nope'"):
+        parse_scenarios(["tool_success", "nope"])
+    assert [s.name for s in parse_scenarios(["auth_error", "auth_error"])] == ["auth_error"]
+
+
+def _rollout(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, RAY_TMPDIR="/tmp/rollout-ray-tests")
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--harness", "nope"], "--harness: unknown harness 'nope'"),
+        (["--scenario", "nope"], "--scenario: unknown scenario 'nope'"),
+        (["--harness", "all", "--version", "1.0"], "with several harnesses, say which"),
+        (["--network", "nope"], "--network: 'nope' is not one of auto, isolated, host"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, expected, tmp_path):
+    proc = _rollout("conformance", "--out", str(tmp_path / "c"), *args, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("codex_installed")
+def test_the_command_writes_the_matrix_and_exits_0(tmp_path):
+    out = tmp_path / "c"
+    proc = _rollout(
+        "conformance", "--harness", "codex", "--scenario", "auth_error", "--out", str(out), cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1/1 cells pass" in proc.stdout
+    data = json.loads((out / "conformance.json").read_text())
+    assert [(c["scenario"], c["passed"]) for c in data["cells"]] == [("auth_error", True)]
+    assert "| auth_error | pass" in (out / "conformance.md").read_text()
+
+
+AUTH_TASKS = [
+    {"id": "auth", "prompt": "Create a.txt", "model_script": [{"type": "error", "status": 401}]},
+    {
+        "id": "slow",
+        "prompt": "Create a.txt",
+        "deadline_s": 120,
+        "model_script": [{"type": "hang", "max_s": 600}],
+    },
+]
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("codex_installed")
+def test_an_auth_error_stops_the_run_early_with_one_clear_message(tmp_path):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in AUTH_TASKS))
+    (tmp_path / "run.yaml").write_text(
+        f"tasks: tasks.jsonl\nout: out\nsandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+        "limits: {deadline_s: 120, grace_s: 2}\nconcurrency: {workers: 1, sessions_per_worker: 2}\n"
+    )
+    proc = _rollout("run", str(tmp_path / "run.yaml"), cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # Progress events are JSON lines; of the rest, exactly one line speaks of the cause.
+    said = [
+        line
+        for line in proc.stderr.splitlines()
+        if "provider_auth_error" in line and not line.lstrip().startswith("{")
+    ]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert said[0].startswith("run stopped: provider_auth_error: upstream answered HTTP 401")
+    summary = json.loads((tmp_path / "out" / "run" / "summary.json").read_text())
+    assert summary["pending"] == 1  # the hanging task was cut short, not waited for
+    assert summary["by_failure_kind"] == {"provider_auth_error": 1}
+    assert not processes_under(str(tmp_path / "sandboxes"))

@@ -1,0 +1,259 @@
+"""The ecs provider: the real boto3 client against moto (EC2 launch type) or botocore's Stubber, with the
+in-sandbox agent running as a local process in place of the container. Only AWS itself is simulated."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+boto3 = pytest.importorskip("boto3")
+moto = pytest.importorskip("moto")
+
+from botocore.stub import ANY, Stubber  # noqa: E402
+
+from sandboxes.base import SandboxLostError, SandboxSpec, SandboxStartError  # noqa: E402
+from sandboxes.ecs import (  # noqa: E402
+    OWNER_TAG_PREFIX,
+    RUN_TAG,
+    TOKEN_ENV,
+    TTL_TAG,
+    EcsSandboxConfig,
+    EcsSandboxProvider,
+    TokenBucket,
+    started_by,
+)
+from sandboxes.owner import Owner  # noqa: E402
+from tests.agent_process import AgentProcess, start_agent  # noqa: E402
+
+REGION = "us-east-1"
+CLUSTER = "rollouts"
+
+
+class LocalContainers:
+    """Stands in for ECS's container runtime: the first time a task is seen RUNNING, its agent starts
+    here with the token from the task's overrides, and its address is what the provider dials."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.agents: dict[str, AgentProcess] = {}
+
+    def resolve(self, task: dict[str, Any]) -> tuple[str, int] | None:
+        arn = task["taskArn"]
+        if arn not in self.agents:
+            env = {
+                e["name"]: e["value"]
+                for o in task["overrides"]["containerOverrides"]
+                for e in o.get("environment", [])
+            }
+            self.agents[arn] = start_agent(self.root / arn.rsplit("/", 1)[-1], env[TOKEN_ENV])
+        agent = self.agents[arn]
+        return agent.host, agent.port
+
+    def kill_all(self) -> None:
+        for agent in self.agents.values():
+            agent.kill()
+
+
+@pytest.fixture
+def ecs():
+    from moto.moto_api import state_manager
+
+    with moto.mock_aws():
+        # Tasks stay RUNNING until stopped (moto otherwise advances them on every describe).
+        state_manager.set_transition("ecs::task", {"progression": "manual", "times": 1_000_000})
+        client = boto3.client("ecs", region_name=REGION)
+        ec2 = boto3.client("ec2", region_name=REGION)
+        client.create_cluster(clusterName=CLUSTER)
+        instance = ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1)["Instances"][0]
+        doc = json.dumps({"instanceId": instance["InstanceId"], "region": REGION})
+        client.register_container_instance(cluster=CLUSTER, instanceIdentityDocument=doc)
+        client.register_task_definition(
+            family="sandbox",
+            networkMode="bridge",
+            containerDefinitions=[{"name": "sandbox", "image": "rollout-sandbox", "cpu": 256, "memory": 512}],
+        )
+        yield client
+        state_manager.unset_transition("ecs::task")
+
+
+def _config(**extra: Any) -> EcsSandboxConfig:
+    base = {"cluster": CLUSTER, "task_definition": "sandbox", "launch_type": "EC2", "region": REGION}
+    return EcsSandboxConfig(**{**base, "poll_s": 0.05, "start_timeout_s": 30, **extra})
+
+
+@pytest.fixture
+def containers(tmp_path):
+    c = LocalContainers(tmp_path / "containers")
+    yield c
+    c.kill_all()
+
+
+def _spec(run_id: str = "ecs-run", session: str = "s1") -> SandboxSpec:
+    return SandboxSpec(run_id=run_id, session_id=session, ttl_s=600)
+
+
+def _status(client: Any, arn: str) -> str:
+    return client.describe_tasks(cluster=CLUSTER, tasks=[arn])["tasks"][0]["lastStatus"]
+
+
+async def test_run_describe_exec_stop(ecs, containers):
+    provider = EcsSandboxProvider(_config(), client=ecs, resolve=containers.resolve)
+    sandbox = await provider.start(_spec())
+    arn = sandbox.descriptor()["task_arn"]
+    task = ecs.describe_tasks(cluster=CLUSTER, tasks=[arn], include=["TAGS"])["tasks"][0]
+    assert task["lastStatus"] == "RUNNING" and task["startedBy"] == started_by("ecs-run")
+    tags = {t["key"]: t["value"] for t in task["tags"]}
+    assert tags[RUN_TAG] == "ecs-run" and int(tags[TTL_TAG]) > 0
+    assert Owner.decode(
+        {k[len(OWNER_TAG_PREFIX) :]: v for k, v in tags.items() if k.startswith(OWNER_TAG_PREFIX)}
+    )
+    command = task["overrides"]["containerOverrides"][0]["command"]
+    assert containers.agents[arn].token not in " ".join(command)  # the token only in the environment
+
+    result = await sandbox.exec(["bash", "-c", "echo hello from $(pwd)"], timeout=30)
+    assert result.exit_code == 0 and result.stdout_tail == f"hello from {containers.agents[arn].root}/work\n"
+    await sandbox.write_file("x.txt", b"data")
+    assert await sandbox.read_file("x.txt", 10) == b"data"
+
+    await sandbox.stop()
+    assert _status(ecs, arn) == "STOPPED"
+    assert containers.agents[arn].proc.wait(15) == 0  # the agent was told to stop and left
+    await sandbox.stop()  # idempotent
+
+
+async def test_a_task_that_stopped_on_its_own_is_a_lost_sandbox(ecs, containers):
+    provider = EcsSandboxProvider(_config(), client=ecs, resolve=containers.resolve)
+    sandbox = await provider.start(_spec())
+    arn = sandbox.descriptor()["task_arn"]
+    # The spot capacity went away: ECS stops the task and the container with it.
+    ecs.stop_task(cluster=CLUSTER, task=arn, reason="Your Spot Task was interrupted.")
+    containers.agents[arn].proc.kill()
+    with pytest.raises(SandboxLostError, match="Spot Task was interrupted"):
+        await sandbox.exec(["true"], timeout=10)
+    await sandbox.stop()  # already stopped: nothing to do, no error
+
+
+def _stubbed(config: EcsSandboxConfig) -> tuple[Any, Stubber, list[dict[str, Any]]]:
+    client = boto3.client("ecs", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stubber = Stubber(client)
+    calls: list[dict[str, Any]] = []
+    client.meta.events.register("provide-client-params.ecs.RunTask", lambda params, **_: calls.append(params))
+    return client, stubber, calls
+
+
+async def test_throttled_run_task_is_retried_with_the_same_client_token():
+    cfg = _config(max_launch_attempts=4)
+    client, stubber, calls = _stubbed(cfg)
+    stubber.add_client_error("run_task", "ThrottlingException", "Rate exceeded", 400)
+    stubber.add_client_error("run_task", "ThrottlingException", "Rate exceeded", 400)
+    stubber.add_response(
+        "run_task",
+        {"tasks": [], "failures": [{"arn": "x", "reason": "RESOURCE:MEMORY", "detail": "no room"}]},
+        {"cluster": CLUSTER, "taskDefinition": "sandbox", "count": 1, "startedBy": ANY, "clientToken": ANY,
+         "tags": ANY, "overrides": ANY, "launchType": "EC2"},
+    )  # fmt: skip
+    with stubber, pytest.raises(SandboxStartError, match="no capacity: RESOURCE:MEMORY"):
+        await EcsSandboxProvider(cfg, client=client).start(_spec())
+    stubber.assert_no_pending_responses()
+    assert len(calls) == 3 and len({c["clientToken"] for c in calls}) == 1
+    assert all(c["count"] == 1 <= 10 for c in calls)
+
+
+async def test_throttling_that_never_ends_is_a_start_failure():
+    cfg = _config(max_launch_attempts=2)
+    client, stubber, _calls = _stubbed(cfg)
+    for _ in range(2):
+        stubber.add_client_error("run_task", "ThrottlingException", "Rate exceeded", 400)
+    with stubber, pytest.raises(SandboxStartError, match="ThrottlingException"):
+        await EcsSandboxProvider(cfg, client=client).start(_spec())
+
+
+async def test_a_refused_request_is_not_retried():
+    client, stubber, calls = _stubbed(_config())
+    stubber.add_client_error("run_task", "InvalidParameterException", "No such task definition", 400)
+    with stubber, pytest.raises(SandboxStartError, match="InvalidParameterException"):
+        await EcsSandboxProvider(_config(), client=client).start(_spec())
+    assert len(calls) == 1
+
+
+async def test_a_task_that_failed_to_start_is_a_start_failure():
+    client, stubber, _calls = _stubbed(_config())
+    arn = f"arn:aws:ecs:{REGION}:123456789012:task/{CLUSTER}/abc"
+    stopped = {
+        "taskArn": arn,
+        "lastStatus": "STOPPED",
+        "stopCode": "TaskFailedToStart",
+        "stoppedReason": "CannotPullContainerError: pull access denied",
+        "containers": [{"name": "sandbox", "reason": "CannotPullContainerError"}],
+    }
+    stubber.add_response(
+        "run_task", {"tasks": [{"taskArn": arn, "lastStatus": "PROVISIONING"}], "failures": []}
+    )
+    stubber.add_response("describe_tasks", {"tasks": [stopped], "failures": []})
+    stubber.add_response("describe_tasks", {"tasks": [stopped], "failures": []})  # cleanup: already stopped
+    with stubber, pytest.raises(SandboxStartError, match="TaskFailedToStart: CannotPullContainerError"):
+        await EcsSandboxProvider(_config(), client=client).start(_spec())
+    stubber.assert_no_pending_responses()
+
+
+def _dead_owner() -> Owner:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    me = Owner.current()
+    return Owner(me.host, me.boot, int(proc.stdout), 1)
+
+
+def _run_tagged(client: Any, run_id: str, owner: Owner) -> str:
+    tags = [{"key": RUN_TAG, "value": run_id}, {"key": TTL_TAG, "value": "9999999999"}]
+    tags += [{"key": OWNER_TAG_PREFIX + k, "value": v} for k, v in owner.encode().items()]
+    answer = client.run_task(
+        cluster=CLUSTER, taskDefinition="sandbox", launchType="EC2", startedBy=started_by(run_id), tags=tags
+    )
+    return answer["tasks"][0]["taskArn"]
+
+
+def test_tasks_of_dead_owners_are_stopped_and_gc_stops_a_whole_run(ecs):
+    provider = EcsSandboxProvider(_config(), client=ecs)
+    orphan = _run_tagged(ecs, "r1", _dead_owner())
+    alive = _run_tagged(ecs, "r1", Owner.current())
+    other_run = _run_tagged(ecs, "r2", _dead_owner())
+    assert provider.reap("r1") == [orphan]
+    assert _status(ecs, orphan) == "STOPPED" and _status(ecs, alive) == "RUNNING"
+    assert _status(ecs, other_run) == "RUNNING"
+    assert provider.reap("r1") == []  # idempotent
+    assert provider.reap("r1", everything=True) == [alive]
+    assert provider.reap(None) == [other_run]  # any run: only what dead owners left
+
+
+async def test_the_launch_bucket_allows_a_burst_then_the_rate():
+    now = [0.0]
+    bucket = TokenBucket(rate=20.0, burst=3, clock=lambda: now[0])
+    for _ in range(3):
+        await bucket.acquire()
+    assert bucket.tokens < 1
+    now[0] += 0.1  # two launches' worth at 20/s
+    bucket._refill()
+    assert bucket.tokens == pytest.approx(2.0)
+    now[0] += 100
+    bucket._refill()
+    assert bucket.tokens == 3  # never more than the burst
+
+
+def test_config_rejects_typos_and_needs_a_cluster():
+    from executor.config import RunConfig
+
+    with pytest.raises(ValueError, match="cluster"):
+        RunConfig.model_validate({"tasks": "t", "sandbox": {"provider": "ecs", "task_definition": "x"}})
+    with pytest.raises(ValueError, match="launch_typ"):
+        RunConfig.model_validate(
+            {
+                "tasks": "t",
+                "sandbox": {"provider": "ecs", "cluster": "c", "task_definition": "x", "launch_typ": 1},
+            }
+        )

@@ -1,0 +1,101 @@
+"""`rollout gc`: what a crashed run left, found and ended on each provider, idempotently."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sandboxes.base import SandboxSpec
+from tests.conftest import processes_under
+
+REPO = Path(__file__).parents[1]
+
+
+def _gc(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", "gc", str(cfg), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def _config(tmp_path: Path, sandbox: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"tasks": str(tmp_path / "tasks.jsonl"), "sandbox": sandbox}))
+    return path
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    cfg = _config(tmp_path, {"root": str(tmp_path / "sb")})
+    proc = _gc(cfg, "--all")
+    assert proc.returncode == 2 and "--all needs --run" in proc.stderr
+    bad = _config(tmp_path, {"provider": "slurm", "partiton": "x"})
+    proc = _gc(bad)
+    assert proc.returncode == 2 and "sandbox.slurm.partiton" in proc.stderr
+
+
+def test_local_sandbox_of_a_killed_owner_is_collected(tmp_path):
+    root = tmp_path / "sb"
+    cfg = _config(tmp_path, {"root": str(root)})
+    # A stand-in worker that starts a sandbox, runs a long command in it, and is then SIGKILLed.
+    code = (
+        "import asyncio; from pathlib import Path\n"
+        "from sandboxes.base import SandboxSpec; from sandboxes.local import LocalSandboxProvider\n"
+        "async def main():\n"
+        f"    s = await LocalSandboxProvider(Path({str(root)!r})).start(\n"
+        "        SandboxSpec(run_id='crashed', session_id='s1', ttl_s=600))\n"
+        "    print('ready', flush=True)\n"
+        "    await s.exec(['sleep', '600'], timeout=600)\n"
+        "asyncio.run(main())\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert owner.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        assert _gc(cfg, "--run", "crashed").stdout.strip().endswith("local: 0 sandboxes ended")
+    finally:
+        owner.kill()
+        owner.wait(10)
+    proc = _gc(cfg, "--run", "crashed")
+    assert proc.returncode == 0, proc.stderr
+    assert "ended local-s1" in proc.stdout
+    assert not (root / "crashed" / "s1" / "sandbox.json").exists()
+    assert processes_under(str(root)) == []
+    assert "local: 0 sandboxes ended" in _gc(cfg, "--run", "crashed").stdout  # idempotent
+
+
+def _slurm_up() -> bool:
+    from tests.test_slurm import _slurm_up as up
+
+    return up()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _slurm_up(), reason="no Slurm: run cluster/slurm/ci-start.sh (.ci/run does)")
+async def test_slurm_jobs_of_a_run_are_collected_with_all(tmp_path):
+    from sandboxes.slurm import SlurmSandboxConfig, list_jobs
+
+    run_id = f"gc-{os.getpid()}"
+    cfg = _config(tmp_path, {"provider": "slurm", "root": str(tmp_path / "sb")})
+    provider = SlurmSandboxConfig().build(tmp_path / "sb")
+    sandbox = await provider.start(SandboxSpec(run_id=run_id, session_id="s1", ttl_s=600))
+    job_id = sandbox.descriptor()["job_id"]
+    try:
+        # Its owner (this process) is alive: plain gc leaves it, --all ends it.
+        assert "slurm: 0 sandboxes ended" in (await asyncio.to_thread(_gc, cfg, "--run", run_id)).stdout
+        assert [j for j, _r, _f in list_jobs(run_id)] == [job_id]
+        proc = await asyncio.to_thread(_gc, cfg, "--run", run_id, "--all")
+        assert proc.returncode == 0, proc.stderr
+        assert f"ended {job_id}" in proc.stdout
+        assert list_jobs(run_id) == []
+        again = await asyncio.to_thread(_gc, cfg, "--run", run_id, "--all")
+        assert "slurm: 0 sandboxes ended" in again.stdout
+    finally:
+        await sandbox.stop()

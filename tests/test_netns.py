@@ -1,0 +1,128 @@
+"""Network isolation of local sandboxes: a loopback-only namespace per command, the gateway reached
+through its Unix socket. Never probes an outside address: it only lists the namespace's interfaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from executor.store import read_table
+from harnesses.gateway import Gateway
+from harnesses.scripted_model import ScriptedModel
+from sandboxes import netns
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+from tests.conftest import processes_under
+
+
+def _unavailable() -> str | None:
+    try:
+        netns.check_available()
+    except netns.IsolationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+
+@asynccontextmanager
+async def _isolated(tmp_path: Path) -> AsyncIterator[tuple[Any, Gateway]]:
+    scripted = ScriptedModel()
+    await scripted.start()
+    gateway = Gateway(scripted.base_url, None)
+    await gateway.start(unix_path=str(tmp_path / "gw.sock"))
+    forward = (urlsplit(gateway.url).port or 0, str(tmp_path / "gw.sock"))
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", network_forward=forward)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="s", ttl_s=120))
+    try:
+        yield sandbox, gateway
+    finally:
+        await sandbox.stop()
+        await gateway.stop()
+        await scripted.stop()
+
+
+async def test_the_namespace_has_only_loopback(tmp_path):
+    async with _isolated(tmp_path) as (sandbox, _gateway):
+        names = await sandbox.exec(
+            [sys.executable, "-c", "import socket; print([n for _, n in socket.if_nameindex()])"], timeout=30
+        )
+        devices = await sandbox.exec(["cat", "/proc/net/dev"], timeout=30)
+    assert names.exit_code == 0, names.stderr_tail
+    assert names.stdout_tail.strip() == "['lo']"
+    listed = [line.split(":")[0].strip() for line in devices.stdout_tail.splitlines()[2:] if ":" in line]
+    assert listed == ["lo"]
+
+
+FETCH = """
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/models", timeout=20) as answer:
+    print(answer.status, answer.read().decode())
+"""
+
+
+async def test_the_gateway_is_reached_through_its_unix_socket(tmp_path):
+    async with _isolated(tmp_path) as (sandbox, gateway):
+        session = gateway.open_session("s1", tmp_path / "evidence")
+        fetched = await sandbox.exec([sys.executable, "-c", FETCH, session.base_url], timeout=30)
+        attempts = list(session.attempts)
+    assert fetched.exit_code == 0, fetched.stderr_tail
+    status, body = fetched.stdout_tail.split(" ", 1)
+    assert status == "200" and json.loads(body)["data"][0]["id"] == "scripted-model"
+    assert [(a.path, a.status) for a in attempts] == [("/models", 200)]
+
+
+async def test_exit_codes_signals_and_timeouts_pass_through(tmp_path):
+    async with _isolated(tmp_path) as (sandbox, _gateway):
+        seven = await sandbox.exec(["sh", "-c", "exit 7"], timeout=30)
+        killed = await sandbox.exec(["sh", "-c", "kill -9 $$"], timeout=30)
+        slow = await sandbox.exec(["sh", "-c", "sleep 600"], timeout=1)
+        assert not processes_under(str(tmp_path / "sandboxes"))
+    assert (seven.exit_code, seven.signal) == (7, None)
+    assert (killed.exit_code, killed.signal) == (None, 9)
+    assert slow.timed_out and slow.exit_code is None
+
+
+# The harness's own tool call lists the interfaces it can see; the verifier passes only on "lo" alone.
+LIST_INTERFACES = {
+    "id": "interfaces",
+    "prompt": "Write the network interfaces you can see into net.txt",
+    "model_script": [
+        {"type": "shell", "command": "cat /proc/net/dev > net.txt"},
+        {"type": "text", "text": "Listed them in net.txt."},
+    ],
+    "verify": "test \"$(grep -c : net.txt)\" = 1 && grep -q 'lo:' net.txt",
+}
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("codex_installed")
+def test_a_run_with_isolated_sandboxes(tmp_path):
+    """`sandbox: {network: isolated}` through the whole path: driver, Ray worker, gateway socket, Codex."""
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(LIST_INTERFACES) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"tasks: tasks.jsonl\nout: out\nsandbox: {{root: {tmp_path / 'sandboxes'}, network: isolated}}\n"
+        "limits: {deadline_s: 120, grace_s: 2}\nconcurrency: {workers: 1, sessions_per_worker: 1}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "executor.cli", "run", str(tmp_path / "run.yaml")],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, RAY_TMPDIR="/tmp/rollout-ray-tests"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = read_table(tmp_path / "out" / "run").to_pylist()
+    assert (row["status"], row["reward"]) == ("completed", 1.0), row["error_message"]
+    assert not processes_under(str(tmp_path / "sandboxes"))
