@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rollout status runs/demo
 
 test: $(STAMP)
+	.ci/system-deps
 	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected no tests: a failure here, not a pass.
 	$(VENV)/bin/pytest -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
