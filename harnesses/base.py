@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -91,3 +92,20 @@ class Harness(Protocol):
     async def prepare(self, sandbox: Sandbox, ctx: LaunchContext) -> Launch: ...
 
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport: ...
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_if_untested(name: str, version: str, tested: str, known: tuple[str, ...]) -> None:
+    """Warn once per (harness, version) that is not the tested pin: warn, never refuse."""
+    if version == tested or (name, version) in _warned:
+        return
+    _warned.add((name, version))
+    logging.getLogger(f"harnesses.{name}").warning(
+        "%s %s is configured but %s is the tested version (known to work: %s); running it anyway",
+        name,
+        version,
+        tested,
+        ", ".join(known),
+    )

@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage
+from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     add_usage,
@@ -104,8 +104,6 @@ _KNOWN_RECORDS = frozenset(
 )
 _TOOL_STATUS = {"completed": "completed", "failed": "failed", "declined": "failed"}
 
-_warned_versions: set[str] = set()
-
 
 def recognize_failure(message: str | None) -> FailureKind | None:
     """The failure kind a Codex error message claims, or None when no pattern knows it."""
@@ -179,14 +177,7 @@ class CodexHarness:
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION
-        if self.version != self.tested_version and self.version not in _warned_versions:
-            _warned_versions.add(self.version)
-            log.warning(
-                "codex %s is configured but %s is the tested version (known to work: %s); running it anyway",
-                self.version,
-                self.tested_version,
-                ", ".join(KNOWN_WORKING_VERSIONS),
-            )
+        warn_if_untested(self.name, self.version, self.tested_version, KNOWN_WORKING_VERSIONS)
 
     # -- install ----------------------------------------------------------------------------------------
 

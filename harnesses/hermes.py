@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage
+from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     as_text,
@@ -122,8 +122,6 @@ _ERROR_SENTENCE_RE = re.compile(
     r"|Invalid API response after|Billing or credits exhausted|Model generated invalid tool call)"
 )
 
-_warned_versions: set[str] = set()
-
 
 def recognize_failure(message: str | None) -> FailureKind | None:
     """The failure kind a Hermes error sentence claims, or None when no pattern knows it."""
@@ -164,14 +162,7 @@ class HermesHarness:
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION
-        if self.version != self.tested_version and self.version not in _warned_versions:
-            _warned_versions.add(self.version)
-            log.warning(
-                "hermes %s is configured but %s is the tested version (known to work: %s); running it anyway",
-                self.version,
-                self.tested_version,
-                ", ".join(KNOWN_WORKING_VERSIONS),
-            )
+        warn_if_untested(self.name, self.version, self.tested_version, KNOWN_WORKING_VERSIONS)
 
     # -- install ----------------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage
+from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     add_usage,
@@ -108,8 +108,6 @@ _KNOWN_PARTS = frozenset(
 )
 _TOOL_STATUS = {"completed": "completed", "error": "failed"}
 
-_warned_versions: set[str] = set()
-
 
 def recognize_failure(error: object) -> tuple[FailureKind | None, str | None]:
     """The failure an OpenCode ``error`` object claims, and its message; (None, None) for no error."""
@@ -179,15 +177,7 @@ class OpenCodeHarness:
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION
-        if self.version != self.tested_version and self.version not in _warned_versions:
-            _warned_versions.add(self.version)
-            log.warning(
-                "opencode %s is configured but %s is the tested version (known to work: %s); running it"
-                " anyway",
-                self.version,
-                self.tested_version,
-                ", ".join(KNOWN_WORKING_VERSIONS),
-            )
+        warn_if_untested(self.name, self.version, self.tested_version, KNOWN_WORKING_VERSIONS)
 
     def ensure_installed(self, cache_root: Path) -> Path:
         """Install this version into the cache (once); return its install directory."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage
+from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     add_usage,
@@ -105,8 +105,6 @@ _KNOWN_RECORDS = frozenset(
 )
 _FAILED_STOPS = frozenset({"error", "aborted"})
 
-_warned_versions: set[str] = set()
-
 
 def recognize_failure(message: str | None) -> FailureKind | None:
     """The failure kind a Pi error message claims, or None when no pattern knows it."""
@@ -177,14 +175,7 @@ class PiHarness:
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION
-        if self.version != self.tested_version and self.version not in _warned_versions:
-            _warned_versions.add(self.version)
-            log.warning(
-                "pi %s is configured but %s is the tested version (known to work: %s); running it anyway",
-                self.version,
-                self.tested_version,
-                ", ".join(KNOWN_WORKING_VERSIONS),
-            )
+        warn_if_untested(self.name, self.version, self.tested_version, KNOWN_WORKING_VERSIONS)
 
     def ensure_installed(self, cache_root: Path) -> Path:
         """Install Node and this version of Pi into the cache (once); return Pi's install directory."""
