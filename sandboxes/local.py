@@ -48,6 +48,7 @@ from sandboxes.base import (
     SandboxStartError,
 )
 from sandboxes.environment import base_environment, marker_entry, merge_environment, xdg_dirs
+from sandboxes.owner import boot_id, start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +68,6 @@ def _check_component(label: str, value: str) -> None:
         raise SandboxStartError(f"{label} {value!r} cannot name a directory")
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _start_ticks(pid: int) -> int | None:
-    info = sup.read_proc(pid)
-    return info.start_ticks if info is not None and info.alive else None
-
-
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
@@ -96,7 +84,7 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
     me = os.getpid()
 
     def ours(pid: int) -> bool:
-        return _start_ticks(pid) is not None and sup.has_env_entry(pid, marker)
+        return start_ticks(pid) is not None and sup.has_env_entry(pid, marker)
 
     if grace_s > 0 and (supervisors := {pid for pid in roots if ours(pid)}):
         sup.send(supervisors, signal.SIGTERM)
@@ -227,9 +215,9 @@ class LocalSandbox:
         self.created_at = time.time()
         self.ttl_deadline = self.created_at + spec.ttl_s
         self._owner_pid = os.getpid()
-        self._owner_start_ticks = _start_ticks(self._owner_pid)
+        self._owner_start_ticks = start_ticks(self._owner_pid)
         self._host = socket.gethostname()
-        self._boot_id = _boot_id()
+        self._boot_id = boot_id()
         self._running: dict[int, asyncio.subprocess.Process] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
         self._name_counts: dict[str, int] = {}
@@ -579,7 +567,7 @@ def reap_stale(
         _check_component("run_id", run_id)
     pattern = f"{run_id}/*/{DESCRIPTOR_NAME}" if run_id else f"*/*/{DESCRIPTOR_NAME}"
     now = time.time() if now is None else now
-    host, boot = socket.gethostname(), _boot_id()
+    host, boot = socket.gethostname(), boot_id()
     reaped: list[str] = []
     for path in sorted(root.glob(pattern)):
         try:
@@ -590,7 +578,7 @@ def reap_stale(
         if desc.get("host") != host:
             continue
         if desc.get("boot_id") == boot:  # after a reboot none of its processes can exist
-            owner_alive = _start_ticks(int(desc["owner_pid"])) == desc.get("owner_start_ticks")
+            owner_alive = start_ticks(int(desc["owner_pid"])) == desc.get("owner_start_ticks")
             if owner_alive and now < float(desc["ttl_deadline"]):
                 continue
             roots = [int(pid) for pid in desc.get("supervisor_pids", [])]

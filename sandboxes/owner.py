@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sandboxes import supervisor as sup
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             return f.read().strip()
@@ -22,7 +22,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _start_ticks(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
     info = sup.read_proc(pid)
     return info.start_ticks if info is not None and info.alive else None
 
@@ -37,7 +37,7 @@ class Owner:
     @classmethod
     def current(cls) -> Owner:
         pid = os.getpid()
-        return cls(socket.gethostname(), _boot_id()[:8], pid, _start_ticks(pid) or 0)
+        return cls(socket.gethostname(), boot_id()[:8], pid, start_ticks(pid) or 0)
 
     def encode(self) -> dict[str, str]:
         return {"host": self.host, "boot": self.boot, "pid": str(self.pid), "ticks": str(self.ticks)}
@@ -53,6 +53,6 @@ class Owner:
         """True only when this host can see the owner is gone; another host's owner is never 'dead'."""
         if self.host != socket.gethostname():
             return False
-        if self.boot != _boot_id()[:8]:
+        if self.boot != boot_id()[:8]:
             return True
-        return _start_ticks(self.pid) != self.ticks
+        return start_ticks(self.pid) != self.ticks
