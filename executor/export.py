@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
-from executor.schema import ROW_SCHEMA
+from executor.schema import ROW_SCHEMA, upgrade
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
 
-TRAIN_SCHEMA_VERSION = "1"
+TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls
 Format = Literal["parquet", "jsonl"]
 
 # Columns taken from the row as they are (their types live in executor/schema.py, one home).
@@ -114,6 +114,7 @@ def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.Reco
     model = (run_config(run_dir).get("model") or {}).get("name")
     wanted = list(_ROW_COLUMNS) + list(_DECISION_COLUMNS)
     for batch in iter_batches(run_dir / "rows", wanted):
+        batch = upgrade(batch)  # a run resumed across a schema change has older part files too
         if not include_all:
             batch = batch.filter(trainable(batch))
         if batch.num_rows == 0:

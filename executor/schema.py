@@ -6,7 +6,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_attempts; a version 1 part file casts up
 
 _TOOL_CALL = pa.struct(
     [
@@ -37,6 +37,11 @@ _MODEL_ATTEMPT = pa.struct(
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
         ("finish_reason", pa.string()),
+        # gateway.capture_tokens: what the endpoint returned, null when off or when it returned none
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("completion_token_ids", pa.list_(pa.int32())),
+        ("completion_logprobs", pa.list_(pa.float32())),
+        ("tokens_truncated", pa.bool_()),
     ]
 )
 
@@ -112,6 +117,13 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     if unknown:
         raise ValueError(f"row has columns outside the schema: {sorted(unknown)}")
     return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
+
+
+def upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch read from an older part file, its columns cast to this schema's types: a struct field
+    added since (version 2's token ids) reads as null."""
+    wanted = pa.schema([ROW_SCHEMA.field(name) for name in batch.schema.names])
+    return batch if batch.schema.equals(wanted, check_metadata=False) else batch.cast(wanted)
 
 
 def with_decisions(batch: pa.RecordBatch, decisions: dict[str, list[Any]]) -> pa.RecordBatch:

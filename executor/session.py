@@ -257,6 +257,10 @@ def _attempt_row(attempt: Any) -> dict[str, Any]:
         "input_tokens",
         "output_tokens",
         "finish_reason",
+        "prompt_token_ids",
+        "completion_token_ids",
+        "completion_logprobs",
+        "tokens_truncated",
     )
     return {k: data.get(k) for k in keep}
 

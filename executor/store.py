@@ -8,11 +8,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from executor.schema import ROW_SCHEMA
+from executor.schema import ROW_SCHEMA, upgrade
 
 _PART = re.compile(r"^part-(\d{6,})\.parquet$")
 RESUME_COLUMNS = ["task_id", "sample_index", "attempt", "decision", "final"]
@@ -98,7 +99,16 @@ class RunStore:
 
 def iter_batches(rows_dir: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     for path in part_files(rows_dir):
-        yield from pq.ParquetFile(path).iter_batches(columns=columns, batch_size=65_536)
+        # Part files of an older schema version read as this one: a resumed run spans both.
+        yield from map(upgrade, pq.ParquetFile(path).iter_batches(columns=columns, batch_size=65_536))
+
+
+def iter_rows_newest_first(rows_dir: Path, columns: list[str]) -> Iterator[tuple[Any, ...]]:
+    """``columns`` of every row, from the last written back to the first: part files newest first,
+    one read at a time, so a caller that needs only the tail stops without reading the rest."""
+    for path in reversed(part_files(rows_dir)):
+        table = pq.ParquetFile(path).read(columns=columns)
+        yield from reversed(list(zip(*(table.column(c).to_pylist() for c in columns), strict=True)))
 
 
 def scan(rows_dir: Path) -> ResumeState:

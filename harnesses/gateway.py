@@ -58,7 +58,14 @@ _MAX_REQUEST_BYTES = 256 * 2**20  # a long agent history passes aiohttp's 1 MiB 
 _MAX_HELD_BYTES = 64 * 2**20  # a non-streamed answer is relayed whole up to this, streamed on past it
 _MAX_ERROR_BODY_BYTES = 2**20  # an error answer is read (and relayed) up to this; real ones are tiny
 _MAX_SNIFF_LINE_BYTES = 4 * 2**20  # an SSE line longer than this is not parsed for usage
+# With capture_tokens the final Responses event repeats the prompt's ids and text: past 4 MiB in a long run.
+_MAX_CAPTURE_LINE_BYTES = 48 * 2**20
 _MAX_MESSAGE_CHARS = 2_000
+_MAX_CAPTURED_TOKENS = 1_000_000  # per list per model call; past it the record says tokens_truncated
+_MAX_TOKEN_ID = 2**31 - 1  # the row stores int32; an id past it is not a real vocabulary's
+# The two model-call APIs whose requests ask for token ids when capture_tokens is on.
+_CHAT_PATH, _RESPONSES_PATH = "/chat/completions", "/responses"
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _POOL = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30.0)
 
 _HOP_BY_HOP = frozenset(
@@ -105,6 +112,10 @@ class GatewayConfig(BaseModel):
     max_context_overflows: int = Field(default=3, ge=0)  # per session; OpenCode can loop on them forever
     keep_bodies: bool = True  # request and response bodies into the evidence dir, gzip
     max_body_bytes: int = Field(default=32 * 2**20, ge=0)  # per kept body; the record says when it was cut
+    # Ask the endpoint (vLLM's OpenAI-compatible server) for token ids and logprobs and record them per
+    # model call, so a trainer needs no retokenization. Off, requests go upstream byte for byte.
+    capture_tokens: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # None: not asked for
 
 
 class AttemptRecord(BaseModel):
@@ -138,6 +149,13 @@ class AttemptRecord(BaseModel):
     # The harness went away (or stopped reading) before the answer was complete; kind is TRANSPORT_ERROR,
     # and this flag tells that from a failure of the endpoint.
     client_aborted: bool = False
+    # With capture_tokens, what the endpoint returned; None when it returned none. The two completion
+    # lists are one to one when of equal length (the Responses API gives logprobs for output text only,
+    # so a function call's ids come without them).
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float] | None = None
+    tokens_truncated: bool = False  # a list reached _MAX_CAPTURED_TOKENS and was cut there
 
 
 @dataclass(eq=False)
@@ -193,6 +211,7 @@ class _Request:
     sha256: str
     request_file: str | None
     request_truncated: bool
+    capture_tokens: bool = False  # the body was rewritten to ask for token ids; parse the answer for them
 
 
 class _GzipCapture:
@@ -220,27 +239,139 @@ class _GzipCapture:
         return True
 
 
-class _UsageSniffer:
-    """Token usage and finish reason from an answer as it passes: chat or Responses, SSE or one JSON."""
+class _TokenCapture:
+    """Token ids and logprobs from the JSON objects of one answer, in the places vLLM puts them.
+
+    Chat Completions: ``prompt_token_ids`` on the answer (a stream's first chunk), ``token_ids`` and
+    ``logprobs.content`` on each choice (a chunk's delta). Responses API: ``logprobs`` on output text
+    (each ``response.output_text.delta``, then whole in the final response object, which replaces the
+    deltas) and, with ``enable_response_messages``, ``input_messages`` / ``output_messages`` of raw tokens.
+    A logprob's token reads ``token_id:<id>`` when ids were asked for; those ids stand in when the answer
+    carries no id list of its own.
+    """
 
     def __init__(self) -> None:
+        self.prompt: list[int] | None = None
+        self.ids: list[int] | None = None  # from the answer's own id lists
+        self.logprobs: list[float] | None = None
+        self.logprob_ids: list[int] | None = []  # parsed from logprob tokens; None once one is not an id
+        self.truncated = False
+
+    def result(self) -> tuple[list[int] | None, list[int] | None, list[float] | None]:
+        ids = self.ids if self.ids is not None else self.logprob_ids or None
+        return self.prompt, ids, self.logprobs
+
+    def take(self, obj: dict[str, Any]) -> None:
+        if obj.get("type") == "response.output_text.delta":
+            self._add_logprobs(obj.get("logprobs"))
+            return
+        response = obj.get("response") if isinstance(obj.get("response"), dict) else obj
+        if response.get("object") == "response":
+            self._take_response(response)
+            return
+        if "prompt_token_ids" in obj:
+            self.prompt = self._ids(obj["prompt_token_ids"]) or self.prompt
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue  # harnesses ask for one choice; a second one is not this call's answer
+            if (ids := self._ids(choice.get("token_ids"))) is not None:
+                self.ids = self._bounded(self.ids or [], ids)
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                self._add_logprobs(logprobs.get("content"))
+
+    def _take_response(self, response: dict[str, Any]) -> None:
+        entries: list[Any] = []
+        for item in response.get("output") or []:
+            for part in (item.get("content") or []) if isinstance(item, dict) else []:
+                if isinstance(part, dict) and isinstance(part.get("logprobs"), list):
+                    entries += part["logprobs"]
+        if entries:  # the whole answer's logprobs: they replace what the deltas gave
+            self.logprobs, self.logprob_ids = None, []
+            self._add_logprobs(entries)
+        prompt = self._raw_tokens(response.get("input_messages"))
+        if prompt is not None:
+            self.prompt = prompt
+        output = self._raw_tokens(response.get("output_messages"))
+        if output is not None:
+            self.ids = output
+
+    def _raw_tokens(self, messages: Any) -> list[int] | None:
+        # vLLM's enable_response_messages: [{"type": "raw_message_tokens", "message": ..., "tokens": [...]}]
+        found: list[int] | None = None
+        for message in messages if isinstance(messages, list) else []:
+            if isinstance(message, dict) and message.get("type") == "raw_message_tokens":
+                if (ids := self._ids(message.get("tokens"))) is not None:
+                    found = self._bounded(found or [], ids)
+        return found
+
+    def _add_logprobs(self, entries: Any) -> None:
+        if not isinstance(entries, list):
+            return
+        values: list[float] = []
+        ids: list[int] = []
+        for entry in entries:
+            value = entry.get("logprob") if isinstance(entry, dict) else None
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                return  # not a logprob list this parser understands: keep none of it
+            values.append(float(value))
+            token = entry.get("token")
+            if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
+                ids.append(int(token[9:]))
+        self.logprobs = self._bounded(self.logprobs or [], values)
+        if self.logprob_ids is not None:
+            self.logprob_ids = self._bounded(self.logprob_ids, ids) if len(ids) == len(values) else None
+
+    def _ids(self, value: Any) -> list[int] | None:
+        if not isinstance(value, list):
+            return None
+        if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_TOKEN_ID for v in value):
+            return value
+        return None
+
+    def _bounded(self, kept: list[Any], more: list[Any]) -> list[Any]:
+        room = _MAX_CAPTURED_TOKENS - len(kept)
+        if len(more) > room:
+            more, self.truncated = more[: max(room, 0)], True
+        kept.extend(more)
+        return kept
+
+
+class _UsageSniffer:
+    """Token usage and finish reason from an answer as it passes: chat or Responses, SSE or one JSON.
+    With ``tokens``, the answer's token ids and logprobs too."""
+
+    def __init__(self, tokens: _TokenCapture | None = None) -> None:
+        self.tokens = tokens
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
         self.finish_reason: str | None = None
-        self._pending = b""
+        self._line_limit = _MAX_CAPTURE_LINE_BYTES if tokens else _MAX_SNIFF_LINE_BYTES
+        # The unfinished line in parts, joined once its newline comes: a long line costs one copy.
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._overlong = False
 
     def feed_sse(self, chunk: bytes) -> None:
-        lines = (self._pending + chunk).split(b"\n")
-        self._pending = lines.pop()
-        if self._overlong and lines:
+        if b"\n" not in chunk:
+            if not self._overlong:  # the rest of an overlong line is dropped as it comes
+                self._hold(chunk)
+            return
+        lines = (b"".join(self._pending) + chunk).split(b"\n")
+        self._pending, self._pending_bytes = [], 0
+        if self._overlong:
             lines.pop(0)  # the tail of a line too long to parse
             self._overlong = False
-        if len(self._pending) > _MAX_SNIFF_LINE_BYTES:
-            self._pending, self._overlong = b"", True
+        self._hold(lines.pop())
         for line in lines:
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                 self.feed_json(line[5:])
+
+    def _hold(self, part: bytes) -> None:
+        self._pending.append(part)
+        self._pending_bytes += len(part)
+        if self._pending_bytes > self._line_limit:
+            self._pending, self._pending_bytes, self._overlong = [], 0, True
 
     def feed_json(self, text: bytes) -> None:
         try:
@@ -251,6 +382,8 @@ class _UsageSniffer:
     def _take(self, obj: Any) -> None:
         if not isinstance(obj, dict):
             return
+        if self.tokens is not None:
+            self.tokens.take(obj)
         if isinstance(obj.get("response"), dict):  # a Responses event wraps the response object
             obj = obj["response"]
         usage = obj.get("usage")
@@ -268,6 +401,31 @@ class _UsageSniffer:
             details = obj.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
             self.finish_reason = reason if isinstance(reason, str) else obj["status"]
+
+
+def _ask_for_tokens(body: bytes, path: str, top_logprobs: int | None) -> bytes | None:
+    """The request body with vLLM's token id and logprob parameters added; None when it is not a JSON
+    object (it goes upstream as it came, and the endpoint answers it as it will)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if path == _CHAT_PATH:
+        data["logprobs"] = True
+    else:
+        include = data.get("include") if isinstance(data.get("include"), list) else []
+        data["include"] = include + ([] if _LOGPROBS_INCLUDE in include else [_LOGPROBS_INCLUDE])
+        # vLLM's only way to token ids on /responses: raw prompt and output tokens on the answer.
+        data["enable_response_messages"] = True
+    if top_logprobs is not None:
+        data["top_logprobs"] = top_logprobs
+    # Chat: logprob tokens as "token_id:<id>", prompt and output ids on the answer. /responses ignores
+    # both today (vLLM logs unknown fields and goes on); sent so an endpoint that learns them answers.
+    data["return_tokens_as_token_ids"] = True
+    data["return_token_ids"] = True
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _save_gzip(body: bytes, limit: int, path: Path) -> tuple[bool, bool]:
@@ -294,7 +452,8 @@ class _Attempt:
         self.streamed = False
         self.ttfb_s: float | None = None
         self.response_bytes = 0
-        self.usage = _UsageSniffer()
+        self.tokens = _TokenCapture() if req.capture_tokens else None
+        self.usage = _UsageSniffer(self.tokens)
         self.capture = _GzipCapture(config.max_body_bytes) if config.keep_bodies else None
         self.record: AttemptRecord | None = None
         req.session._live.add(self)
@@ -314,6 +473,7 @@ class _Attempt:
         if self.record is not None:  # close_session may have recorded it first
             return self.record
         session, req = self.req.session, self.req
+        prompt, ids, logprobs = self.tokens.result() if self.tokens else (None, None, None)
         response_file = None
         if self.capture is not None and self.response_bytes:
             name = f"resp-{req.index}-{self.number}.{'sse' if self.streamed else 'json'}.gz"
@@ -341,6 +501,10 @@ class _Attempt:
             request_truncated=req.request_truncated,
             response_truncated=bool(self.capture and self.capture.truncated),
             client_aborted=client_aborted,
+            prompt_token_ids=prompt,
+            completion_token_ids=ids,
+            completion_logprobs=logprobs,
+            tokens_truncated=bool(self.tokens and self.tokens.truncated),
         )
         session._live.discard(self)
         session.attempts.append(self.record)
@@ -482,6 +646,14 @@ class Gateway:
         index = session._requests
         session._requests += 1
         query = request.rel_url.raw_query_string
+        api_path = "/" + rest
+        model_call = request.method == "POST" and api_path in (_CHAT_PATH, _RESPONSES_PATH)
+        capture = self.config.capture_tokens and model_call
+        if capture:
+            # Rewritten once, here: every attempt sends these bytes, and request_sha256 is theirs.
+            # Off the loop: a long agent history takes a while to parse and serialize.
+            rewritten = await asyncio.to_thread(_ask_for_tokens, body, api_path, self.config.top_logprobs)
+            capture, body = rewritten is not None, rewritten or body
         request_file, truncated = None, False
         if self.config.keep_bodies and body:
             # One file per request, not per attempt: every attempt sends these same bytes.
@@ -494,13 +666,14 @@ class Gateway:
             session=session,
             index=index,
             method=request.method,
-            path="/" + rest,
+            path=api_path,
             url=f"{self._upstream}/{rest}" + (f"?{query}" if query else ""),
             headers=self._upstream_headers(request, session),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
             request_file=request_file,
             request_truncated=truncated,
+            capture_tokens=capture,
         )
 
     def _upstream_headers(self, request: web.Request, session: GatewaySession) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -295,6 +296,81 @@ def _chunks(text: str) -> list[str]:
     return [text[i : i + _DELTA_CHARS] for i in range(0, len(text), _DELTA_CHARS)]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Token ids and logprobs, when a request asks for them with vLLM's parameters
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """What a request asked for: chat ``logprobs`` / ``top_logprobs`` / ``return_token_ids`` /
+    ``return_tokens_as_token_ids``; Responses ``include: [message.output_text.logprobs]`` /
+    ``enable_response_messages``. vLLM reads ``return_tokens_as_token_ids`` for /responses from a server
+    flag; here the request's word stands in for it."""
+
+    logprobs: bool
+    ids: bool  # prompt and completion ids on the answer
+    as_ids: bool  # a logprob's token reads "token_id:<id>"
+    top: int
+    prompt: tuple[int, ...]
+
+
+def _pieces(text: str) -> list[str]:
+    # The fake tokenizer: each word with the whitespace before it, so the pieces join back to the text.
+    return re.findall(r"\s*\S+|\s+", text)
+
+
+def _token_id(piece: str) -> int:
+    return zlib.crc32(piece.encode()) % 100_000 + 1
+
+
+def _token_ids(text: str) -> list[int]:
+    return [_token_id(piece) for piece in _pieces(text)]
+
+
+def _logprob(token_id: int) -> float:
+    return -((token_id % 97) + 1) / 100
+
+
+def _tokens_asked(body: dict[str, Any], api: Literal["responses", "chat"], raw: bytes) -> _Tokens | None:
+    if api == "chat":
+        logprobs, ids = bool(body.get("logprobs")), bool(body.get("return_token_ids"))
+    else:
+        include = body.get("include") if isinstance(body.get("include"), list) else []
+        logprobs = "message.output_text.logprobs" in include
+        ids = bool(body.get("enable_response_messages"))
+    if not (logprobs or ids):
+        return None
+    top = body.get("top_logprobs")
+    return _Tokens(
+        logprobs=logprobs,
+        ids=ids,
+        as_ids=bool(body.get("return_tokens_as_token_ids")),
+        top=top if isinstance(top, int) and not isinstance(top, bool) and 0 < top <= 20 else 0,
+        prompt=tuple(_token_ids(raw.decode("utf-8", "replace"))),
+    )
+
+
+def _logprob_entries(text: str, tokens: _Tokens) -> list[dict[str, Any]]:
+    def entry(piece: str, token_id: int, logprob: float) -> dict[str, Any]:
+        shown = f"token_id:{token_id}" if tokens.as_ids else piece
+        return {"token": shown, "logprob": logprob, "bytes": list(shown.encode())}
+
+    out = []
+    for piece in _pieces(text):
+        token_id = _token_id(piece)
+        alternatives = [entry(piece, token_id, _logprob(token_id))]
+        alternatives += [
+            entry(f"<alt{k}>", token_id + k, _logprob(token_id) - k) for k in range(1, tokens.top)
+        ]
+        out.append({**alternatives[0], "top_logprobs": alternatives[: tokens.top]})
+    return out
+
+
+def _generated(reply: _Reply) -> list[str]:
+    """What the fake model generated, in the parts it streams: a call's name, then its arguments."""
+    return [reply.call.name, reply.call.arguments] if reply.call else [reply.text]
+
+
 def _chat_usage(usage: tuple[int, int]) -> dict[str, Any]:
     prompt, completion = usage
     return {
@@ -329,27 +405,48 @@ def _chat_tool_call(call: _Call) -> dict[str, Any]:
     }
 
 
-def _chat_completion(reply: _Reply, model: str, reply_id: str) -> dict[str, Any]:
+def _chat_completion(
+    reply: _Reply, model: str, reply_id: str, tokens: _Tokens | None = None
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": None if reply.call else reply.text}
     if reply.call:
         message["tool_calls"] = [_chat_tool_call(reply.call)]
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _chat_finish(reply)}
     completion: dict[str, Any] = {
         "id": reply_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _chat_finish(reply)}],
+        "choices": [choice],
     }
     if reply.usage is not None:
         completion["usage"] = _chat_usage(reply.usage)
+    if tokens is not None:
+        _chat_tokens(choice, _generated(reply), tokens)
+        if tokens.ids:
+            completion["prompt_token_ids"] = list(tokens.prompt)
     return completion
 
 
-def _chat_stream(reply: _Reply, model: str, reply_id: str, include_usage: bool) -> list[dict[str, Any]]:
+def _chat_tokens(choice: dict[str, Any], parts: list[str], tokens: _Tokens) -> None:
+    """Where vLLM puts a choice's (or a chunk's) tokens: ``token_ids`` and ``logprobs.content``."""
+    if tokens.logprobs:
+        choice["logprobs"] = {"content": [e for part in parts for e in _logprob_entries(part, tokens)]}
+    if tokens.ids:
+        choice["token_ids"] = [i for part in parts for i in _token_ids(part)]
+
+
+def _chat_stream(
+    reply: _Reply, model: str, reply_id: str, include_usage: bool, tokens: _Tokens | None = None
+) -> list[dict[str, Any]]:
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, generated: str | None = None
+    ) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if tokens is not None and generated is not None:  # the tokens this chunk carries
+            _chat_tokens(choice, [generated], tokens)
         return {
             "id": reply_id,
             "object": "chat.completion.chunk",
@@ -359,11 +456,18 @@ def _chat_stream(reply: _Reply, model: str, reply_id: str, include_usage: bool) 
         }
 
     out = [chunk({"role": "assistant", "content": ""})]
+    if tokens is not None and tokens.ids:
+        out[0]["prompt_token_ids"] = list(tokens.prompt)  # vLLM: on the first chunk only
     if reply.call:
         opening = {**_chat_tool_call(reply.call), "index": 0}
         opening["function"] = {"name": reply.call.name, "arguments": ""}
-        out.append(chunk({"tool_calls": [opening]}))
-        out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": reply.call.arguments}}]}))
+        arguments = reply.call.arguments
+        out.append(chunk({"tool_calls": [opening]}, generated=reply.call.name))
+        out.append(
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}, None, arguments)
+        )
+    elif tokens is not None:  # one token a chunk, as vLLM streams
+        out.extend(chunk({"content": piece}, None, piece) for piece in _pieces(reply.text))
     else:
         out.extend(chunk({"content": piece}) for piece in _chunks(reply.text))
     out.append(chunk({}, _chat_finish(reply)))
@@ -375,7 +479,7 @@ def _chat_stream(reply: _Reply, model: str, reply_id: str, include_usage: bool) 
     return out
 
 
-def _output_item(reply: _Reply, item_id: str, done: bool) -> dict[str, Any]:
+def _output_item(reply: _Reply, item_id: str, done: bool, tokens: _Tokens | None = None) -> dict[str, Any]:
     if reply.call:
         return {
             "type": "function_call",
@@ -387,11 +491,19 @@ def _output_item(reply: _Reply, item_id: str, done: bool) -> dict[str, Any]:
         }
     status = "in_progress" if not done else "incomplete" if reply.finish_reason == "length" else "completed"
     content = [{"type": "output_text", "text": reply.text, "annotations": []}] if done else []
+    if content and tokens is not None and tokens.logprobs:
+        content[0]["logprobs"] = _logprob_entries(reply.text, tokens)
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def _response_object(
-    reply: _Reply, body: dict[str, Any], model: str, response_id: str, item_id: str, done: bool
+    reply: _Reply,
+    body: dict[str, Any],
+    model: str,
+    response_id: str,
+    item_id: str,
+    done: bool,
+    tokens: _Tokens | None = None,
 ) -> dict[str, Any]:
     incomplete = done and reply.finish_reason == "length" and not reply.call
     obj: dict[str, Any] = {
@@ -404,7 +516,7 @@ def _response_object(
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "model": model,
-        "output": [_output_item(reply, item_id, done=True)] if done else [],
+        "output": [_output_item(reply, item_id, done=True, tokens=tokens)] if done else [],
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
@@ -419,15 +531,28 @@ def _response_object(
         obj["usage"] = _responses_usage(reply.usage)
     elif not done:
         obj["usage"] = None
+    if done and tokens is not None and tokens.ids:
+        # vLLM's enable_response_messages: the raw prompt and output tokens, on the final object only.
+        parts = _generated(reply)
+        ids = [i for part in parts for i in _token_ids(part)]
+        raw = "raw_message_tokens"
+        obj["input_messages"] = [{"type": raw, "message": "", "tokens": list(tokens.prompt)}]
+        obj["output_messages"] = [{"type": raw, "message": "".join(parts), "tokens": ids}]
     return obj
 
 
 def _response_events(
-    reply: _Reply, body: dict[str, Any], model: str, response_id: str, item_id: str
+    reply: _Reply,
+    body: dict[str, Any],
+    model: str,
+    response_id: str,
+    item_id: str,
+    tokens: _Tokens | None = None,
 ) -> list[dict[str, Any]]:
     """The Responses API event sequence, without sequence numbers (added when sent)."""
     start = _response_object(reply, body, model, response_id, item_id, done=False)
-    final = _response_object(reply, body, model, response_id, item_id, done=True)
+    final = _response_object(reply, body, model, response_id, item_id, done=True, tokens=tokens)
+    logprobs = tokens is not None and tokens.logprobs
     where = {"item_id": item_id, "output_index": 0}
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": start},
@@ -452,15 +577,16 @@ def _response_events(
     else:
         part = {"type": "output_text", "text": "", "annotations": []}
         events.append({"type": "response.content_part.added", **where, "content_index": 0, "part": part})
+        pieces = _pieces(reply.text) if tokens is not None else _chunks(reply.text)
         events += [
             {
                 "type": "response.output_text.delta",
                 **where,
                 "content_index": 0,
                 "delta": piece,
-                "logprobs": [],
+                "logprobs": _logprob_entries(piece, tokens) if tokens is not None and logprobs else [],
             }
-            for piece in _chunks(reply.text)
+            for piece in pieces
         ]
         events += [
             {
@@ -468,7 +594,7 @@ def _response_events(
                 **where,
                 "content_index": 0,
                 "text": reply.text,
-                "logprobs": [],
+                "logprobs": _logprob_entries(reply.text, tokens) if tokens is not None and logprobs else [],
             },
             {
                 "type": "response.content_part.done",
@@ -721,32 +847,35 @@ class ScriptedModel:
             reply = _Reply(text=AUX_TEXT, usage=_usage(len(raw), AUX_TEXT))
         else:
             reply = self._reply_for(step, key, body, len(raw))
+        tokens = _tokens_asked(body, api, raw)
         if api == "chat":
-            return await self._send_chat(request, body, model, reply)
-        return await self._send_responses(request, body, model, reply)
+            return await self._send_chat(request, body, model, reply, tokens)
+        return await self._send_responses(request, body, model, reply, tokens)
 
     async def _send_chat(
-        self, request: web.Request, body: dict[str, Any], model: str, reply: _Reply
+        self, request: web.Request, body: dict[str, Any], model: str, reply: _Reply, tokens: _Tokens | None
     ) -> web.StreamResponse:
         reply_id = self._next_id("chatcmpl-")
         if not body.get("stream"):
-            return web.json_response(_chat_completion(reply, model, reply_id))
+            return web.json_response(_chat_completion(reply, model, reply_id, tokens))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         response = await self._open_sse(request)
-        for chunk in _chat_stream(reply, model, reply_id, include_usage):
+        for chunk in _chat_stream(reply, model, reply_id, include_usage, tokens):
             await response.write(_sse_chat(chunk))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def _send_responses(
-        self, request: web.Request, body: dict[str, Any], model: str, reply: _Reply
+        self, request: web.Request, body: dict[str, Any], model: str, reply: _Reply, tokens: _Tokens | None
     ) -> web.StreamResponse:
         response_id, item_id = self._next_id("resp_"), self._next_id("fc_" if reply.call else "msg_")
         if not body.get("stream"):
-            return web.json_response(_response_object(reply, body, model, response_id, item_id, done=True))
+            final = _response_object(reply, body, model, response_id, item_id, done=True, tokens=tokens)
+            return web.json_response(final)
         response = await self._open_sse(request)
-        for number, event in enumerate(_response_events(reply, body, model, response_id, item_id)):
+        events = _response_events(reply, body, model, response_id, item_id, tokens)
+        for number, event in enumerate(events):
             await response.write(_sse_event(event, number))
         await response.write_eof()
         return response

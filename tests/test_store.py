@@ -43,7 +43,7 @@ def test_schema_columns_cover_identity_and_decision():
         "evidence_gaps",
     ):
         assert name in COLUMNS
-    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"1"
+    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"2"
 
 
 def test_unknown_column_rejected():
