@@ -32,7 +32,7 @@ from executor.gc import collect_quietly
 from executor.progress import Progress
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionRequest, lost_row
-from executor.store import ResumeState, RunStore, StoreError, read_table
+from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
 from harnesses.install import default_cache_root
@@ -182,8 +182,12 @@ class Driver:
 
     def run(self) -> RunSummary:
         cfg = self.cfg
-        self._write_config()
         state = self.store.resume_state()
+        if state.rows and self._restore_breaker():
+            # The run this resumes stopped at a bound that still holds: more sessions would only burn more.
+            self._stop(self.breaker.tripped or "", "breaker")
+            return self._summarize()
+        self._write_config()
         budget = max(cfg.policy.retry_budget - state.retries_used, 0)
         source = self._requests(state)
         total = self._count_pending(state)
@@ -254,6 +258,14 @@ class Driver:
                 self._stop(f"output: {exc}", "store")
             progress.close()
         return self._summarize()
+
+    def _restore_breaker(self) -> str | None:
+        """Feed the breaker the rows already written, newest first, reading back only as far as it needs."""
+        rows = iter_rows_newest_first(self.store.rows_dir, ["failure_kind", "decision", "final"])
+        return self.breaker.restore(
+            (KIND_INFO[FailureKind(kind)].infrastructure, kind, final, decision == Decision.MASK.value)
+            for kind, decision, final in rows
+        )
 
     def _requests(self, state: ResumeState) -> Iterator[SessionRequest]:
         for task in load_tasks(Path(self.cfg.tasks)):

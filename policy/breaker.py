@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,16 +45,50 @@ class CircuitBreaker:
 
     def record_attempt(self, infrastructure: bool, kind: str) -> str | None:
         self.consecutive_infra = self.consecutive_infra + 1 if infrastructure else 0
+        self._check_infra(kind)
+        return self.tripped
+
+    def record_final(self, masked: bool) -> str | None:
+        self._window.append(masked)
+        self._check_window()
+        return self.tripped
+
+    def restore(self, newest_first: Iterable[tuple[bool, str, bool, bool]]) -> str | None:
+        """Take the state the rows a run already wrote leave, so a resume does not start empty.
+
+        ``newest_first``: (infrastructure, kind, final, masked) per row, from the last written back;
+        it is read only as far as the window's final rows and the infrastructure failures that end the
+        run reach. The bounds are then checked once, on that state: a run that stopped at a bound stops
+        again, one resumed under a looser bound goes on.
+        """
+        masked_newest: list[bool] = []
+        streak, streak_open, last_kind = 0, True, ""
+        for infrastructure, kind, final, masked in newest_first:
+            if streak_open and infrastructure:
+                streak += 1
+                last_kind = last_kind or kind
+            else:
+                streak_open = False
+            if final and len(masked_newest) < self.config.window:
+                masked_newest.append(masked)
+            if not streak_open and len(masked_newest) == self.config.window:
+                break
+        self._window.clear()
+        self._window.extend(reversed(masked_newest))
+        self.consecutive_infra, self.tripped = streak, None
+        self._check_infra(last_kind)
+        self._check_window()
+        return self.tripped
+
+    def _check_infra(self, kind: str) -> None:
         bound = self.config.max_consecutive_infra
         if bound is not None and self.consecutive_infra >= bound and self.tripped is None:
             self.tripped = (
                 f"circuit breaker: {self.consecutive_infra} consecutive infrastructure failures "
                 f"(last: {kind}) reached the bound of {bound}"
             )
-        return self.tripped
 
-    def record_final(self, masked: bool) -> str | None:
-        self._window.append(masked)
+    def _check_window(self) -> None:
         bound = self.config.max_masked_fraction
         fraction = self.masked_fraction
         if (
@@ -67,7 +102,6 @@ class CircuitBreaker:
                 f"circuit breaker: {sum(self._window)} of the last {len(self._window)} final rows "
                 f"masked ({fraction:.0%}), above the bound of {bound:.0%}"
             )
-        return self.tripped
 
     def report(self) -> dict[str, object]:
         return {

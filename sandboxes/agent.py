@@ -7,7 +7,8 @@ timeout and the TTL, and the whole tree killed before the answer. The supervisor
 this module itself keeps to python3 >= 3.8.
 
     python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
-                     [--ttl-s N] [--rendezvous FILE]
+                     [--ttl-s N] [--rendezvous FILE] [--max-connections N]
+                     [--idle-timeout-s S] [--header-timeout-s S]
 
 With no token it refuses to start. Once listening it writes ``--rendezvous`` (JSON: host, port, pid,
 paths) atomically, which is how a starter on another machine learns it is ready and where. Endpoints
@@ -22,6 +23,11 @@ paths) atomically, which is how a starter on another machine learns it is ready 
 
 Layout under ``--root``: work/ (the workspace), home/, tmp/, logs/ (each exec's output), run/ (each
 exec's supervisor files). Every path a request names must resolve inside the root.
+
+Anything in the sandbox can reach the port, so a flood of connections must not sink it: at most
+``--max-connections`` are served at once (a newcomer past that displaces the oldest connection still
+waiting for its request, never one that has shown the token); a request's line and headers must arrive
+whole within ``--header-timeout-s`` and ``MAX_HEADER_BYTES``; any read waits at most ``--idle-timeout-s``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hmac
+import http.client
 import io
 import json
 import os
@@ -62,6 +69,13 @@ STOP_GRACE_S = 1.0
 # Members are vetted above; where tarfile has extraction filters, say so rather than get a warning.
 _TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
 SUBDIRS = ("work", "home", "tmp", "logs", "run")
+DEFAULT_MAX_CONNECTIONS = 64
+# Above httpx's 5 s keep-alive expiry, so the worker drops an idle connection before we cut it.
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+# Counted as received while a request's line and headers are read, so it includes what the reader
+# buffers ahead of the body (8 KiB at most); real requests carry well under 2 KiB of headers.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class AgentError(Exception):
@@ -344,15 +358,92 @@ def _file_tail(path: str) -> tuple:
         return 0, b""
 
 
+class HeaderTooLarge(http.client.HTTPException):
+    """A request's line and headers ran past ``MAX_HEADER_BYTES``."""
+
+
+class _Conn:
+    """One accepted connection as the connection cap sees it."""
+
+    __slots__ = ("evicted", "since", "sock", "trusted", "waiting")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.since = time.monotonic()
+        self.waiting = True  # for a request's line and headers, as opposed to serving one
+        self.trusted = False  # has carried the token
+        self.evicted = False
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as a handler reads it. Every read waits at most the idle timeout; a request's line and
+    headers must also arrive whole within the header timeout from their first byte, and within
+    ``MAX_HEADER_BYTES``, since a client trickling a byte at a time would reset a per-read timeout forever."""
+
+    def __init__(self, sock: socket.socket, idle_s: float, header_s: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.idle_s = idle_s
+        self.header_s = header_s
+        self.in_headers = False
+        self.deadline = None  # type: float | None
+        self.header_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def begin_headers(self) -> None:
+        self.in_headers, self.deadline, self.header_bytes = True, None, 0
+
+    def end_headers(self) -> None:
+        self.in_headers = False
+        self.sock.settimeout(self.idle_s)  # the answer's writes must not inherit a nearly spent deadline
+
+    def readinto(self, buf: bytearray) -> int:  # type: ignore[override]
+        timeout = self.idle_s
+        if self.in_headers and self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+            if timeout <= 0:
+                # socket.timeout, not TimeoutError: before 3.10 only the former is what the handler catches.
+                raise socket.timeout(f"headers not complete within {self.header_s:g} s")  # noqa: UP041
+        self.sock.settimeout(timeout)
+        n = self.sock.recv_into(buf)
+        if self.in_headers and n:
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.header_s
+            self.header_bytes += n
+            if self.header_bytes > MAX_HEADER_BYTES:
+                raise HeaderTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes")
+        return n
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "rollout-agent/1"
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; with Nagle on, the second waits for the client's
+    # delayed ACK (~40 ms on every request).
+    disable_nagle_algorithm = True
 
     def setup(self) -> None:
         super().setup()
-        # Headers and body go out in two writes; with Nagle on, the second waits for the client's
-        # delayed ACK (~40 ms on every request).
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        server: AgentServer = self.server  # type: ignore[assignment]
+        self.rfile.close()  # the socket's own reader, replaced by one that keeps the deadlines
+        self._reader = _DeadlineReader(self.connection, server.idle_timeout_s, server.header_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        self.server.mark(self.request, waiting=True)  # type: ignore[attr-defined]
+        self._reader.begin_headers()
+        try:
+            super().handle_one_request()
+        except HeaderTooLarge:
+            self.close_connection = True  # what was read of it cannot be told from the next request
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self._reader.end_headers()
+        self.server.mark(self.request, waiting=False)  # type: ignore[attr-defined]
+        return ok
 
     @property
     def agent(self) -> Agent:
@@ -387,6 +478,7 @@ class Handler(BaseHTTPRequestHandler):
             if not self.agent.authorized(self.headers.get("Authorization")):
                 self.close_connection = True
                 raise AgentError(401, "missing or wrong token")
+            self.server.mark(self.request, trusted=True)  # type: ignore[attr-defined]
             route = (method, url.path)
             if route == ("GET", "/health"):
                 a = self.agent
@@ -418,6 +510,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(exc.status, {"error": str(exc)[:4000]})
         except (ValueError, KeyError, TypeError, tarfile.TarError) as exc:
             self._json(400, {"error": (f"{type(exc).__name__}: {exc}")[:4000]})
+        except socket.timeout:  # noqa: UP041 (python3.8 in agent images: not yet an alias of TimeoutError)
+            self.close_connection = True  # a body stalled past the idle timeout: nobody waits for an answer
         except OSError as exc:
             self._json(500, {"error": (f"{type(exc).__name__}: {exc}")[:4000]})
 
@@ -428,13 +522,91 @@ class Handler(BaseHTTPRequestHandler):
         self._handle("POST")
 
 
+_BUSY_BODY = b'{"error": "too many connections being served at once"}'
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
+)
+
+
 class AgentServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them serving at once. A newcomer past the
+    cap displaces the oldest connection still waiting for its request that has never carried the token;
+    with none to displace it is answered 503. Displaced ones whose threads have not yet ended still count
+    against a hard bound of twice the cap, so threads and descriptors stay bounded whatever arrives."""
+
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple, agent: Agent) -> None:
-        super().__init__(address, Handler)
+    def __init__(
+        self,
+        address: tuple,
+        agent: Agent,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    ) -> None:
+        if max_connections < 1 or idle_timeout_s <= 0 or header_timeout_s <= 0:
+            raise ValueError("max_connections and both timeouts must be positive")
         self.agent = agent
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.conns = {}  # type: dict[socket.socket, _Conn]
+        self.conns_lock = threading.Lock()
+        super().__init__(address, Handler)
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+        with self.conns_lock:
+            admitted = self._make_room()
+            if admitted:
+                self.conns[request] = _Conn(request)
+        if not admitted:
+            try:
+                request.setblocking(False)  # a fresh socket's buffer takes this; never wait on the caller
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def _make_room(self) -> bool:
+        """Under ``conns_lock``: whether one more connection may be served, displacing one if need be."""
+        live = [c for c in self.conns.values() if not c.evicted]
+        if len(live) < self.max_connections:
+            return True
+        idle = [c for c in live if c.waiting and not c.trusted]
+        if not idle or len(self.conns) >= 2 * self.max_connections:
+            return False
+        victim = min(idle, key=lambda c: c.since)
+        victim.evicted = True
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once and its thread ends
+        except OSError:
+            pass
+        return True
+
+    def mark(self, request: socket.socket, *, waiting: bool | None = None, trusted: bool = False) -> None:
+        with self.conns_lock:
+            conn = self.conns.get(request)
+            if conn is None:
+                return
+            if waiting is not None:
+                conn.waiting = waiting
+                conn.since = time.monotonic()
+            conn.trusted = conn.trusted or trusted
+
+    def close_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self.conns_lock:
+            self.conns.pop(request, None)
+        super().close_request(request)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client gone mid-answer is routine under load, and a traceback each would fill a pipe nobody reads.
+        if not isinstance(sys.exc_info()[1], OSError):
+            print(f"agent: request failed: {sys.exc_info()[1]!r}"[:500], file=sys.stderr)
 
 
 def _read_token(args: argparse.Namespace) -> str:
@@ -465,6 +637,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--rendezvous")
     parser.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD)
     parser.add_argument("--output-cap-bytes", type=int, default=DEFAULT_OUTPUT_CAP)
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S)
+    parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S)
     args = parser.parse_args(argv)
     try:
         token = _read_token(args)
@@ -481,7 +656,13 @@ def main(argv: list | None = None) -> int:
         max_upload_bytes=args.max_upload_bytes,
         output_cap_bytes=args.output_cap_bytes,
     )
-    server = AgentServer((args.host, args.port), agent)
+    server = AgentServer(
+        (args.host, args.port),
+        agent,
+        max_connections=args.max_connections,
+        idle_timeout_s=args.idle_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+    )
 
     def on_signal(_signum: int, _frame: object) -> None:
         # scancel and StopTask send SIGTERM first: end the exec trees, then leave.

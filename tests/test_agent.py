@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
+import re
+import select
+import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from sandboxes.agent import DEFAULT_MAX_CONNECTIONS
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, WorkspaceSpec
 from sandboxes.remote import AGENT_PATH, RemoteSandbox
 from sandboxes.workspace import lay_out, workspace_diff
@@ -194,3 +202,170 @@ async def test_a_dead_agent_reads_as_a_lost_sandbox(agent):
     agent.proc.wait(10)
     with pytest.raises(SandboxLostError, match="agent exited"):
         await sandbox.exec(["true"], timeout=5)
+
+
+# -- a flood of hostile connections ----------------------------------------------------------------------
+
+FLOOD = 2000
+HELD = 150  # more than the connection cap, all open at once
+FLOOD_CLIENTS = 48
+SLOW_S = 2.0  # the agent's idle and header timeouts in the flood test
+CLIENT_WAIT_S = 30.0  # a client's own bound: a connection still open after it was never cut
+RSS_BOUND_MB = 120
+
+
+class _Peaks:
+    """The agent's threads, descriptors and RSS, sampled from /proc while the flood runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.threads = self.fds = 0
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+        self.threads = max(self.threads, threads)
+        self.fds = max(self.fds, len(os.listdir(f"/proc/{self.pid}/fd")))
+
+    def run(self) -> None:
+        while not self.stop.wait(0.01):  # pacing the sampler, not waiting for anything
+            self.sample()
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def _connect(agent: AgentProcess) -> socket.socket:
+    return socket.create_connection((agent.host, agent.port), timeout=CLIENT_WAIT_S)
+
+
+def _cut(sock: socket.socket) -> bool:
+    """Wait, bounded, for the agent to close the connection; whatever it says before that is drained."""
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+
+
+def _status(sock: socket.socket, request: bytes) -> int | None:
+    """The status the agent answers ``request`` with, or None if it closed without one."""
+    try:
+        sock.sendall(request)
+        head = b""
+        while b"\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return None
+            head += chunk
+        return int(head.split(b" ", 2)[1])
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    finally:
+        sock.close()
+
+
+def _trickle(sock: socket.socket) -> bool:
+    """Send a request's headers a byte at a time, never finishing them; True once the agent cuts in."""
+    partial = b"GET /health HTTP/1.1\r\nHost: agent\r\nX-Slow: " + b"z" * 400
+    try:
+        for i in range(len(partial)):
+            sock.send(partial[i : i + 1])
+            if select.select([sock], [], [], 0.05)[0]:  # pacing the trickle; readable means cut
+                break
+    except (ConnectionResetError, BrokenPipeError):
+        sock.close()
+        return True
+    return _cut(sock)
+
+
+def _flood_one(agent: AgentProcess, i: int) -> tuple[str, int | None, bool]:
+    """Connection ``i`` of the flood: (kind, status answered or None, cut by the agent)."""
+    kind = ("none", "wrong", "bare", "none", "wrong", "silent", "trickle", "none", "wrong", "held")[i % 10]
+    try:
+        sock = _connect(agent)
+    except OSError:
+        return kind, None, True  # refused outright: rejected too
+    if kind == "silent":
+        return kind, None, _cut(sock)
+    if kind == "held":
+        sock.sendall(b"POST /exec HTTP/1.1\r\n")
+        return kind, None, _cut(sock)
+    if kind == "trickle":
+        return kind, None, _trickle(sock)
+    auth = {"none": b"", "wrong": b"Authorization: Bearer wrong\r\n", "bare": TOKEN.encode()}[kind]
+    if kind == "bare":
+        auth = b"Authorization: " + auth + b"\r\n"  # the token without its scheme is no token
+    body = b'{"argv": ["touch", "pwned"], "env": {}, "timeout": 5}'
+    request = (
+        b"POST /exec HTTP/1.1\r\nHost: agent\r\n" + auth + b"Content-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    return kind, _status(sock, request), True
+
+
+def _legit(agent: AgentProcess, conn: http.client.HTTPConnection, i: int) -> bool:
+    """An authenticated upload then download on ``conn``; True if both answered as they should."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    data = f"legit {i}\n".encode()
+    conn.request("POST", f"/upload?path=legit{i}.txt&mode=600", body=data, headers=headers)
+    up = conn.getresponse()
+    up.read()
+    conn.request("GET", f"/download?path=legit{i}.txt", headers=headers)
+    down = conn.getresponse()
+    return up.status == 200 and down.status == 200 and down.read() == data
+
+
+def test_a_flood_of_hostile_connections(tmp_path):
+    agent = start_agent(
+        tmp_path / "sb", TOKEN, "--idle-timeout-s", str(SLOW_S), "--header-timeout-s", str(SLOW_S)
+    )
+    peaks = _Peaks(agent.proc.pid)
+    sampler = threading.Thread(target=peaks.run, daemon=True)
+    try:
+        # The worker's way: a kept-alive connection that has shown the token before the flood begins.
+        worker = http.client.HTTPConnection(agent.host, agent.port, timeout=CLIENT_WAIT_S)
+        assert _legit(agent, worker, 0)
+        sampler.start()
+        held = [_connect(agent) for _ in range(HELD)]
+        peaks.sample()
+        with ThreadPoolExecutor(FLOOD_CLIENTS) as pool:
+            flood = pool.map(lambda i: _flood_one(agent, i), range(FLOOD - HELD))
+            held_cuts = pool.map(_cut, held)
+            during, fresh = [], []
+            for i in range(1, 21):
+                during.append(_legit(agent, worker, i))
+                # A new connection mid-flood, as the worker opens when its pool's idle ones expired.
+                conn = http.client.HTTPConnection(agent.host, agent.port, timeout=CLIENT_WAIT_S)
+                fresh.append(_legit(agent, conn, 100 + i))
+                conn.close()
+            results, held_cut = list(flood), list(held_cuts)
+        peaks.stop.set()
+        sampler.join()
+        after = http.client.HTTPConnection(agent.host, agent.port, timeout=CLIENT_WAIT_S)
+        assert _legit(agent, after, 999)
+        rss = peaks.rss_mb()
+    finally:
+        peaks.stop.set()
+        agent.kill()
+    answered = [status for _, status, _ in results if status is not None]
+    rejected = sum(status != 200 for _, status, _ in results) + HELD
+    print(
+        f"FLOOD requests={FLOOD} rejected={rejected} peak_threads={peaks.threads} "
+        f"peak_fds={peaks.fds} peak_rss_mb={rss:.0f}"
+    )
+    assert all(during) and all(fresh), (during, fresh)
+    assert rejected == FLOOD and set(answered) <= {401, 503} and 401 in answered
+    assert not (agent.root / "work" / "pwned").exists()
+    slow = [cut for kind, _, cut in results if kind in ("silent", "trickle", "held")]
+    assert all(held_cut) and all(slow), (held_cut.count(False), slow.count(False))
+    cap = DEFAULT_MAX_CONNECTIONS
+    assert peaks.threads <= 2 * cap + 8 and peaks.fds <= 2 * cap + 16
+    assert rss < RSS_BOUND_MB
