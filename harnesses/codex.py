@@ -158,6 +158,9 @@ def render_config(model: str, base_url: str) -> str:
             "[features]",
             "unbounded_connection_retries = false",
             "plugins = false",
+            # Undo snapshots: a ghost commit of the workspace at every turn (~40 ms per rollout in a git
+            # workspace, which ours always is), for an undo no throwaway sandbox will ever use.
+            "undo = false",
             "",
             "[analytics]",
             "enabled = false",

@@ -495,7 +495,7 @@ async def test_prepare_writes_config_and_passes_the_prompt_as_one_argument() -> 
         REQUEST_MAX_RETRIES,
         STREAM_MAX_RETRIES,
     )
-    assert config["features"] == {"unbounded_connection_retries": False, "plugins": False}
+    assert config["features"] == {"unbounded_connection_retries": False, "plugins": False, "undo": False}
     assert config["analytics"]["enabled"] is False and config["feedback"]["enabled"] is False
     assert "sk-session" not in sandbox.files["/sandbox/home/.codex/config.toml"].decode()
 
