@@ -1,7 +1,8 @@
 """`rollout bench`: what the executor itself costs, measured side by side with doing without it.
 
 (a) overhead per rollout: the real Codex harness through the executor at concurrency 1, versus the same
-    `codex exec` run directly against the same scripted model;
+    rollout by hand against the same scripted model: a fresh workspace and config, `codex exec`, the
+    verifier (`codex exec` alone is printed too);
 (b) machinery throughput: a null harness (a command that exits at once) through the executor, versus a
     plain asyncio runner doing the same sessions (same sandboxes, same harness) without Ray, Arrow or policy;
 (c) driver memory: peak RSS of a driver process for N and 10*N rollouts (null workers, so the driver's
@@ -97,9 +98,12 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     install = codex.ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
     model = _ModelThread()
-    direct = []
+    direct, direct_codex = [], []
     try:
         for i in range(runs):
+            # Timed from here: what a hand-rolled loop does for one rollout too (a fresh workspace and
+            # config, the harness, the grade), so the difference is what the executor adds.
+            t0 = time.perf_counter()
             home = scratch / f"direct-{i}"
             (home / "work").mkdir(parents=True)
             (home / "codex").mkdir()
@@ -127,10 +131,12 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
                 str(home / "work"),
                 PROMPT,
             ]
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+            direct_codex.append(time.perf_counter() - t1)
+            graded = subprocess.run(["bash", "-c", VERIFY], cwd=home / "work", capture_output=True, timeout=9)
             direct.append(time.perf_counter() - t0)
-            if proc.returncode != 0 or not (home / "work" / "hello.txt").exists():
+            if proc.returncode != 0 or graded.returncode != 0:
                 raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
     finally:
         model.stop()
@@ -148,6 +154,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
         "runs": runs,
         "direct_median_s": d[0],
         "direct_p90_s": d[1],
+        "direct_codex_only_median_s": _median_p90(direct_codex)[0],
         "executor_session_median_s": e[0],
         "executor_session_p90_s": e[1],
         "executor_harness_phase_median_s": h[0],
@@ -370,7 +377,8 @@ def run_all(
             out["a"] = a = overhead(runs, scratch)
             echo(
                 f"(a) overhead, {runs} sequential Codex rollouts: "
-                f"direct median {a['direct_median_s']:.3f} s, "
+                f"direct median {a['direct_median_s']:.3f} s (codex exec alone "
+                f"{a['direct_codex_only_median_s']:.3f} s), "
                 f"executor median {a['executor_session_median_s']:.3f} s (harness phase "
                 f"{a['executor_harness_phase_median_s']:.3f} s), ratio {a['ratio']:.2f}"
             )
