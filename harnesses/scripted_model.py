@@ -3,7 +3,8 @@
 Each session (keyed by the `x-rollout-session` header or a `/s/<key>/v1` URL prefix) plays its own list of
 steps: text answers, tool calls matched to whatever shell or write tool the client offers, HTTP errors, a
 stream cut mid-way, or a hang. It speaks Chat Completions (OpenCode, Pi, Hermes) and the Responses API
-(Codex) closely enough for those real clients to run against it.
+(Codex) closely enough for those real clients to run against it. An outage window (``outage``) answers
+every request with one error for a while, whatever the scripts say, then lets them play on.
 """
 
 from __future__ import annotations
@@ -144,6 +145,29 @@ class _Session:
     steps: list[Step] | None
     position: int = 0
     log: list[RequestLog] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OutageReport:
+    """An outage's window and how many requests it answered with its error."""
+
+    seconds: float
+    status: int
+    started_at: float | None  # epoch seconds of its first request; None while none has come
+    answered: int
+
+    @property
+    def ends_at(self) -> float | None:
+        return None if self.started_at is None else self.started_at + self.seconds
+
+
+@dataclass
+class _Outage:
+    seconds: float
+    error: ErrorStep
+    started: float | None = None  # monotonic, for the window itself
+    started_at: float | None = None  # epoch, for comparing with other processes' records
+    answered: int = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -701,6 +725,7 @@ class ScriptedModel:
         self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None
         self._base_url: str | None = None
+        self._outage: _Outage | None = None
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -717,6 +742,25 @@ class ScriptedModel:
             session = self._sessions.get(session_key)
             return list(session.log) if session else []
 
+    def outage(self, seconds: float, status: int = 429, headers: dict[str, str] | None = None) -> None:
+        """Answer every request (control routes aside) with ``status`` for ``seconds``, then serve the
+        scripts again. The window opens at the next request, not now, so a client's start-up is no part of
+        it. Its requests take no script step and are counted in ``outage_report``, not in ``requests``."""
+        if not seconds > 0:
+            raise ValueError(f"outage seconds must be positive, got {seconds!r}")
+        if not 100 <= status <= 599:
+            raise ValueError(f"outage status must be an HTTP status (100-599), got {status!r}")
+        error = ErrorStep(type="error", status=status, headers=headers or {})
+        with self._lock:
+            self._outage = _Outage(seconds, error)
+
+    def outage_report(self) -> OutageReport | None:
+        with self._lock:
+            o = self._outage
+            if o is None:
+                return None
+            return OutageReport(o.seconds, o.error.status, o.started_at, o.answered)
+
     @property
     def base_url(self) -> str:
         if self._base_url is None:
@@ -727,7 +771,9 @@ class ScriptedModel:
         if self._runner is not None:
             raise RuntimeError("ScriptedModel is already started")
         self._stopping = asyncio.Event()
-        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found])
+        app = web.Application(
+            client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found, self._outage_gate]
+        )
         for prefix in ("", "/s/{session}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/responses", self._responses)
@@ -765,6 +811,29 @@ class ScriptedModel:
             index = min(session.position, len(session.steps) - 1)  # the last step repeats forever
             session.position += 1
             return index, session.steps[index]
+
+    def _outage_error(self) -> ErrorStep | None:
+        """The outage's error while its window is open, counting the request; None outside it."""
+        with self._lock:
+            outage = self._outage
+            if outage is None:
+                return None
+            now = time.monotonic()
+            if outage.started is None:
+                outage.started, outage.started_at = now, time.time()
+            if now - outage.started >= outage.seconds:
+                return None
+            outage.answered += 1
+            return outage.error
+
+    @web.middleware
+    async def _outage_gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        # Before any handler, so an outage answers /models as well and never consumes a script step.
+        if not request.path.startswith("/_ctl/"):
+            error = self._outage_error()
+            if error is not None:
+                return _error_response(error)
+        return await handler(request)
 
     def _record(self, key: str, entry: RequestLog) -> None:
         with self._lock:
