@@ -185,7 +185,7 @@ async def _plain_runner(n: int, concurrency: int, scratch: Path) -> tuple[float,
     await gateway.start()
     ctx = SessionContext(
         config=cfg,
-        provider=LocalSandboxProvider(scratch / "plain-sb", keep=False),
+        provider=(provider := LocalSandboxProvider(scratch / "plain-sb", keep=False)),
         harness=CommandHarness(command=NULL_COMMAND),
         gateway=gateway,
         scripted=model,
@@ -203,6 +203,7 @@ async def _plain_runner(n: int, concurrency: int, scratch: Path) -> tuple[float,
     t0 = time.perf_counter()
     await asyncio.gather(*(one(t) for t in load_tasks(tasks_path)))
     wall = time.perf_counter() - t0
+    await provider.aclose()
     await gateway.stop()
     await model.stop()
     return wall, _steady_rate([r["started_at"].timestamp() + r["t_total_s"] for r in rows])

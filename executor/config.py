@@ -67,6 +67,11 @@ class LocalSandboxConfig(ProviderConfig):
     # isolated: every command in a loopback-only network namespace of its own, which reaches the
     # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
     network: Literal["host", "isolated"] = "host"
+    # isolated: a PID namespace per command, so /proc shows only the sandbox's own processes (not the
+    # worker's, whose environment holds the API key); auto: isolated when this host allows it.
+    pids: Literal["auto", "host", "isolated"] = "auto"
+    # readonly: each command under bubblewrap, the host read-only and only the session directory writable.
+    filesystem: Literal["host", "readonly"] = "host"
 
     @model_validator(mode="after")
     def _can_isolate(self) -> LocalSandboxConfig:
@@ -77,6 +82,15 @@ class LocalSandboxConfig(ProviderConfig):
                 check_available()
             except IsolationUnavailable as exc:
                 raise ValueError(str(exc)) from None
+        if self.filesystem == "readonly" and self.pids == "host":
+            raise ValueError("sandbox.filesystem 'readonly' always isolates pids; pids 'host' contradicts it")
+        if self.pids == "isolated" or self.filesystem == "readonly":
+            from sandboxes import isolation
+
+            try:
+                isolation.resolve_pids(self.pids, self.filesystem)
+            except isolation.IsolationUnavailable as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     def build(self, root: Path, network_forward: tuple[int, str] | None = None) -> SandboxProvider:
@@ -84,7 +98,9 @@ class LocalSandboxConfig(ProviderConfig):
 
         if self.network == "isolated" and network_forward is None:
             raise ValueError("sandbox.network 'isolated' needs the gateway's port and Unix socket")
-        return LocalSandboxProvider(root, keep=self.keep, network_forward=network_forward)
+        return LocalSandboxProvider(
+            root, keep=self.keep, network_forward=network_forward, pids=self.pids, filesystem=self.filesystem
+        )
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
         # A local sandbox's owner is a process on this host: a crashed run's owners are all dead.

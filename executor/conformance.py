@@ -209,7 +209,7 @@ async def run_cell(
                 await gateway.start()
             ctx = SessionContext(
                 config=cfg,
-                provider=LocalSandboxProvider(sandbox_root, keep=False, network_forward=forward),
+                provider=LocalSandboxProvider(sandbox_root, keep=False, network_forward=forward, pids="auto"),
                 harness=harness,
                 gateway=gateway,
                 scripted=scripted,

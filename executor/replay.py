@@ -103,7 +103,7 @@ async def replay_context(
     try:
         yield SessionContext(
             config=cfg,
-            provider=LocalSandboxProvider(sandbox_root(cfg), keep=cfg.sandbox.keep),
+            provider=LocalSandboxProvider(sandbox_root(cfg), keep=cfg.sandbox.keep, pids="auto"),
             harness=make_harness(
                 row["harness"] or cfg.harness.name, row["harness_version"], cfg.harness.command
             ),

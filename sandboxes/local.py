@@ -29,7 +29,6 @@ import shutil
 import signal
 import socket
 import stat
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandboxes import netns
+from sandboxes import isolation
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -47,12 +46,18 @@ from sandboxes.base import (
     SandboxSpec,
     SandboxStartError,
 )
-from sandboxes.environment import base_environment, marker_entry, merge_environment, xdg_dirs
+from sandboxes.environment import (
+    SANDBOX_MARKER_VAR,
+    base_environment,
+    marker_entry,
+    merge_environment,
+    xdg_dirs,
+)
+from sandboxes.exec_server import ExecServer, ServedExec
 from sandboxes.owner import boot_id, start_ticks
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR_PATH = str(Path(sup.__file__).resolve())
 DESCRIPTOR_NAME = "sandbox.json"
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024 * 1024
 DEFAULT_KILL_GRACE_S = 1.0
@@ -122,7 +127,6 @@ def _text(data: bytes) -> str:
 class _ExecFiles:
     stdout: Path
     stderr: Path
-    params: Path
     result: Path
     log: Path
     stdin: Path
@@ -143,6 +147,8 @@ class LocalSandboxProvider:
         path_prefixes: Sequence[str] = (),
         supervisor_slack_s: float = SUPERVISOR_SLACK_S,
         network_forward: tuple[int, str] | None = None,
+        pids: isolation.PidsMode = "host",
+        filesystem: isolation.FilesystemMode = "host",
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -155,23 +161,73 @@ class LocalSandboxProvider:
         # (port, unix socket): every command runs in a loopback-only network namespace of its own, where
         # 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
         self.network_forward = network_forward
+        self._server_log = self.root / "supervisor-servers.log"
+        self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
+        # pids/filesystem: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
+        self.isolation = isolation.Isolation(
+            pids=isolation.resolve_pids(pids, filesystem),
+            readonly=filesystem == "readonly",
+            network_forward=network_forward,
+        )
 
     async def start(self, spec: SandboxSpec) -> LocalSandbox:
         _check_component("run_id", spec.run_id)
         _check_component("session_id", spec.session_id)
         session_dir = self.root / spec.run_id / spec.session_id
         try:
-            sandbox = LocalSandbox(self, spec, session_dir)
+            server = await self._take_server()
+        except OSError as exc:
+            raise SandboxStartError(f"cannot start a supervisor server: {exc}") from exc
+        try:
+            sandbox = LocalSandbox(self, spec, session_dir, server)
         except SandboxError as exc:
+            await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
         try:
             await asyncio.to_thread(self._make_tree, session_dir, sandbox.xdg_dirs)
             sandbox._write_descriptor(create=True)
-        except FileExistsError as exc:
-            raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
         except OSError as exc:
+            await server.close(self.kill_grace_s)
+            if isinstance(exc, FileExistsError):
+                raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         return sandbox
+
+    async def _take_server(self) -> ExecServer:
+        """The spare supervisor server if there is a live one, else a new one; a new spare is started
+        for the next sandbox. A server's interpreter start-up and imports take tens of milliseconds,
+        which a spare moves off the session's path."""
+        loop = asyncio.get_running_loop()
+        spare, self._spare = self._spare, None
+        server: ExecServer | None = None
+        if spare is not None:
+            spare_loop, task = spare
+            if spare_loop is loop and task.done() and not task.cancelled() and task.exception() is None:
+                candidate = task.result()
+                if candidate.alive:
+                    server = candidate
+                else:
+                    await candidate.close(0)
+            elif spare_loop is loop:
+                server = await task  # still being started: waiting for it is no slower than a new one
+        if server is None:
+            server = await self._new_server()
+        self._spare = (loop, asyncio.ensure_future(self._new_server()))
+        return server
+
+    async def _new_server(self) -> ExecServer:
+        token = uuid.uuid4().hex
+        # Not yet any sandbox's: it runs from / and carries only its marker, which the sandbox adopts.
+        return await ExecServer.start(
+            cwd="/", env={SANDBOX_MARKER_VAR: token}, marker_token=token, log_path=self._server_log
+        )
+
+    async def aclose(self) -> None:
+        """End the spare supervisor server, if any. Sandboxes already started are not affected."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] is asyncio.get_running_loop():
+            with contextlib.suppress(Exception):
+                await (await spare[1]).close(self.kill_grace_s)
 
     @staticmethod
     def _make_tree(session_dir: Path, xdg: list[str]) -> None:
@@ -186,7 +242,9 @@ class LocalSandboxProvider:
 class LocalSandbox:
     """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
 
-    def __init__(self, provider: LocalSandboxProvider, spec: SandboxSpec, session_dir: Path) -> None:
+    def __init__(
+        self, provider: LocalSandboxProvider, spec: SandboxSpec, session_dir: Path, server: ExecServer
+    ) -> None:
         self.provider_name = provider.name
         self.spec = spec
         self.id = f"local-{spec.session_id}"
@@ -201,8 +259,10 @@ class LocalSandbox:
         self._grace = provider.kill_grace_s
         self._nofile = provider.nofile_limit
         self._slack = provider.supervisor_slack_s
-        self._network_forward = provider.network_forward
-        self._marker_token = uuid.uuid4().hex
+        self._isolation = provider.isolation
+        # The server was started before this sandbox existed; its marker becomes the sandbox's.
+        self._server = server
+        self._marker_token = server.marker_token
         self._marker = marker_entry(self._marker_token)
         base = base_environment(
             home=self.home,
@@ -218,7 +278,7 @@ class LocalSandbox:
         self._owner_start_ticks = start_ticks(self._owner_pid)
         self._host = socket.gethostname()
         self._boot_id = boot_id()
-        self._running: dict[int, asyncio.subprocess.Process] = {}
+        self._running: dict[int, ServedExec] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
         self._name_counts: dict[str, int] = {}
         self._stopping = False
@@ -244,6 +304,8 @@ class LocalSandbox:
             "host": self._host,
             "boot_id": self._boot_id,
             "marker": self._marker_token,
+            "server_pid": self._server.pid,
+            # Live in memory only: on disk the server is the root, and every supervisor is its child.
             "supervisor_pids": sorted(self._running),
         }
 
@@ -355,7 +417,6 @@ class LocalSandbox:
             return _ExecFiles(
                 stdout=stdout,
                 stderr=stderr,
-                params=run.with_name(f"{stem}.params.json"),
                 result=run.with_name(f"{stem}.result.json"),
                 log=run.with_name(f"{stem}.supervisor.log"),
                 stdin=run.with_name(f"{stem}.stdin"),
@@ -393,8 +454,7 @@ class LocalSandbox:
         if stdin is not None:
             await asyncio.to_thread(files.stdin.write_bytes, stdin)
         memory_mb = self.spec.memory_limit_mb
-        if self._network_forward is not None:
-            argv = netns.isolated_argv(argv, *self._network_forward)
+        argv = isolation.wrap(argv, self._isolation, str(self.root))
         params = {
             "argv": argv,
             "cwd": str(cwd_real),
@@ -410,29 +470,14 @@ class LocalSandbox:
             "kill_grace_s": self._grace,
             "nofile_limit": self._nofile,
             "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            "log_path": str(files.log),
+            "namespaces": isolation.namespaces(self._isolation),
         }
-        files.params.write_text(json.dumps(params), encoding="utf-8")
 
         started = time.monotonic()
-        with open(files.log, "wb") as sup_log:
-            # The command's environment is the supervisor's own (never written to disk); -I keeps
-            # PYTHON* variables in it from steering the supervisor's interpreter, -S skips site
-            # start-up, which a standard-library-only script does not need.
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                SUPERVISOR_PATH,
-                str(files.params),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=sup_log,
-                cwd=str(cwd_real),
-                env=exec_env,
-                start_new_session=True,
-            )
+        # The command's environment goes through the server's pipe, never to disk.
+        proc = await self._server.spawn(params, exec_env)
         self._running[proc.pid] = proc
-        self._write_descriptor()
         try:
             if self._stopping:  # stop() ran while we were spawning and did not see this supervisor
                 self._signal(proc, signal.SIGTERM)
@@ -446,16 +491,15 @@ class LocalSandbox:
             raise
         finally:
             self._running.pop(proc.pid, None)
-            self._write_descriptor()
             files.stdin.unlink(missing_ok=True)
         return await self._collect(files, name, proc, killed_from_outside, time.monotonic() - started)
 
     @staticmethod
-    def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    def _signal(proc: ServedExec, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
 
-    async def _wait_supervisor(self, proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    async def _wait_supervisor(self, proc: ServedExec, timeout: float) -> bool:
         """Wait for the supervisor; past its own bound, kill its tree from here. True if we had to."""
         ttl_left = max(0.0, self.ttl_deadline - time.time())
         budget = min(timeout, ttl_left) + self._grace + self._slack
@@ -469,7 +513,7 @@ class LocalSandbox:
                 await asyncio.wait_for(proc.wait(), self._slack)
             return True
 
-    async def _end_supervisor(self, proc: asyncio.subprocess.Process) -> None:
+    async def _end_supervisor(self, proc: ServedExec) -> None:
         """Ask a supervisor to kill its tree and exit; force it if it does not, bounded either way."""
         self._signal(proc, signal.SIGTERM)
         try:
@@ -478,7 +522,7 @@ class LocalSandbox:
             await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
 
     async def _collect(
-        self, files: _ExecFiles, name: str, proc: asyncio.subprocess.Process, killed: bool, duration: float
+        self, files: _ExecFiles, name: str, proc: ServedExec, killed: bool, duration: float
     ) -> ExecResult:
         try:
             res: dict[str, Any] | None = json.loads(await asyncio.to_thread(files.result.read_text))
@@ -541,7 +585,9 @@ class LocalSandbox:
                     if task not in self._cleanups:
                         task.cancel()
             # Whatever did not go by itself, and anything of ours that escaped every tree: by force.
-            overran = [p.pid for p in procs if p.returncode is None]
+            overran = [p.pid for p in procs if not p.ended]
+            await self._server.close(self._grace + sup.DRAIN_S + 2.0)
+            overran.append(self._server.pid)
             clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
@@ -582,6 +628,8 @@ def reap_stale(
             if owner_alive and now < float(desc["ttl_deadline"]):
                 continue
             roots = [int(pid) for pid in desc.get("supervisor_pids", [])]
+            if desc.get("server_pid"):
+                roots.append(int(desc["server_pid"]))
             if not _kill_tree(roots, marker, sweep=True, grace_s=grace_s):
                 log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
                 continue

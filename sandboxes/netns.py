@@ -1,28 +1,24 @@
 """Network isolation for local sandboxes: each command in a loopback-only network namespace of its own.
 
-A fresh namespace (``unshare --net``) has only ``lo``, so nothing a harness tries to reach leaves the
-machine and failed lookups fail at once. It also cuts the harness off from the gateway, whose loopback
-is not the namespace's; but a path-based Unix socket crosses the boundary. So the gateway also listens on
-a Unix socket, and this module, run as the command's parent inside the namespace, brings ``lo`` up,
-serves ``127.0.0.1:PORT`` (the gateway's own port number, so the harness's base URL is unchanged) by
-relaying each connection to that socket, and runs the command. Standard library only: it runs as
-``python3 -I -S netns.py`` like the supervisor.
+A fresh namespace has only ``lo``, so nothing a harness tries to reach leaves the machine and failed
+lookups fail at once. It also cuts the harness off from the gateway, whose loopback is not the
+namespace's; but a path-based Unix socket crosses the boundary. So the gateway also listens on a Unix
+socket, and the forwarder here, started inside the namespace by the command's init (sandboxes/
+supervisor.py, or isolation.py under bwrap), brings ``lo`` up and serves ``127.0.0.1:PORT`` (the
+gateway's own port number, so the harness's base URL is unchanged) by relaying each connection to that
+socket. Standard library only: it is imported by those stdlib scripts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import shutil
-import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 
-NETNS_PATH = os.path.abspath(__file__)
 UNSHARE = "unshare"
 
 _SIOCGIFFLAGS = 0x8913
@@ -34,23 +30,6 @@ _MAX_CONNECTIONS = 256  # a harness opens a handful; a runaway one must not exha
 
 class IsolationUnavailable(Exception):
     """This host cannot make a network namespace (no ``unshare``, or not privileged)."""
-
-
-def isolated_argv(argv: list[str], port: int, socket_path: str) -> list[str]:
-    """``argv`` run in a new network namespace where 127.0.0.1:``port`` reaches ``socket_path``."""
-    return [
-        UNSHARE,
-        "--net",
-        "--",
-        sys.executable,
-        "-I",
-        "-S",
-        NETNS_PATH,
-        str(port),
-        socket_path,
-        "--",
-        *argv,
-    ]
 
 
 def check_available() -> None:
@@ -119,31 +98,11 @@ def _serve(listener: socket.socket, socket_path: str) -> None:
         threading.Thread(target=_relay, args=(client, socket_path, slots), daemon=True).start()
 
 
-def main(args: list[str]) -> int:
-    port, socket_path, sep, *argv = args
-    if sep != "--" or not argv:
-        print("usage: netns.py PORT SOCKET -- COMMAND...", file=sys.stderr)
-        return 2
+def start_forwarder(port: int, socket_path: str) -> None:
+    """Bring ``lo`` up and serve 127.0.0.1:``port`` by relaying to ``socket_path``, from a daemon thread."""
     _bring_up_loopback()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", int(port)))
+    listener.bind(("127.0.0.1", port))
     listener.listen(64)
     threading.Thread(target=_serve, args=(listener, socket_path), daemon=True).start()
-    try:
-        child = subprocess.Popen(argv)
-    except OSError as exc:
-        print(f"cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        return 127 if isinstance(exc, FileNotFoundError) else 126
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    code = child.wait()
-    if code < 0:  # died of a signal: so do we, so the supervisor sees what the command saw
-        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP take no handler
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

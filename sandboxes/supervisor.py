@@ -1,10 +1,16 @@
 """The per-exec supervisor, and the /proc process-tree helpers it shares with the local sandbox.
 
-Run as ``python3 -I -S supervisor.py PARAMS.json`` with the command's environment as its own. It runs one
-command in a session of its own, pumps the command's output into capped files, enforces the timeout and
-the sandbox's TTL, and before it exits kills every process the command left behind, then writes a small
-JSON result. Standard library only, so it runs under any python3 the host has, and light on imports,
-since every exec pays for its start-up.
+A supervisor runs one command in a session of its own, pumps the command's output into capped files,
+enforces the timeout and the sandbox's TTL, and before it exits kills every process the command left
+behind, then writes a small JSON result. Two ways to start one:
+
+- ``python3 -I -S supervisor.py PARAMS.json``, with the command's environment as its own (the in-sandbox
+  agent does this);
+- ``python3 -I -S supervisor.py --serve PARENT_PID``: a server per sandbox that forks a supervisor for
+  each command it is sent (the local sandbox, via sandboxes/exec_server.py), so a command costs a fork
+  rather than an interpreter start-up and these imports.
+
+Standard library only, so it runs under any python3 >= 3.11 the host has.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ FREEZE_ROUNDS = 50
 KILL_SETTLE_S = 0.5  # how long one SIGKILL round waits for the kernel to tear processes down
 DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is gone
 READ_CHUNK = 64 * 1024
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -228,12 +235,144 @@ class _Pump:
         }
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Namespaces: the command in a PID namespace (a /proc of its own) and/or a loopback-only network namespace,
+# made here rather than by a chain of helper programs, so an isolated command costs a fork, not two more
+# interpreter start-ups. The supervisor stays in the host's namespaces and forks an init into the new ones:
+#
+#     supervisor ── init (pid 1 of the namespace: forwards signals, reaps orphans) ── command
+#
+# No process inside a PID namespace can hand a death by signal out (its init ignores signals from inside),
+# so the init writes the command's raw wait status to a pipe, and the supervisor reports that.
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
+PR_CAPBSET_DROP = 24
+CAP_SYS_ADMIN = 21
+
+
+class _Forked:
+    """The part of a Popen object the supervisor uses, for a child made by fork."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+
+def _libc_call(name: str, *args: object) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name} failed: {os.strerror(err)}")
+
+
+def _start_namespace_init(
+    p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
+) -> tuple[_Forked, int]:
+    ns = p["namespaces"]
+    status_r, status_w = os.pipe()
+    if ns.get("pid"):
+        # Takes effect for our next child only: that child is the new namespace's pid 1.
+        _libc_call("unshare", CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
+            signal.set_wakeup_fd(-1)  # the supervisor's wake-up pipe is not ours to write
+            os.close(status_r)
+            for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
+                os.dup2(fd, target)
+                os.close(fd)
+            code = _namespace_init(p, env, status_w)
+        except BaseException as exc:  # a forked child must never return into the supervisor
+            os.write(2, f"sandbox isolation: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+        finally:
+            os._exit(code)
+    os.close(status_w)
+    return _Forked(pid), status_r
+
+
+def _namespace_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
+    ns = p["namespaces"]
+    if ns.get("pid"):
+        # A mount namespace of its own (the supervisor's /proc must stay the host's), private so that
+        # nothing mounted here reaches the host.
+        _libc_call("unshare", CLONE_NEWNS)
+        _libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+        _libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        # Root inside could otherwise unmount this /proc and see the host's again. The bounding set is
+        # per thread and inherited: dropped here, before any thread starts, it binds the command.
+        ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0)
+    if ns.get("net"):
+        _libc_call("unshare", CLONE_NEWNET)
+        # Run by path with -I, our directory is not on sys.path; netns.py is our sibling.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import netns
+
+        port, socket_path = ns["net"]
+        netns.start_forwarder(int(port), str(socket_path))
+    memory = p.get("memory_limit_bytes")
+
+    def limit_child() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    try:
+        command = subprocess.Popen(
+            p["argv"], cwd=p["cwd"], env=env, close_fds=True, preexec_fn=limit_child if memory else None
+        )
+    except OSError as exc:
+        os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
+        os.write(status_fd, str((127 if isinstance(exc, FileNotFoundError) else 126) << 8).encode())
+        return 0
+    for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
+        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
+    reaped = False
+
+    def pass_on(signum: int, _frame: object) -> None:
+        if not reaped:  # once reaped, its pid may name another process
+            try:
+                os.kill(command.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pass_on)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    # As pid 1, orphans are reparented to us: reap them all, until the command itself ends. Our exit
+    # then ends the namespace, and the kernel kills whatever is left in it.
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == command.pid:
+            reaped = True
+            break
+    os.write(status_fd, str(status).encode())
+    return 0
+
+
+def _reported_status(status_pipe: int, init_status: int) -> int:
+    """The command's wait status as its init reported it; the init's own if it died before reporting."""
+    os.set_blocking(status_pipe, False)
+    try:
+        report = os.read(status_pipe, 64)
+    except BlockingIOError:
+        report = b""
+    os.close(status_pipe)
+    return int(report) if report.strip().isdigit() else init_status
+
+
 class Supervisor:
-    def __init__(self, params: dict[str, Any]) -> None:
+    def __init__(self, params: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.p = params
+        self.env = env
         self.me = os.getpid()
         self.terminated_by: int | None = None
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: subprocess.Popen[bytes] | _Forked | None = None
+        self.status_pipe: int | None = None  # the namespace init's report of the command's wait status
         self.child_status: int | None = None
         self.sel = selectors.DefaultSelector()
         self.pumps: dict[int, _Pump] = {}
@@ -249,7 +388,7 @@ class Supervisor:
             if self.terminated_by is None:
                 self.terminated_by = signum
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, on_stop)
         # A handler (not SIG_DFL) so that SIGCHLD writes to the wakeup fd and ends a select().
         signal.signal(signal.SIGCHLD, lambda _s, _f: None)
@@ -284,15 +423,20 @@ class Supervisor:
         stdin_path = p.get("stdin_path") or os.devnull
         stdin_fd = os.open(stdin_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            if p.get("namespaces"):
+                self.child, self.status_pipe = _start_namespace_init(p, self.env, stdin_fd, out_w, err_w)
+                return
             self.child = subprocess.Popen(
                 p["argv"],
                 cwd=p["cwd"],
+                env=self.env,
                 stdin=stdin_fd,
                 stdout=out_w,
                 stderr=err_w,
                 close_fds=True,
                 process_group=0,  # its own group in our session, so killpg reaches it in one call
-                preexec_fn=limit_child,
+                # Only when needed: without a preexec_fn, Popen can spawn without a full fork.
+                preexec_fn=limit_child if memory else None,
             )
         finally:
             for fd in (out_w, err_w, stdin_fd):
@@ -310,6 +454,8 @@ class Supervisor:
             if pid == 0:
                 return
             if self.child is not None and pid == self.child.pid:
+                if self.status_pipe is not None:
+                    status = _reported_status(self.status_pipe, status)
                 self.child_status = status
                 self.child.returncode = os.waitstatus_to_exitcode(status)
 
@@ -354,7 +500,19 @@ class Supervisor:
         mine.discard(self.me)
         return {pid for pid in mine if procs[pid].alive}
 
+    def has_children(self) -> bool:
+        """Whether any process of ours is left. As a subreaper we inherit every orphan below us, so a
+        living descendant means a child of our own: no child, no tree, and no /proc walk needed."""
+        self.reap()
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        return True
+
     def kill_tree(self) -> bool:
+        if not self.has_children():
+            return True
         child = self.child
         if child is not None:
             # While any member of the command's group lives its pgid cannot be reused, so this
@@ -416,11 +574,12 @@ def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[1], encoding="utf-8") as f:
-        params = json.load(f)
-    sup = Supervisor(params)
+def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
+    """Supervise one command to its end and write its result; ``env`` is the command's environment
+    (None: our own)."""
+    sup = Supervisor(params, env)
     sup.install_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across its fork
     reason, error = "error", None
     spawn_failure: OSError | None = None
     try:
@@ -450,6 +609,162 @@ def main(argv: list[str]) -> int:
             result = sup.result(reason, clean, error)
         _write_json_atomic(params["result_path"], result)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Server mode: one process per sandbox that forks a supervisor per command. Starting an interpreter and
+# importing this module costs tens of milliseconds, paid once per sandbox instead of once per command.
+#
+# Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
+# run() plus "log_path" (the forked supervisor's stderr). Out (stdout): {"id": N, "pid": P} once the
+# supervisor is forked, {"id": N, "error": "..."} if it could not be, and {"id": N, "status": S} (a wait
+# status) when it has ended. End of stdin: no more commands; the server exits when its supervisors have.
+# The environment travels through the pipe, never through a file.
+
+MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
+
+
+class _Server:
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+        self.me = os.getpid()
+        self.children: dict[int, int] = {}  # supervisor pid -> request id
+        self.stop_signal: int | None = None
+        self.stdin_open = True
+        self.buf = bytearray()
+        self.sel = selectors.DefaultSelector()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        self.wake_r, self.wake_w = wake_r, wake_w
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        self.sel.register(wake_r, selectors.EVENT_READ)
+        os.set_blocking(0, False)
+        self.sel.register(0, selectors.EVENT_READ)
+
+    def install_signals(self) -> None:
+        def on_stop(signum: int, _frame: object) -> None:
+            if self.stop_signal is None:
+                self.stop_signal = signum
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_stop)
+        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+        # SIGTERM when the worker that started us dies; each supervisor is bound to us the same way.
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != self.parent_pid:
+            self.stop_signal = signal.SIGTERM
+
+    def reply(self, message: dict[str, Any]) -> None:
+        # stdout is a blocking pipe that our worker always reads; a line is far below its capacity.
+        data = memoryview((json.dumps(message) + "\n").encode())
+        while data:
+            data = data[os.write(1, data) :]
+
+    def handle(self, line: bytes) -> None:
+        try:
+            req = json.loads(line)
+            req_id = int(req["id"])
+        except (ValueError, KeyError, TypeError):
+            return  # not from our worker; nothing to answer
+        # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
+        # one sent right after the fork is not lost.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            self.reply({"id": req_id, "error": f"fork failed: {exc}"})
+            return
+        if pid == 0:
+            self._child(req)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        self.children[pid] = req_id
+        self.reply({"id": req_id, "pid": pid})
+
+    def _child(self, req: dict[str, Any]) -> None:
+        code = 1
+        try:
+            params = req["params"]
+            params["parent_pid"] = self.me
+            for fd in (self.wake_r, self.wake_w):
+                os.close(fd)
+            self.sel.close()
+            null = os.open(os.devnull, os.O_RDWR)
+            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            os.dup2(log, 2)
+            os.close(null)
+            os.close(log)
+            os.chdir(params["cwd"])
+            code = run(params, req.get("env"))
+        except BaseException as exc:  # a forked child must never return into the server
+            with open(2, "w", closefd=False) as err:
+                err.write(f"supervisor: {type(exc).__name__}: {exc}\n")
+        finally:
+            os._exit(code)
+
+    def read_requests(self) -> None:
+        try:
+            chunk = os.read(0, READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.stdin_open = False
+            self.sel.unregister(0)
+            return
+        self.buf += chunk
+        while (end := self.buf.find(b"\n")) >= 0:
+            line = bytes(self.buf[:end])
+            del self.buf[: end + 1]
+            self.handle(line)
+        if len(self.buf) > MAX_REQUEST_BYTES:
+            self.buf.clear()
+            self.stdin_open = False  # our worker never writes this much: stop taking requests
+            self.sel.unregister(0)
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            req_id = self.children.pop(pid, None)
+            if req_id is not None:
+                self.reply({"id": req_id, "status": status})
+
+    def serve(self) -> int:
+        # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
+        # its command's timeout and the sandbox's TTL.
+        while self.stdin_open or self.children:
+            if self.stop_signal is not None:
+                send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
+                return 0
+            for key, _events in self.sel.select(1.0):
+                if key.fd == self.wake_r:
+                    try:
+                        while os.read(self.wake_r, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                elif key.fd == 0:
+                    self.read_requests()
+            self.reap()
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "--serve":
+        server = _Server(int(argv[2]))
+        server.install_signals()
+        code = server.serve()
+        os._exit(code)  # nothing to flush or finalize: the sandbox's stop() waits for this exit
+    with open(argv[1], encoding="utf-8") as f:
+        params = json.load(f)
+    return run(params)
 
 
 if __name__ == "__main__":

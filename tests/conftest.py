@@ -76,10 +76,11 @@ async def session_context(
     await scripted.start()
     gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway)
     await gateway.start()
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
     try:
         yield SessionContext(
             config=cfg,
-            provider=LocalSandboxProvider(tmp_path / "sandboxes"),
+            provider=provider,
             harness=harness if harness is not None else CodexHarness(),
             gateway=gateway,
             scripted=scripted,
@@ -87,6 +88,7 @@ async def session_context(
             cache_root=default_cache_root(),
         )
     finally:
+        await provider.aclose()
         await gateway.stop()
         await scripted.stop()
 

@@ -19,6 +19,7 @@ import pytest
 from sandboxes.base import TAIL_BYTES, SandboxError, SandboxLostError, SandboxSpec, SandboxStartError
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
+from sandboxes.supervisor import read_proc
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # safety bound on waiting for an event; never a timing assertion
@@ -518,7 +519,9 @@ async def test_owner_death_kills_the_tree_and_reap_cleans_up(root: Path, tmp_pat
     owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
     procs, supervisor_pid = await _owner_tree(fifo)
     descriptor = root / "run" / session_id / "sandbox.json"
-    assert json.loads(descriptor.read_text())["supervisor_pids"] == [supervisor_pid]
+    # On disk the root is the sandbox's supervisor server; each command's supervisor is its child.
+    server_pid = json.loads(descriptor.read_text())["server_pid"]
+    assert read_proc(supervisor_pid).ppid == server_pid
     assert all(running(p) for p in procs)
 
     owner.kill()

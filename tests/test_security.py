@@ -4,15 +4,18 @@ the gateway records and hands back. Checked from outside, while the session runs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
+from sandboxes import isolation
 from tests.conftest import processes_under, session_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
@@ -103,15 +106,13 @@ async def test_no_credential_reaches_the_sandbox_environment_files_cmdlines_or_e
     shutil.rmtree(tmp_path / "sandboxes", ignore_errors=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the local sandbox shares the host's PID namespace and uid, so /proc/<pid>/environ of a host "
-    "process holding the key (the Ray worker that reads model.api_key_env) is readable from inside; "
-    "needs a PID namespace (e.g. unshare --pid --mount-proc) in sandboxes/local.py",
+@pytest.mark.skipif(
+    isolation.pid_namespace_unavailable() is not None,
+    reason=f"the sandbox shares the host's PID namespace here: {isolation.pid_namespace_unavailable()}",
 )
 async def test_a_host_process_environment_is_not_readable_from_the_sandbox(tmp_path):
-    import subprocess
-
+    """Same uid as the worker, so only a PID namespace of its own (sandbox.pids, 'auto' by default) keeps
+    /proc/<pid>/environ of the worker, which holds the key, out of the sandbox's sight."""
     secret = "sk-rollout-sec-HOLDER-6d5c4b"
     # Stands in for the worker process: it holds the key in its environment, as a Ray worker does.
     holder = subprocess.Popen(["sleep", "300"], env={"PATH": os.environ["PATH"], "OPENAI_API_KEY": secret})
@@ -125,6 +126,8 @@ async def test_a_host_process_environment_is_not_readable_from_the_sandbox(tmp_p
             }
         )
         async with session_context(tmp_path, {"sandbox": {"keep": True}}) as ctx:
+            # The provider a worker builds from the default sandbox section, not session_context's own.
+            ctx = dataclasses.replace(ctx, provider=ctx.config.sandbox.build(tmp_path / "sandboxes"))
             row = await run_session(SessionRequest("holder", task, 0, 1), ctx)
     finally:
         holder.kill()

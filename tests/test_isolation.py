@@ -1,0 +1,206 @@
+"""PID and filesystem isolation of local sandboxes (sandboxes/isolation.py), with real namespaces.
+
+Each test needs what it isolates with (a PID namespace, bwrap, a network namespace) and skips, saying
+why, on a host that cannot make it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pydantic
+import pytest
+
+from executor.config import LocalSandboxConfig
+from harnesses.gateway import Gateway
+from harnesses.scripted_model import ScriptedModel
+from sandboxes import isolation, netns
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+from tests.conftest import processes_under
+from tests.test_local_sandbox import live_with, new_mark, tree_script
+
+
+def _netns_unavailable() -> str | None:
+    try:
+        netns.check_available()
+    except netns.IsolationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+needs_pids = pytest.mark.skipif(
+    isolation.pid_namespace_unavailable() is not None, reason=str(isolation.pid_namespace_unavailable())
+)
+needs_bwrap = pytest.mark.skipif(
+    isolation.readonly_unavailable() is not None, reason=str(isolation.readonly_unavailable())
+)
+needs_netns = pytest.mark.skipif(_netns_unavailable() is not None, reason=str(_netns_unavailable()))
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="only root holds the capabilities to give up")
+
+# Lists the numeric entries of /proc, one line of space-separated pids.
+LIST_PIDS = [
+    sys.executable,
+    "-c",
+    "import os; print(*sorted(int(n) for n in os.listdir('/proc') if n.isdigit()))",
+]
+
+
+@asynccontextmanager
+async def _sandbox(tmp_path: Path, **provider_kw: Any) -> AsyncIterator[Any]:
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, **provider_kw)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="s", ttl_s=300))
+    try:
+        yield sandbox
+    finally:
+        await sandbox.stop()
+    assert not processes_under(str(tmp_path / "sandboxes"))
+
+
+MODES = [
+    pytest.param({"pids": "isolated"}, marks=needs_pids, id="pids"),
+    pytest.param({"filesystem": "readonly"}, marks=needs_bwrap, id="readonly"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_proc_shows_only_the_sandboxs_own_processes(tmp_path, mode):
+    holder = subprocess.Popen(["sleep", "300"])  # a host process, like the worker holding the key
+    try:
+        async with _sandbox(tmp_path, **mode) as sandbox:
+            listed = await sandbox.exec(LIST_PIDS, timeout=30)
+            environ = await sandbox.exec(["cat", f"/proc/{holder.pid}/environ"], timeout=30)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert listed.exit_code == 0, listed.stderr_tail
+    pids = [int(p) for p in listed.stdout_tail.split()]
+    assert 1 <= len(pids) <= 6, pids  # the namespace's init, the wrappers in it, and the lister
+    assert os.getpid() not in pids and holder.pid not in pids
+    assert environ.exit_code != 0 and "No such file" in environ.stderr_tail
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_exit_codes_signals_and_timeouts_pass_through(tmp_path, mode):
+    async with _sandbox(tmp_path, **mode) as sandbox:
+        seven = await sandbox.exec(["sh", "-c", "exit 7"], timeout=30)
+        killed = await sandbox.exec(["sh", "-c", "kill -9 $$"], timeout=30)
+        termed = await sandbox.exec(["sh", "-c", "kill -TERM $$"], timeout=30)
+        missing = await sandbox.exec(["no-such-command-here"], timeout=30)
+        slow = await sandbox.exec(["sh", "-c", "sleep 600"], timeout=1)
+    assert (seven.exit_code, seven.signal, seven.timed_out) == (7, None, False)
+    assert (killed.exit_code, killed.signal) == (None, signal.SIGKILL)
+    assert (termed.exit_code, termed.signal) == (None, signal.SIGTERM)
+    assert missing.exit_code == 127 and "no-such-command-here" in missing.stderr_tail
+    assert (slow.timed_out, slow.exit_code, slow.signal) == (True, None, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_timeout_kills_grandchildren_that_escaped_the_session(tmp_path, mode):
+    mark = new_mark()
+    async with _sandbox(tmp_path, **mode) as sandbox:
+        res = await sandbox.exec(
+            ["bash", "-c", tree_script(mark, f"exec -a {mark}-main sleep 300")], timeout=5
+        )
+        # Checked before stop(), whose sweep would hide a leak of the supervisor's.
+        left = live_with(mark)
+    assert res.timed_out and res.signal == signal.SIGTERM
+    line = next(line for line in res.stdout_tail.splitlines() if line.startswith("procs:"))
+    assert len(line.split()) == 5  # the setsid'd, nohup'd, double-forked and TERM-ignoring ones all ran
+    assert left == []
+
+
+@needs_root
+@pytest.mark.parametrize("mode", MODES)
+async def test_root_inside_cannot_uncover_the_hosts_proc(tmp_path, mode):
+    """The fresh /proc is mounted over the host's: unmounting it would show every host process again."""
+    async with _sandbox(tmp_path, **mode) as sandbox:
+        umount = await sandbox.exec(["umount", "-l", "/proc"], timeout=30)
+        listed = await sandbox.exec(LIST_PIDS, timeout=30)
+    assert umount.exit_code != 0
+    assert os.getpid() not in [int(p) for p in listed.stdout_tail.split()]
+
+
+@needs_bwrap
+async def test_readonly_writes_only_inside_the_session(tmp_path):
+    outside = tmp_path / "host-dir"
+    outside.mkdir()
+    write = 'echo x > "$1" && echo wrote'
+    async with _sandbox(tmp_path, filesystem="readonly") as sandbox:
+        host = await sandbox.exec(["sh", "-c", write, "sh", str(outside / "f")], timeout=30)
+        remount = await sandbox.exec(["mount", "-o", "remount,rw,bind", "/"], timeout=30)
+        host_again = await sandbox.exec(["sh", "-c", write, "sh", str(outside / "f")], timeout=30)
+        inside = await sandbox.exec(["sh", "-c", write, "sh", f"{sandbox.workdir}/f"], timeout=30)
+        home = await sandbox.exec(["sh", "-c", 'echo x > "$HOME/h" && echo x > "$TMPDIR/t"'], timeout=30)
+    assert host.exit_code != 0 and "Read-only file system" in host.stderr_tail
+    assert remount.exit_code != 0 and host_again.exit_code != 0
+    assert not (outside / "f").exists()
+    assert inside.stdout_tail.strip() == "wrote", inside.stderr_tail
+    assert home.exit_code == 0, home.stderr_tail
+    assert Path(sandbox.home, "h").read_text() == "x\n" and Path(sandbox.tmpdir, "t").read_text() == "x\n"
+    assert Path(sandbox.workdir, "f").read_text() == "x\n"
+
+
+FETCH = """
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/models", timeout=20) as answer:
+    print(answer.status, answer.read().decode())
+"""
+
+
+@needs_netns
+@pytest.mark.parametrize("mode", MODES)
+async def test_network_isolated_with_pids_or_readonly_still_reaches_the_gateway(tmp_path, mode):
+    scripted = ScriptedModel()
+    await scripted.start()
+    gateway = Gateway(scripted.base_url, None)
+    await gateway.start(unix_path=str(tmp_path / "gw.sock"))
+    forward = (urlsplit(gateway.url).port or 0, str(tmp_path / "gw.sock"))
+    try:
+        async with _sandbox(tmp_path, network_forward=forward, **mode) as sandbox:
+            session = gateway.open_session("s1", tmp_path / "evidence")
+            fetched = await sandbox.exec([sys.executable, "-c", FETCH, session.base_url], timeout=30)
+            names = await sandbox.exec(
+                [sys.executable, "-c", "import socket; print([n for _, n in socket.if_nameindex()])"],
+                timeout=30,
+            )
+            listed = await sandbox.exec(LIST_PIDS, timeout=30)
+    finally:
+        await gateway.stop()
+        await scripted.stop()
+    assert fetched.exit_code == 0, fetched.stderr_tail
+    status, body = fetched.stdout_tail.split(" ", 1)
+    assert status == "200" and json.loads(body)["data"][0]["id"] == "scripted-model"
+    assert names.stdout_tail.strip() == "['lo']"
+    assert os.getpid() not in [int(p) for p in listed.stdout_tail.split()]
+
+
+# -- configuration ---------------------------------------------------------------------------------------
+
+
+@needs_pids
+def test_the_default_config_isolates_pids_where_the_host_allows(tmp_path):
+    provider = LocalSandboxConfig().build(tmp_path)
+    assert provider.isolation == isolation.Isolation(pids=True)
+    assert LocalSandboxConfig(pids="host").build(tmp_path).isolation == isolation.Isolation()
+
+
+def test_readonly_with_host_pids_is_refused_in_one_line():
+    with pytest.raises(pydantic.ValidationError) as caught:
+        LocalSandboxConfig(filesystem="readonly", pids="host")
+    message = caught.value.errors()[0]["msg"]
+    assert "sandbox.filesystem 'readonly'" in message and "\n" not in message
+
+
+def test_a_host_without_the_command_is_told_which(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    why = isolation._probe([isolation.BWRAP, "true"], "sandbox.filesystem 'readonly'")
+    assert why == "sandbox.filesystem 'readonly' needs the bwrap command"
