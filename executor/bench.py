@@ -90,6 +90,50 @@ class _ModelThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def _direct_runs(
+    indices: range, model: Any, codex_js: Path, scratch: Path, direct: list[float], direct_codex: list[float]
+) -> None:
+    """Hand-rolled rollouts: the same Codex task against the same scripted model, without the executor."""
+    for i in indices:
+        # Timed from here: what a hand-rolled loop does for one rollout too (a fresh workspace and
+        # config, the harness, the grade), so the difference is what the executor adds.
+        t0 = time.perf_counter()
+        home = scratch / f"direct-{i}"
+        (home / "work").mkdir(parents=True)
+        (home / "codex").mkdir()
+        base = model.model.base_url.removesuffix("/v1")
+        (home / "codex" / "config.toml").write_text(
+            'model = "scripted-model"\nmodel_provider = "bench"\napproval_policy = "never"\n'
+            'sandbox_mode = "danger-full-access"\ncheck_for_update_on_startup = false\n'
+            f'[model_providers.bench]\nname = "bench"\nbase_url = "{base}/s/d{i}/v1"\n'
+            'env_key = "BENCH_KEY"\nwire_api = "responses"\n[analytics]\nenabled = false\n'
+            "[feedback]\nenabled = false\n"
+        )
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(home),
+            "CODEX_HOME": str(home / "codex"),
+            "BENCH_KEY": "k",
+        }
+        argv = [
+            shutil.which("node") or "node",
+            str(codex_js),
+            "exec",
+            "--json",
+            "--skip-git-repo-check",
+            "-C",
+            str(home / "work"),
+            PROMPT,
+        ]
+        t1 = time.perf_counter()
+        proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        direct_codex.append(time.perf_counter() - t1)
+        graded = subprocess.run(["bash", "-c", VERIFY], cwd=home / "work", capture_output=True, timeout=9)
+        direct.append(time.perf_counter() - t0)
+        if proc.returncode != 0 or graded.returncode != 0:
+            raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
+
+
 def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
@@ -97,47 +141,13 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     codex = CodexHarness()
     install = codex.ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
+    direct: list[float] = []
+    direct_codex: list[float] = []
+    # Half of the direct runs before the executor's and half after, so a drift in the machine's speed
+    # over the minute this takes (frequent on a shared VM) does not favour either side.
     model = _ModelThread()
-    direct, direct_codex = [], []
     try:
-        for i in range(runs):
-            # Timed from here: what a hand-rolled loop does for one rollout too (a fresh workspace and
-            # config, the harness, the grade), so the difference is what the executor adds.
-            t0 = time.perf_counter()
-            home = scratch / f"direct-{i}"
-            (home / "work").mkdir(parents=True)
-            (home / "codex").mkdir()
-            base = model.model.base_url.removesuffix("/v1")
-            (home / "codex" / "config.toml").write_text(
-                'model = "scripted-model"\nmodel_provider = "bench"\napproval_policy = "never"\n'
-                'sandbox_mode = "danger-full-access"\ncheck_for_update_on_startup = false\n'
-                f'[model_providers.bench]\nname = "bench"\nbase_url = "{base}/s/d{i}/v1"\n'
-                'env_key = "BENCH_KEY"\nwire_api = "responses"\n[analytics]\nenabled = false\n'
-                "[feedback]\nenabled = false\n"
-            )
-            env = {
-                "PATH": os.environ.get("PATH", ""),
-                "HOME": str(home),
-                "CODEX_HOME": str(home / "codex"),
-                "BENCH_KEY": "k",
-            }
-            argv = [
-                shutil.which("node") or "node",
-                str(codex_js),
-                "exec",
-                "--json",
-                "--skip-git-repo-check",
-                "-C",
-                str(home / "work"),
-                PROMPT,
-            ]
-            t1 = time.perf_counter()
-            proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
-            direct_codex.append(time.perf_counter() - t1)
-            graded = subprocess.run(["bash", "-c", VERIFY], cwd=home / "work", capture_output=True, timeout=9)
-            direct.append(time.perf_counter() - t0)
-            if proc.returncode != 0 or graded.returncode != 0:
-                raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
+        _direct_runs(range(runs // 2), model, codex_js, scratch, direct, direct_codex)
     finally:
         model.stop()
 
@@ -149,6 +159,11 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     cols = read_table(Path(summary.run_dir), ["t_total_s", "t_agent_s", "reward"]).to_pydict()
     if summary.exit_code != 0 or any(r != 1.0 for r in cols["reward"]):
         raise RuntimeError(f"executor overhead run did not solve every task: {summary}")
+    model = _ModelThread()
+    try:
+        _direct_runs(range(runs // 2, runs), model, codex_js, scratch, direct, direct_codex)
+    finally:
+        model.stop()
     d, e, h = (_median_p90(x) for x in (direct, cols["t_total_s"], cols["t_agent_s"]))
     return {
         "runs": runs,
