@@ -365,6 +365,31 @@ def _reported_status(status_pipe: int, init_status: int) -> int:
     return int(report) if report.strip().isdigit() else init_status
 
 
+def _signal_wakeup(sel: selectors.BaseSelector) -> tuple[int, int]:
+    """A pipe that every signal writes a byte to, registered with ``sel``: a select() ends on a signal."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    sel.register(wake_r, selectors.EVENT_READ)
+    return wake_r, wake_w
+
+
+def _drain_wakeup(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _install_signals(on_stop: Callable[[int, object], None]) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop)
+    # A handler (not SIG_DFL) so that SIGCHLD writes to the wakeup fd and ends a select().
+    signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+
+
 class Supervisor:
     def __init__(self, params: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.p = params
@@ -376,22 +401,14 @@ class Supervisor:
         self.child_status: int | None = None
         self.sel = selectors.DefaultSelector()
         self.pumps: dict[int, _Pump] = {}
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
-        self.wake_r = wake_r
-        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        self.sel.register(wake_r, selectors.EVENT_READ)
+        self.wake_r, _wake_w = _signal_wakeup(self.sel)
 
     def install_signals(self) -> None:
         def on_stop(signum: int, _frame: object) -> None:
             if self.terminated_by is None:
                 self.terminated_by = signum
 
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, on_stop)
-        # A handler (not SIG_DFL) so that SIGCHLD writes to the wakeup fd and ends a select().
-        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+        _install_signals(on_stop)
 
     def bind_lifetime(self) -> None:
         # SIGTERM (not SIGKILL) when the worker thread that started us dies: the handler above still
@@ -464,11 +481,7 @@ class Supervisor:
         for key, _events in self.sel.select(timeout):
             fd = key.fd
             if fd == self.wake_r:
-                try:
-                    while os.read(fd, 512):
-                        pass
-                except BlockingIOError:
-                    pass
+                _drain_wakeup(fd)
             elif not self.pumps[fd].read():
                 self.sel.unregister(fd)
         self.reap()
@@ -633,12 +646,7 @@ class _Server:
         self.stdin_open = True
         self.buf = bytearray()
         self.sel = selectors.DefaultSelector()
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
-        self.wake_r, self.wake_w = wake_r, wake_w
-        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        self.sel.register(wake_r, selectors.EVENT_READ)
+        self.wake_r, self.wake_w = _signal_wakeup(self.sel)
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ)
 
@@ -647,9 +655,7 @@ class _Server:
             if self.stop_signal is None:
                 self.stop_signal = signum
 
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, on_stop)
-        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+        _install_signals(on_stop)
         # SIGTERM when the worker that started us dies; each supervisor is bound to us the same way.
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != self.parent_pid:
@@ -745,11 +751,7 @@ class _Server:
                 return 0
             for key, _events in self.sel.select(1.0):
                 if key.fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 512):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    _drain_wakeup(self.wake_r)
                 elif key.fd == 0:
                     self.read_requests()
             self.reap()
