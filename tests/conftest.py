@@ -93,6 +93,34 @@ async def session_context(
         await scripted.stop()
 
 
+@pytest.fixture
+async def model() -> AsyncIterator[Any]:
+    """The scripted model, serving in this test's event loop."""
+    from harnesses.scripted_model import ScriptedModel
+
+    scripted = ScriptedModel()
+    await scripted.start()
+    try:
+        yield scripted
+    finally:
+        await scripted.stop()
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path) -> AsyncIterator[Any]:
+    """One local sandbox under this test's tmp_path, stopped afterwards."""
+    from sandboxes.base import SandboxSpec
+    from sandboxes.local import LocalSandboxProvider
+
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    box = await provider.start(SandboxSpec(run_id="test", session_id="s1", ttl_s=300))
+    try:
+        yield box
+    finally:
+        await box.stop()
+        await provider.aclose()
+
+
 DEMO_RUN_CONFIG = """\
 tasks: {tasks}
 out: {out}

@@ -181,3 +181,15 @@ def user_texts(body: dict[str, Any]) -> list[str]:
         elif isinstance(content, list):
             texts.append("".join(p.get("text", "") for p in content if isinstance(p, dict)))
     return texts
+
+
+# Prompts that must reach a harness intact: a leading "-" and shell syntax, "-" alone, "@file" syntax, and
+# one too long for a single argv string.
+PROMPT_CASES = {
+    "special-characters": (
+        "-h --version; echo $HOME `id` \"quoted\" 'single' \\ back\nsecond line\ttab ünïcödé -x --help"
+    ),
+    "dash": "-",
+    "at-sign": "@not-a-file please",
+    "long": "long prompt " * 12_000,  # over 128 KiB: more than one argv string may hold
+}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,33 +19,13 @@ from harnesses.base import HarnessReport, LaunchContext
 from harnesses.codex import STREAM_MAX_RETRIES, CodexHarness
 from harnesses.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind
-from sandboxes.base import ExecResult, SandboxSpec
-from sandboxes.local import LocalSandbox, LocalSandboxProvider
+from sandboxes.base import ExecResult
+from sandboxes.local import LocalSandbox
+from tests.session_scenarios import PROMPT_CASES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 MODEL = "scripted-model"
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[ScriptedModel]:
-    scripted = ScriptedModel(model_names=(MODEL,))
-    await scripted.start()
-    try:
-        yield scripted
-    finally:
-        await scripted.stop()
-
-
-@pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[LocalSandbox]:
-    box = await LocalSandboxProvider(tmp_path / "sandboxes").start(
-        SandboxSpec(run_id="codex-test", session_id="s1", ttl_s=300)
-    )
-    try:
-        yield box
-    finally:
-        await box.stop()
 
 
 async def run_codex(
@@ -186,15 +165,7 @@ async def test_refused_connection_ends_instead_of_waiting_for_network(
     assert report.reconnects == STREAM_MAX_RETRIES
 
 
-@pytest.mark.parametrize(
-    "prompt",
-    [
-        "-h --version; echo $HOME `id` \"quoted\" 'single' \\ back\nsecond line\ttab ünïcödé",
-        "-",
-        "long prompt " * 12_000,  # over 128 KiB: too long for one argv string, so it goes through stdin
-    ],
-    ids=["special-characters", "dash", "long"],
-)
+@pytest.mark.parametrize("prompt", PROMPT_CASES.values(), ids=PROMPT_CASES.keys())
 async def test_prompt_arrives_intact(
     sandbox: LocalSandbox, model: ScriptedModel, codex_installed: Path, prompt: str
 ) -> None:

@@ -50,16 +50,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ScriptedModel]:
-    server = ScriptedModel()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
 async def harness() -> AsyncIterator[httpx.AsyncClient]:
     """Plays the harness inside the sandbox."""
     async with httpx.AsyncClient(trust_env=False, timeout=60) as client:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,35 +14,13 @@ import pytest
 from harnesses.install import default_cache_root
 from harnesses.opencode import OpenCodeHarness
 from harnesses.scripted_model import ScriptedModel
-from sandboxes.base import SandboxSpec
-from sandboxes.local import LocalSandbox, LocalSandboxProvider
-from tests.session_scenarios import MODEL, SCENARIOS, run_direct, run_scenario, user_texts
+from sandboxes.local import LocalSandbox
+from tests.session_scenarios import MODEL, PROMPT_CASES, SCENARIOS, run_direct, run_scenario, user_texts
 
 # A cap only: OpenCode starts slowly on a loaded 2-core machine (180 s seen for a compaction loop at load 28).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 NEMO_GYM_VERSION = "1.17.11"
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[ScriptedModel]:
-    scripted = ScriptedModel(model_names=(MODEL,))
-    await scripted.start()
-    try:
-        yield scripted
-    finally:
-        await scripted.stop()
-
-
-@pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[LocalSandbox]:
-    box = await LocalSandboxProvider(tmp_path / "sandboxes").start(
-        SandboxSpec(run_id="opencode-test", session_id="s1", ttl_s=300)
-    )
-    try:
-        yield box
-    finally:
-        await box.stop()
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -60,16 +37,7 @@ async def test_nemo_gym_version_runs_tool_success(tmp_path: Path) -> None:
     assert row["harness_version"] == NEMO_GYM_VERSION and row["version_tested"] is False
 
 
-@pytest.mark.parametrize(
-    "prompt",
-    [
-        "two words \"quoted\" 'single' -x --help $HOME `id` \\ back\nsecond line\ttab ünïcödé",
-        "-",
-        "@not-a-file please",
-        "long prompt " * 12_000,  # over 128 KiB: more than one argv string may hold
-    ],
-    ids=["special-characters", "dash", "at-sign", "long"],
-)
+@pytest.mark.parametrize("prompt", PROMPT_CASES.values(), ids=PROMPT_CASES.keys())
 async def test_prompt_arrives_intact(
     sandbox: LocalSandbox, model: ScriptedModel, opencode_installed: Path, prompt: str
 ) -> None:

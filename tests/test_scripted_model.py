@@ -77,14 +77,6 @@ USER = [{"role": "user", "content": "do the task"}]
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ScriptedModel]:
-    server = ScriptedModel()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def client(model: ScriptedModel) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=model.base_url, timeout=10) as http:
         yield http

@@ -23,7 +23,7 @@ from aiohttp import web
 
 import harnesses.gateway as gateway_module
 from harnesses.gateway import AttemptRecord, Gateway, GatewayConfig, GatewaySession
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.scripted_model import parse_steps
 
 REPO = Path(__file__).parents[1]
 CHAT_PATH, RESPONSES_PATH = "/chat/completions", "/responses"
@@ -37,16 +37,6 @@ SHELL_TOOL = {
 }
 CAPTURE = {"capture_tokens": True}
 CAPTURE_PARAMS = ("logprobs", "top_logprobs", "return_token_ids", "return_tokens_as_token_ids")
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[ScriptedModel]:
-    server = ScriptedModel()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 @pytest.fixture
