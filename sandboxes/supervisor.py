@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
     from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -375,6 +375,18 @@ def _signal_wakeup(sel: selectors.BaseSelector) -> tuple[int, int]:
     return wake_r, wake_w
 
 
+def _exited_children() -> Iterator[tuple[int, int]]:
+    """(pid, wait status) of each child that has exited, collected without waiting."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
+
+
 def _drain_wakeup(fd: int) -> None:
     try:
         while os.read(fd, 512):
@@ -463,13 +475,7 @@ class Supervisor:
                 self.sel.register(fd, selectors.EVENT_READ)
 
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in _exited_children():
             if self.child is not None and pid == self.child.pid:
                 if self.status_pipe is not None:
                     status = _reported_status(self.status_pipe, status)
@@ -731,13 +737,7 @@ class _Server:
             self.sel.unregister(0)
 
     def reap(self) -> None:
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in _exited_children():
             req_id = self.children.pop(pid, None)
             if req_id is not None:
                 self.reply({"id": req_id, "status": status})
