@@ -1,8 +1,8 @@
 """`rollout bench`: what the executor itself costs, measured side by side with doing without it.
 
-(a) overhead per rollout: the real Codex harness through the executor at concurrency 1, versus the same
-    rollout by hand against the same scripted model: a fresh workspace and config, `codex exec`, the
-    verifier (`codex exec` alone is printed too);
+(a) overhead per rollout: the real Codex harness through the executor's worker actor, one session at a
+    time, versus the same rollout by hand against the same scripted model (a fresh workspace and config,
+    `codex exec`, the verifier; `codex exec` alone is printed too), the two interleaved run by run;
 (b) machinery throughput: a null harness (a command that exits at once) through the executor, versus a
     plain asyncio runner doing the same sessions (same sandboxes, same harness) without Ray, Arrow or policy;
 (c) driver memory: peak RSS of a driver process for N and 10*N rollouts (null workers, so the driver's
@@ -135,46 +135,57 @@ def _direct_runs(
 
 
 def overhead(runs: int, scratch: Path) -> dict[str, Any]:
+    """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
+    speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides."""
+    import ray
+
+    from executor.config import load_config
+    from executor.driver import connect_ray
+    from executor.tasks import load_tasks
+    from executor.worker import RemoteSandboxWorker
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
 
-    codex = CodexHarness()
-    install = codex.ensure_installed(default_cache_root())
+    install = CodexHarness().ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
+    tasks = _write_tasks(scratch / "a.jsonl", runs, model_script=SCRIPT, verify=VERIFY)
+    cfg = load_config(
+        _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
+    )
     direct: list[float] = []
     direct_codex: list[float] = []
-    # Half of the direct runs before the executor's and half after, so a drift in the machine's speed
-    # over the minute this takes (frequent on a shared VM) does not favour either side.
+    rows: list[dict[str, Any]] = []
+    connect_ray(cfg)
     model = _ModelThread()
     try:
-        _direct_runs(range(runs // 2), model, codex_js, scratch, direct, direct_codex)
+        # The actor the driver would start for this config; its row's t_total_s is the session's time.
+        worker = RemoteSandboxWorker.options(num_cpus=0, max_concurrency=4).remote(
+            cfg.model_dump_json(), str(scratch / "out" / "a"), 0
+        )
+        for i, task in enumerate(load_tasks(tasks)):
+            _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
+            rows.extend(ray.get(worker.run.remote(task.model_dump_json(), 0, 1)).to_pylist())
     finally:
         model.stop()
-
-    tasks = _write_tasks(scratch / "a.jsonl", runs, model_script=SCRIPT, verify=VERIFY)
-    cfg = _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
-    summary, wall = _run_driver(cfg)
-    from executor.store import read_table
-
-    cols = read_table(Path(summary.run_dir), ["t_total_s", "t_agent_s", "reward"]).to_pydict()
-    if summary.exit_code != 0 or any(r != 1.0 for r in cols["reward"]):
-        raise RuntimeError(f"executor overhead run did not solve every task: {summary}")
-    model = _ModelThread()
-    try:
-        _direct_runs(range(runs // 2, runs), model, codex_js, scratch, direct, direct_codex)
-    finally:
-        model.stop()
-    d, e, h = (_median_p90(x) for x in (direct, cols["t_total_s"], cols["t_agent_s"]))
+        ray.shutdown()
+    if any(r["reward"] != 1.0 for r in rows):
+        raise RuntimeError(
+            f"executor overhead run did not solve every task: {[r['error_message'] for r in rows]}"
+        )
+    # The first two of each side are warm-up (the actor's first session, Codex's first start).
+    warm = slice(2, None) if runs > 4 else slice(None)
+    total = [r["t_total_s"] for r in rows][warm]
+    d, e, h = (_median_p90(x) for x in (direct[warm], total, [r["t_agent_s"] for r in rows][warm]))
     return {
         "runs": runs,
         "direct_median_s": d[0],
         "direct_p90_s": d[1],
-        "direct_codex_only_median_s": _median_p90(direct_codex)[0],
+        "direct_codex_only_median_s": _median_p90(direct_codex[warm])[0],
         "executor_session_median_s": e[0],
         "executor_session_p90_s": e[1],
         "executor_harness_phase_median_s": h[0],
         "ratio": e[0] / d[0],
-        "executor_run_wall_s": wall,
+        "pairwise_ratio_median": statistics.median(x / y for x, y in zip(total, direct[warm], strict=True)),
     }
 
 
@@ -396,7 +407,8 @@ def run_all(
                 f"direct median {a['direct_median_s']:.3f} s (codex exec alone "
                 f"{a['direct_codex_only_median_s']:.3f} s), "
                 f"executor median {a['executor_session_median_s']:.3f} s (harness phase "
-                f"{a['executor_harness_phase_median_s']:.3f} s), ratio {a['ratio']:.2f}"
+                f"{a['executor_harness_phase_median_s']:.3f} s), ratio {a['ratio']:.2f} "
+                f"(median of the pairs' ratios {a['pairwise_ratio_median']:.2f})"
             )
         if "b" in parts:
             out["b"] = b = throughput(null_rollouts, (32, 128), scratch)
