@@ -36,7 +36,7 @@ class SandboxSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str
-    session_id: str  # the rollout id: unique per attempt
+    session_id: str  # the rollout id plus a random suffix: unique per launch (a resume reruns an attempt)
     ttl_s: float = Field(gt=0)  # deadline plus grace: the backstop against a leaked sandbox
     workspace: WorkspaceSpec = Field(default_factory=WorkspaceSpec)
     env: dict[str, str] = Field(default_factory=dict)  # added to the scrubbed base environment

@@ -6,13 +6,14 @@ Layout of one session, ``<root>/<run_id>/<session_id>/``::
     home/         HOME, with the XDG directories under it
     tmp/          TMPDIR
     logs/         <name>.stdout / <name>.stderr of each exec, capped
-    run/          each exec's supervisor parameters, result and log
+    run/          each exec's supervisor result and log
     sandbox.json  the descriptor another process uses to reap this sandbox
 
-Processes are ended three ways, so that no one mechanism has to be perfect: each exec's supervisor kills
-its tree (on exit, timeout, TTL, SIGTERM and the worker's death), the sandbox kills a supervisor's tree
-from outside when the supervisor overruns, and ``stop``/``reap_stale`` sweep /proc for every process that
-carries the sandbox's environment marker.
+Commands reach their supervisors through the sandbox's supervisor server (sandboxes/exec_server.py),
+which forks one per command. Processes are ended three ways, so that no one mechanism has to be
+perfect: each exec's supervisor kills its tree (on exit, timeout, TTL, SIGTERM and the worker's death),
+the sandbox kills a supervisor's tree from outside when the supervisor overruns, and
+``stop``/``reap_stale`` sweep /proc for every process that carries the sandbox's environment marker.
 """
 
 from __future__ import annotations
