@@ -47,6 +47,10 @@ def base_environment(
         "TERM": "dumb",
         "TZ": "UTC",
         "SHELL": "/bin/bash",
+        # Python checks a cached .pyc by its source's mtime in whole seconds and size: an agent that runs a
+        # test, then fixes a module within the same second without changing its size (a - b -> a + b),
+        # has the fix ignored by the verifier. Nor do caches belong in the workspace diff.
+        "PYTHONDONTWRITEBYTECODE": "1",
         "XDG_CONFIG_HOME": os.path.join(home, ".config"),
         "XDG_DATA_HOME": os.path.join(home, ".local", "share"),
         "XDG_CACHE_HOME": os.path.join(home, ".cache"),

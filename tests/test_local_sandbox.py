@@ -242,8 +242,8 @@ async def test_environment_is_built_not_inherited(provider: LocalSandboxProvider
     env = dict(line.split("=", 1) for line in res.stdout_tail.splitlines())
     assert set(env) == {
         "PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG", "LC_ALL", "TERM", "TZ", "SHELL",
-        "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "ROLLOUT_SANDBOX",
-        "FROM_SPEC", "FROM_EXEC", "SHARED",
+        "PYTHONDONTWRITEBYTECODE", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME",
+        "ROLLOUT_SANDBOX", "FROM_SPEC", "FROM_EXEC", "SHARED",
     }  # fmt: skip
     assert env["PATH"] == DEFAULT_PATH == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     assert env["HOME"] == sb.home
@@ -251,6 +251,18 @@ async def test_environment_is_built_not_inherited(provider: LocalSandboxProvider
     assert env["XDG_CONFIG_HOME"] == f"{sb.home}/.config"
     assert (env["LANG"], env["LC_ALL"], env["TERM"], env["TZ"]) == ("C.UTF-8", "C.UTF-8", "dumb", "UTC")
     assert (env["FROM_SPEC"], env["FROM_EXEC"], env["SHARED"]) == ("spec", "exec", "exec")
+
+
+async def test_a_same_second_same_size_fix_is_seen(sandbox: LocalSandbox) -> None:
+    # Run, fix without changing the size, run again: a bytecode cache from the first run, checked by
+    # mtime in whole seconds and size, would hide the fix. None is written, so none can.
+    await sandbox.write_file("calc.py", b"def add(a, b):\n    return a - b\n")
+    await sandbox.write_file("check.py", b"from calc import add\nprint(add(2, 3))\n")
+    script = "python3 check.py && sed -i 's/a - b/a + b/' calc.py && python3 check.py"
+    res = await sandbox.exec(["sh", "-c", script], timeout=30)
+    assert res.exit_code == 0, res.stderr_tail
+    assert res.stdout_tail.split() == ["-1", "5"]
+    assert not (Path(sandbox.workdir) / "__pycache__").exists()
 
 
 async def test_home_and_tmp_are_private(sandbox: LocalSandbox) -> None:
