@@ -49,13 +49,6 @@ def _bwrap_args(session_dir: str, *, network: bool) -> list[str]:
     return [*args, "--"]
 
 
-def _namespace_argv(readonly: str | None, network: bool) -> list[str]:
-    if readonly is not None:
-        return [BWRAP, *_bwrap_args(readonly, network=network)]
-    # --kill-child: if unshare dies, so does the namespace's init, and with it the whole namespace.
-    return [UNSHARE, *(["--net"] if network else []), "--pid", "--fork", "--mount-proc", "--kill-child", "--"]
-
-
 def _die_like(code: int) -> int:
     """Exit as the command did: a death by signal is repeated here, so the supervisor sees the signal."""
     if code < 0:
@@ -67,7 +60,7 @@ def _die_like(code: int) -> int:
     return code
 
 
-def outer(readonly: str | None, forward: list[str], argv: list[str]) -> int:
+def outer(session_dir: str, forward: list[str], argv: list[str]) -> int:
     status_r, status_w = os.pipe()
     os.set_inheritable(status_w, True)
     inner_argv = [sys.executable, "-I", "-S", ISOLATION_PATH, "inner", str(status_w)]
@@ -78,7 +71,7 @@ def outer(readonly: str | None, forward: list[str], argv: list[str]) -> int:
     # which the command would inherit.
     for sig in _SIGNALS:
         signal.signal(sig, lambda _signum, _frame: None)
-    namespace_argv = _namespace_argv(readonly, bool(forward))
+    namespace_argv = [BWRAP, *_bwrap_args(session_dir, network=bool(forward))]
     try:
         child = os.posix_spawnp(namespace_argv[0], [*namespace_argv, *inner_argv, "--", *argv], os.environ)
     except OSError as exc:
@@ -170,8 +163,7 @@ def main(args: list[str]) -> int:
         options, argv = _split(args[2:])
         return inner(int(args[1]), options.get("--forward", []), argv)
     options, argv = _split(args[1:])
-    readonly = options.get("--readonly")
-    return outer(readonly[0] if readonly else None, options.get("--forward", []), argv)
+    return outer(options["--readonly"][0], options.get("--forward", []), argv)
 
 
 if __name__ == "__main__":
@@ -210,9 +202,7 @@ def wrap(argv: list[str], layers: Isolation, session_dir: str) -> list[str]:
     supervisor itself (``namespaces``), which costs a fork instead of the wrappers' interpreters."""
     if not layers.readonly:
         return argv
-    outer = [sys.executable, "-I", "-S", ISOLATION_PATH, "outer"]
-    if layers.readonly:
-        outer += ["--readonly", session_dir]
+    outer = [sys.executable, "-I", "-S", ISOLATION_PATH, "outer", "--readonly", session_dir]
     if layers.network_forward is not None:
         port, socket_path = layers.network_forward
         outer += ["--forward", str(port), socket_path]

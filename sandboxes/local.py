@@ -159,12 +159,11 @@ class LocalSandboxProvider:
         self.nofile_limit = nofile_limit
         self.path_prefixes = tuple(path_prefixes)
         self.supervisor_slack_s = supervisor_slack_s
-        # (port, unix socket): every command runs in a loopback-only network namespace of its own, where
-        # 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
-        self.network_forward = network_forward
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
         # pids/filesystem: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
+        # network_forward (port, unix socket): every command runs in a loopback-only network namespace of
+        # its own, where 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
         self.isolation = isolation.Isolation(
             pids=isolation.resolve_pids(pids, filesystem),
             readonly=filesystem == "readonly",
@@ -201,16 +200,14 @@ class LocalSandboxProvider:
         loop = asyncio.get_running_loop()
         spare, self._spare = self._spare, None
         server: ExecServer | None = None
-        if spare is not None:
-            spare_loop, task = spare
-            if spare_loop is loop and task.done() and not task.cancelled() and task.exception() is None:
-                candidate = task.result()
-                if candidate.alive:
-                    server = candidate
-                else:
-                    await candidate.close(0)
-            elif spare_loop is loop:
-                server = await task  # still being started: waiting for it is no slower than a new one
+        # A spare of another event loop (a closed one) cannot be used here; its transport ends it.
+        if spare is not None and spare[0] is loop:
+            # Done: at once. Still starting: waiting for it is no slower than starting a new one.
+            with contextlib.suppress(OSError):
+                server = await spare[1]
+            if server is not None and not server.alive:
+                await server.close(0)
+                server = None
         if server is None:
             server = await self._new_server()
         self._spare = (loop, asyncio.ensure_future(self._new_server()))

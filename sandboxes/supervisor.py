@@ -168,11 +168,15 @@ def wait_gone(find: Callable[[], set[int]], timeout: float, idle: Callable[[floa
 # The supervisor proper
 
 
-def _prctl(option: int, value: int) -> None:
+def _libc_call(name: str, *args: object) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
+    if getattr(libc, name)(*args) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}) failed: {os.strerror(err)}")
+        raise OSError(err, f"{name}{args[:1]} failed: {os.strerror(err)}")
+
+
+def _prctl(option: int, value: int) -> None:
+    _libc_call("prctl", option, value, 0, 0, 0)
 
 
 class _Pump:
@@ -260,13 +264,6 @@ class _Forked:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-
-
-def _libc_call(name: str, *args: object) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*args) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{name} failed: {os.strerror(err)}")
 
 
 def _start_namespace_init(
