@@ -456,6 +456,8 @@ class _Attempt:
         self.usage = _UsageSniffer(self.tokens)
         self.capture = _GzipCapture(config.max_body_bytes) if config.keep_bodies else None
         self.record: AttemptRecord | None = None
+        # The answer's final event reached the harness: nothing that ends the attempt later undoes it.
+        self.answer_delivered = False
         req.session._live.add(self)
 
     def received(self, chunk: bytes) -> None:
@@ -472,6 +474,10 @@ class _Attempt:
     ) -> AttemptRecord:
         if self.record is not None:  # close_session may have recorded it first
             return self.record
+        if self.answer_delivered and (client_aborted or kind is FailureKind.CANCELLED):
+            # A harness that has its answer hangs up, or exits and has its session closed, before the
+            # upstream's last bytes (Codex on response.completed): the endpoint answered in full.
+            kind, message, client_aborted = FailureKind.NONE, None, False
         session, req = self.req.session, self.req
         prompt, ids, logprobs = self.tokens.result() if self.tokens else (None, None, None)
         response_file = None
@@ -813,6 +819,7 @@ class Gateway:
                 # A harness that stops reading must not hold the upstream stream open forever.
                 async with asyncio.timeout(self.config.read_timeout_s):
                     await response.write(chunk)
+                att.answer_delivered = att.usage.finish_reason is not None
         except httpx.TransportError as exc:
             record = self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
             if response is None:

@@ -455,6 +455,54 @@ async def test_harness_hanging_up_cancels_the_upstream_request(harness, tmp_path
     assert session.closed_kind is None
 
 
+@pytest.mark.parametrize("end", ["hang_up", "close_session"])
+@pytest.mark.parametrize("answered", [True, False], ids=["after_final_event", "mid_answer"])
+async def test_an_answer_the_harness_had_in_full_stays_answered(harness, tmp_path, end, answered) -> None:
+    """Codex exits on response.completed; the upstream's last bytes may still be on their way when the
+    harness hangs up or its session is closed. That attempt was answered; one cut mid-answer was not."""
+    records: asyncio.Queue[AttemptRecord] = asyncio.Queue()
+    created = {"type": "response.created", "response": {"object": "response", "status": "in_progress"}}
+    usage = {"input_tokens": 11, "output_tokens": 3}
+    final = {"object": "response", "status": "completed", "usage": usage}
+    done = {"type": "response.completed", "response": final}
+
+    async def held_open(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f"data: {json.dumps(created)}\n\n".encode())
+        if answered:
+            await response.write(f"data: {json.dumps(done)}\n\n".encode())
+        await never()
+        raise AssertionError("unreachable")
+
+    on_attempt = lambda _session, record: records.put_nowait(record)  # noqa: E731
+    last = b"response.completed" if answered else b"response.created"
+    async with upstream_server(held_open) as upstream, gateway_to(upstream, on_attempt=on_attempt) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        headers = {"Authorization": f"Bearer {session.token}"}
+        seen = b""
+        with contextlib.suppress(httpx.TransportError):
+            async with harness.stream(
+                "POST", session.base_url + "/responses", json={**RESPONSES, "stream": True}, headers=headers
+            ) as r:
+                async for chunk in r.aiter_raw():
+                    seen += chunk
+                    if last in seen:
+                        break
+                if end == "close_session":
+                    gateway.close_session(session)
+        record = await asyncio.wait_for(records.get(), 30)
+
+    assert last in seen
+    if answered:
+        assert (record.status, record.kind, record.client_aborted) == (200, FailureKind.NONE, False)
+        assert (record.input_tokens, record.output_tokens, record.finish_reason) == (11, 3, "completed")
+    else:
+        cut = FailureKind.TRANSPORT_ERROR if end == "hang_up" else FailureKind.CANCELLED
+        assert (record.status, record.kind, record.client_aborted) == (200, cut, end == "hang_up")
+    assert session.attempts == [record]
+
+
 async def test_close_session_cuts_in_flight_requests(harness, tmp_path) -> None:
     arrived = asyncio.Event()
     calls = 0
