@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from executor.config import RunConfig
+from sandboxes.prepared import reap_prepared
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,9 @@ def collect(cfg: RunConfig, run_id: str | None = None, *, everything: bool = Fal
 
     if everything and not run_id:
         raise ValueError("ending every sandbox needs a run id")
-    return cfg.sandbox.reap(sandbox_root(cfg), run_id, everything=everything)
+    root = sandbox_root(cfg)
+    reap_prepared(root)  # the laid-out workspaces of dead workers: disk, nothing running
+    return cfg.sandbox.reap(root, run_id, everything=everything)
 
 
 def collect_quietly(cfg: RunConfig) -> list[str]:

@@ -25,6 +25,7 @@ from harnesses.install import InstallError
 from harnesses.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind, Outcome, Status, bound_text
 from sandboxes.base import ExecResult, Sandbox, SandboxLostError, SandboxProvider, SandboxSpec
+from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import lay_out, workspace_diff
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class SessionContext:
     cache_root: Path
     node_id: str = ""
     worker_id: str = ""
+    # Workspaces laid out once per worker and copied in; None lays each out inside its sandbox.
+    workspaces: PreparedWorkspaces | None = None
 
 
 class _Timer:
@@ -121,7 +124,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         row["sandbox_id"] = sandbox.id
         try:
             _, install_dir = await asyncio.gather(
-                lay_out(sandbox, req.task.workspace),
+                lay_out(sandbox, req.task.workspace, ctx.workspaces),
                 asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root),
             )
         except (InstallError, Exception) as exc:

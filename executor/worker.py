@@ -24,6 +24,7 @@ from harnesses.registry import make_harness
 from harnesses.scripted_model import ScriptedModel
 from sandboxes.base import SandboxProvider
 from sandboxes.faults import FlakyStartProvider
+from sandboxes.prepared import PreparedWorkspaces
 
 
 def sandbox_root(cfg: RunConfig) -> Path:
@@ -73,6 +74,7 @@ class SandboxWorker:
                 cache_root=default_cache_root(),
                 node_id=ray.get_runtime_context().get_node_id(),
                 worker_id=self.worker_id,
+                workspaces=PreparedWorkspaces(root),
             )
             return self._ctx
 

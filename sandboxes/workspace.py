@@ -13,9 +13,12 @@ from __future__ import annotations
 import posixpath
 import shlex
 from pathlib import Path, PurePosixPath
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sandboxes.base import ExecResult, Sandbox, SandboxError, WorkspaceSpec
+
+if TYPE_CHECKING:
+    from sandboxes.prepared import PreparedWorkspaces
 
 BASELINE_REF = "refs/rollout/baseline"
 GIT_TIMEOUT_S = 300.0
@@ -64,16 +67,22 @@ def checked_relative_path(path: str) -> str:
     return str(pure)
 
 
-async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec) -> None:
-    """``copy_from`` first, then the inline ``files`` over it, then the git baseline."""
+async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: PreparedWorkspaces | None = None) -> None:
+    """``copy_from`` first, then the inline ``files`` over it, then the git baseline. With ``prepared``,
+    a sandbox that can copy a directory in gets the workspace as this host laid it out once, baseline
+    included, and runs no git of its own."""
     files = {checked_relative_path(rel): text for rel, text in spec.files.items()}
+    if spec.copy_from and not Path(spec.copy_from).is_dir():
+        raise WorkspaceError(f"workspace copy_from {spec.copy_from!r} is not a directory")
+    if prepared is not None and isinstance(sandbox, CopiesIn):
+        async with prepared.use(spec, files) as template:
+            if template is not None:
+                await sandbox.copy_in(template)
+                return
     if spec.copy_from:
-        src = Path(spec.copy_from)
-        if not src.is_dir():
-            raise WorkspaceError(f"workspace copy_from {spec.copy_from!r} is not a directory")
         if not isinstance(sandbox, CopiesIn):
             raise WorkspaceError(f"sandbox {sandbox.id} cannot copy in a local directory")
-        await sandbox.copy_in(src)
+        await sandbox.copy_in(Path(spec.copy_from))
     for rel, text in files.items():
         await sandbox.write_file(rel, text.encode())
     await record_baseline(sandbox)
@@ -83,7 +92,7 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec) -> None:
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
 _PRELUDE = "command -v git >/dev/null 2>&1 || exit 127\ng() { git " + shlex.join(_GIT_OPTIONS) + ' "$@"; }\n'
 
-_BASELINE_SCRIPT = f"""set -e
+BASELINE_SCRIPT = f"""set -e
 if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then
   # An existing repository: snapshot through a private index so HEAD and the real index stay as given.
   export GIT_INDEX_FILE="$gd/rollout-baseline.index"
@@ -96,7 +105,7 @@ if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then
   fi
   g update-ref {BASELINE_REF} "$commit"
 else
-  g init -q
+  g init -q --template=
   g add -A
   g commit -q --allow-empty --no-verify -m "workspace baseline"
   g update-ref {BASELINE_REF} HEAD
@@ -104,34 +113,46 @@ fi
 """
 
 _NOT_A_REPO = 3
-_DIFF_SCRIPT = f"""gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}
+# Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
+_DIFF_SCRIPT = f"""if [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"
+else gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}; fi
 # A private index, so that untracked files show up and the agent's own index is left alone.
 export GIT_INDEX_FILE="$gd/rollout-diff.index"
 g add -A >&2 || exit 4
 base=
-if g rev-parse --verify -q '{BASELINE_REF}^{{commit}}' >/dev/null; then base={BASELINE_REF}; fi
+if [ -f "$gd/{BASELINE_REF}" ] || g rev-parse --verify -q '{BASELINE_REF}^{{commit}}' >/dev/null; then
+  base={BASELINE_REF}
+fi
 g diff --cached --no-color --no-ext-diff --no-textconv $base
 """
 
 
-async def _git_script(sandbox: Sandbox, body: str, name: str) -> ExecResult:
+def git_script(body: str, workdir: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and git environment that run ``body`` in ``workdir``, in a sandbox or on this host."""
     env = dict(_GIT_ENV)
     # Never climb above the workspace into a repository that happens to contain the sandbox root.
-    env["GIT_CEILING_DIRECTORIES"] = posixpath.dirname(sandbox.workdir.rstrip("/"))
-    return await sandbox.exec(
-        ["sh", "-c", _PRELUDE + body], timeout=GIT_TIMEOUT_S, cwd=sandbox.workdir, env=env, name=name
-    )
+    env["GIT_CEILING_DIRECTORIES"] = posixpath.dirname(workdir.rstrip("/"))
+    return ["sh", "-c", _PRELUDE + body], env
+
+
+async def _git_script(sandbox: Sandbox, body: str, name: str) -> ExecResult:
+    argv, env = git_script(body, sandbox.workdir)
+    return await sandbox.exec(argv, timeout=GIT_TIMEOUT_S, cwd=sandbox.workdir, env=env, name=name)
 
 
 def _ok(result: ExecResult, what: str) -> None:
     if result.exit_code != 0:
         how = "timed out" if result.timed_out else f"exit {result.exit_code}, signal {result.signal}"
-        raise WorkspaceError(f"git {what} failed ({how}): {result.stderr_tail[-1000:]}")
+        raise git_failure(what, how, result.stderr_tail)
+
+
+def git_failure(what: str, how: str, stderr: str) -> WorkspaceError:
+    return WorkspaceError(f"git {what} failed ({how}): {stderr[-1000:]}")
 
 
 async def record_baseline(sandbox: Sandbox) -> bool:
     """Commit the workspace as it is now under ``BASELINE_REF``; False if the sandbox has no git."""
-    result = await _git_script(sandbox, _BASELINE_SCRIPT, "git-baseline")
+    result = await _git_script(sandbox, BASELINE_SCRIPT, "git-baseline")
     if result.exit_code == GIT_NOT_FOUND:
         return False
     _ok(result, "baseline")

@@ -70,6 +70,7 @@ async def session_context(
     from harnesses.install import default_cache_root
     from harnesses.scripted_model import ScriptedModel
     from sandboxes.local import LocalSandboxProvider
+    from sandboxes.prepared import PreparedWorkspaces
 
     cfg = RunConfig.model_validate({"run_id": "t", "tasks": str(tmp_path / "none.jsonl"), **(config or {})})
     scripted = ScriptedModel(model_names=(cfg.model.name,))
@@ -86,6 +87,7 @@ async def session_context(
             scripted=scripted,
             evidence_root=tmp_path / "evidence",
             cache_root=default_cache_root(),
+            workspaces=PreparedWorkspaces(tmp_path),
         )
     finally:
         await provider.aclose()

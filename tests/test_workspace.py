@@ -12,6 +12,8 @@ import pytest
 
 from sandboxes.base import SandboxSpec, WorkspaceSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
+from sandboxes.owner import Owner
+from sandboxes.prepared import PREPARED_DIR, PreparedWorkspaces, reap_prepared
 from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -40,6 +42,12 @@ def git(repo: Path, *args: str) -> str:
     ).stdout
 
 
+@pytest.fixture(params=["in_sandbox", "prepared"])
+def prepared(request: pytest.FixtureRequest, tmp_path: Path) -> PreparedWorkspaces | None:
+    """Each lay-out test runs both ways: git inside the sandbox, and a copy of the worker's prepared one."""
+    return PreparedWorkspaces(tmp_path / "prepared") if request.param == "prepared" else None
+
+
 @pytest.fixture
 async def sandbox(tmp_path: Path):
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
@@ -49,8 +57,12 @@ async def sandbox(tmp_path: Path):
 
 
 @needs_git
-async def test_inline_files_then_diff_of_the_agents_edits(sandbox: LocalSandbox) -> None:
-    await lay_out(sandbox, WorkspaceSpec(files={"README.md": "# task\n", "src/pkg/mod.py": "x = 1\n"}))
+async def test_inline_files_then_diff_of_the_agents_edits(
+    sandbox: LocalSandbox, prepared: PreparedWorkspaces | None
+) -> None:
+    await lay_out(
+        sandbox, WorkspaceSpec(files={"README.md": "# task\n", "src/pkg/mod.py": "x = 1\n"}), prepared
+    )
     assert Path(sandbox.workdir, "src/pkg/mod.py").read_text() == "x = 1\n"
     assert await sandbox.read_file("README.md", 100) == b"# task\n"
     assert await workspace_diff(sandbox) == ""  # the lay-out itself is the baseline, not a change
@@ -66,7 +78,9 @@ async def test_inline_files_then_diff_of_the_agents_edits(sandbox: LocalSandbox)
 
 
 @needs_git
-async def test_copy_from_a_git_repository(sandbox: LocalSandbox, tmp_path: Path) -> None:
+async def test_copy_from_a_git_repository(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
     src = tmp_path / "repo"
     src.mkdir()
     git(src, "init", "-q")
@@ -76,7 +90,7 @@ async def test_copy_from_a_git_repository(sandbox: LocalSandbox, tmp_path: Path)
     (src / "untracked.txt").write_text("was there before\n")
     head = git(src, "rev-parse", "HEAD").strip()
 
-    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src), files={"extra.txt": "inline\n"}))
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src), files={"extra.txt": "inline\n"}), prepared)
     work = Path(sandbox.workdir)
     assert (work / ".git").is_dir()
     assert (work / "app.py").read_text() == "print('v1')\n"
@@ -92,28 +106,34 @@ async def test_copy_from_a_git_repository(sandbox: LocalSandbox, tmp_path: Path)
     assert (src / "app.py").read_text() == "print('v1')\n"  # the source repository is untouched
 
 
-async def test_copy_from_keeps_symlinks_as_links(sandbox: LocalSandbox, tmp_path: Path) -> None:
+async def test_copy_from_keeps_symlinks_as_links(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
     src = tmp_path / "plain"
     (src / "data").mkdir(parents=True)
     (src / "data" / "file.txt").write_text("content\n")
     os.symlink("data/file.txt", src / "link.txt")
-    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src)))
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src)), prepared)
     link = Path(sandbox.workdir, "link.txt")
     assert link.is_symlink() and os.readlink(link) == "data/file.txt"
     assert link.read_text() == "content\n"
 
 
 @pytest.mark.parametrize("path", ["../outside.txt", "/etc/evil", "a/../../outside.txt", "", "."])
-async def test_inline_paths_must_stay_inside(sandbox: LocalSandbox, path: str) -> None:
+async def test_inline_paths_must_stay_inside(
+    sandbox: LocalSandbox, path: str, prepared: PreparedWorkspaces | None
+) -> None:
     with pytest.raises(WorkspaceError, match="must be relative"):
-        await lay_out(sandbox, WorkspaceSpec(files={"ok.txt": "fine", path: "bad"}))
+        await lay_out(sandbox, WorkspaceSpec(files={"ok.txt": "fine", path: "bad"}), prepared)
     assert not Path(sandbox.workdir, "ok.txt").exists()  # checked before anything is written
     assert not (sandbox.root / "outside.txt").exists()
 
 
-async def test_copy_from_must_be_a_directory(sandbox: LocalSandbox, tmp_path: Path) -> None:
+async def test_copy_from_must_be_a_directory(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
     with pytest.raises(WorkspaceError, match="not a directory"):
-        await lay_out(sandbox, WorkspaceSpec(copy_from=str(tmp_path / "missing")))
+        await lay_out(sandbox, WorkspaceSpec(copy_from=str(tmp_path / "missing")), prepared)
 
 
 async def test_without_git_there_is_no_diff(tmp_path: Path) -> None:
@@ -130,11 +150,100 @@ async def test_without_git_there_is_no_diff(tmp_path: Path) -> None:
 
 
 @needs_git
-async def test_diff_is_bounded(sandbox: LocalSandbox) -> None:
-    await lay_out(sandbox, WorkspaceSpec(files={"big.txt": ""}))
+async def test_diff_is_bounded(sandbox: LocalSandbox, prepared: PreparedWorkspaces | None) -> None:
+    await lay_out(sandbox, WorkspaceSpec(files={"big.txt": ""}), prepared)
     await sandbox.write_file("big.txt", b"line\n" * 10_000)
     diff = await workspace_diff(sandbox, limit=1000)
     assert diff is not None
     body, note = diff.rsplit("\n[diff truncated at 1000 of ", 1)
     assert len(body.encode()) == 1000
     assert note.endswith(" bytes]\n")
+
+
+# -- workspaces prepared once per worker -------------------------------------------------------------------
+
+
+async def _started(provider: LocalSandboxProvider) -> LocalSandbox:
+    spec = SandboxSpec(run_id="run", session_id=uuid.uuid4().hex[:12], ttl_s=600)
+    return await provider.start(spec)  # type: ignore[return-value]
+
+
+@needs_git
+async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_copy(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    spec = WorkspaceSpec(copy_from=str(src), files={"notes/task.md": "fix add\n"})
+    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    first, second = await _started(provider), await _started(provider)
+    try:
+        await lay_out(first, spec, prepared)
+        await first.write_file("calc.py", b"def add(a, b):\n    return a + b\n")  # the agent's fix
+        await lay_out(second, spec, prepared)
+        assert prepared.builds == 1
+        assert Path(second.workdir, "calc.py").read_text() == "def add(a, b):\n    return a - b\n"
+        assert Path(second.workdir, "notes/task.md").read_text() == "fix add\n"
+        assert await workspace_diff(second) == ""
+        first_diff = await workspace_diff(first)
+        assert first_diff is not None and "+    return a + b" in first_diff and "task.md" not in first_diff
+
+        # A source edited during the run is laid out anew, not served from the old entry.
+        (src / "calc.py").write_text("def add(a, b):\n    return 0\n")
+        third = await _started(provider)
+        await lay_out(third, spec, prepared)
+        assert prepared.builds == 2
+        assert Path(third.workdir, "calc.py").read_text() == "def add(a, b):\n    return 0\n"
+        await third.stop()
+    finally:
+        await first.stop()
+        await second.stop()
+        await provider.aclose()
+
+
+@needs_git
+async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
+    prepared = PreparedWorkspaces(tmp_path / "prepared", max_entries=2)
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    try:
+        for i in range(4):
+            sb = await _started(provider)
+            await lay_out(sb, WorkspaceSpec(files={"n.txt": f"{i}\n"}), prepared)
+            assert Path(sb.workdir, "n.txt").read_text() == f"{i}\n"
+            await sb.stop()
+    finally:
+        await provider.aclose()
+    assert prepared.builds == 4
+    assert len(list(prepared.root.iterdir())) == 2
+    await prepared.aclose()
+    assert not prepared.root.exists()
+
+
+async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_symlink(tmp_path: Path) -> None:
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    src.mkdir()
+    outside.mkdir()
+    os.symlink(outside, src / "escape")
+    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    sb = await _started(provider)
+    try:
+        with pytest.raises(WorkspaceError, match="outside the workspace"):
+            await lay_out(sb, WorkspaceSpec(copy_from=str(src), files={"escape/x.txt": "x"}), prepared)
+    finally:
+        await sb.stop()
+        await provider.aclose()
+    assert list(outside.iterdir()) == []
+    assert not prepared.root.exists() or list(prepared.root.iterdir()) == []  # no half-built entry
+
+
+def test_reap_prepared_removes_only_the_entries_of_gone_workers(tmp_path: Path) -> None:
+    me = Owner.current()
+    base = tmp_path / PREPARED_DIR
+    mine = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks}"
+    gone = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks + 1}"  # the same pid, another process
+    elsewhere = base / f"other.host.example.{me.boot}.1.1"
+    for path in (mine, gone, elsewhere):
+        (path / "entry").mkdir(parents=True)
+    assert reap_prepared(tmp_path) == [gone.name]
+    assert sorted(p.name for p in base.iterdir()) == sorted([mine.name, elsewhere.name])

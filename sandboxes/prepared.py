@@ -1,0 +1,178 @@
+"""Workspaces laid out once on the worker's host, git baseline included, and copied into each sandbox.
+
+A task's samples and retries share one workspace; laying it out in every sandbox cost five git processes
+and about 40 ms a rollout, each git run inside the sandbox. Here the worker builds the workspace once in
+a directory of its own (the task's ``copy_from``, its inline files, the baseline commit made by this
+host's git) and each sandbox gets a copy, the same tree ``lay_out`` would have made in it.
+
+An entry is keyed by the inline files and by the path, mode, size and mtime of everything under
+``copy_from``, so a source edited during a run gets a new entry. At most ``max_entries`` are kept; the
+least recently used one goes once no copy reads it. Each worker keeps its entries under a directory
+named after it (host, boot, pid, start time); ``reap_prepared`` removes those of workers that are gone.
+Without git on this host the cache steps aside and the sandbox makes its own baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from sandboxes.base import WorkspaceSpec
+from sandboxes.owner import Owner
+from sandboxes.workspace import (
+    BASELINE_SCRIPT,
+    GIT_NOT_FOUND,
+    GIT_TIMEOUT_S,
+    WorkspaceError,
+    checked_relative_path,
+    git_failure,
+    git_script,
+)
+
+PREPARED_DIR = "prepared-workspaces"
+MAX_ENTRIES = 32
+
+
+class PreparedWorkspaces:
+    """One worker's laid-out workspaces under ``parent``; an asyncio object of that worker's loop."""
+
+    def __init__(self, parent: Path, max_entries: int = MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+        owner = Owner.current()
+        self.root = Path(parent) / PREPARED_DIR / f"{owner.host}.{owner.boot}.{owner.pid}.{owner.ticks}"
+        self.max_entries = max_entries
+        self.builds = 0  # how many entries were laid out; the rest of the uses were copies
+        self._entries: OrderedDict[str, Path] = OrderedDict()
+        self._readers: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._host_has_git = True
+
+    @contextlib.asynccontextmanager
+    async def use(self, spec: WorkspaceSpec, files: dict[str, str]) -> AsyncIterator[Path | None]:
+        """The laid-out workspace for ``spec`` (``files`` its checked inline files), kept while the
+        caller copies it; None when this host has no git."""
+        if not self._host_has_git:
+            yield None
+            return
+        key = await asyncio.to_thread(_key_of, spec, files)
+        self._readers[key] = self._readers.get(key, 0) + 1
+        try:
+            path = await self._entry(key, spec, files)
+            yield None if path is None else path / "ws"
+        finally:
+            self._readers[key] -= 1
+            if not self._readers[key]:
+                del self._readers[key]
+            await self._evict()
+
+    async def _entry(self, key: str, spec: WorkspaceSpec, files: dict[str, str]) -> Path | None:
+        # One build per key; the copies that follow run side by side, outside the lock.
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            path = self._entries.get(key)
+            if path is None:
+                path = self.root / key
+                if not await asyncio.to_thread(_build, spec, files, path):
+                    self._host_has_git = False
+                    return None
+                self.builds += 1
+                self._entries[key] = path
+            self._entries.move_to_end(key)
+            return path
+
+    async def _evict(self) -> None:
+        idle = [key for key in self._entries if key not in self._readers]
+        for key in idle[: max(0, len(self._entries) - self.max_entries)]:
+            path = self._entries.pop(key)
+            self._locks.pop(key, None)
+            await asyncio.to_thread(shutil.rmtree, path, True)
+
+    async def aclose(self) -> None:
+        """Remove every entry; the object may be used again afterwards."""
+        self._entries.clear()
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+
+
+def reap_prepared(parent: Path) -> list[str]:
+    """Remove the entries of workers on this host that are gone; returns the directories removed."""
+    removed = []
+    base = Path(parent) / PREPARED_DIR
+    with contextlib.suppress(OSError):
+        for path in sorted(base.iterdir()):
+            parts = path.name.rsplit(".", 3)  # a host name may hold dots of its own
+            if len(parts) != 4:
+                continue
+            owner = Owner.decode(dict(zip(("host", "boot", "pid", "ticks"), parts, strict=True)))
+            if owner is not None and owner.known_dead():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    return removed
+
+
+def _key_of(spec: WorkspaceSpec, files: dict[str, str]) -> str:
+    digest = hashlib.sha256(json.dumps(sorted(files.items())).encode())
+    if spec.copy_from:
+        src = os.path.realpath(spec.copy_from)
+        digest.update(src.encode() + b"\0")
+        for dirpath, dirnames, filenames in os.walk(src):
+            dirnames.sort()
+            for name in sorted(dirnames + filenames):
+                full = os.path.join(dirpath, name)
+                st = os.lstat(full)
+                rel = os.path.relpath(full, src)
+                digest.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _build(spec: WorkspaceSpec, files: dict[str, str], path: Path) -> bool:
+    """Lay the workspace out at ``path``/ws and commit its baseline; False when this host has no git."""
+    staging = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+    workdir = staging / "ws"
+    try:
+        if spec.copy_from:
+            try:
+                shutil.copytree(spec.copy_from, workdir, symlinks=True)
+            except (OSError, shutil.Error) as exc:
+                raise WorkspaceError(f"cannot copy workspace {spec.copy_from!r}: {str(exc)[:2000]}") from exc
+        else:
+            workdir.mkdir(parents=True)
+        for rel, text in files.items():
+            _write_inside(workdir, checked_relative_path(rel), text.encode())
+        argv, env = git_script(BASELINE_SCRIPT, str(workdir))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", **env}
+        try:
+            proc = subprocess.run(
+                argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=GIT_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise git_failure("baseline", "timed out", str(exc.stderr or "")) from exc
+        if proc.returncode == GIT_NOT_FOUND:
+            return False
+        if proc.returncode != 0:
+            raise git_failure("baseline", f"exit {proc.returncode}", proc.stderr)
+        os.replace(staging, path)
+        return True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_inside(workdir: Path, rel: str, data: bytes) -> None:
+    """Write ``data`` at ``rel`` under ``workdir``; a symlink from ``copy_from`` must not lead out."""
+    target = workdir / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    real_parent = os.path.realpath(target.parent)
+    if os.path.commonpath([real_parent, os.path.realpath(workdir)]) != os.path.realpath(workdir):
+        raise WorkspaceError(f"workspace file path {rel!r} leads outside the workspace through a symlink")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        os.fchmod(f.fileno(), 0o644)  # as a sandbox's write_file leaves it, whatever the umask
