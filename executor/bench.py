@@ -165,6 +165,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
         for i, task in enumerate(load_tasks(tasks)):
             _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
             rows.extend(ray.get(worker.run.remote(task.model_dump_json(), 0, 1)).to_pylist())
+            ray.get(worker.settle.remote())  # its sandbox's deletion runs after the row, not during ours
     finally:
         model.stop()
         ray.shutdown()

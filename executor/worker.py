@@ -90,6 +90,13 @@ class SandboxWorker:
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id}
 
+    async def settle(self) -> None:
+        """Wait for the work sessions leave behind (a local sandbox's directory being deleted): a
+        benchmark's other side must not share the machine with it."""
+        settle = getattr(self._ctx.provider, "settle", None) if self._ctx is not None else None
+        if settle is not None:
+            await settle()
+
 
 def _gateway_socket(cfg: RunConfig) -> str | None:
     """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,

@@ -467,10 +467,25 @@ async def test_cancelled_exec_leaves_nothing(sandbox: LocalSandbox, tmp_path: Pa
 
 
 async def test_stop_without_keep_removes_the_directory(root: Path) -> None:
-    sb = await LocalSandboxProvider(root, keep=False).start(spec())
+    provider = LocalSandboxProvider(root, keep=False)
+    sb = await provider.start(spec())
     await sb.exec(["true"], timeout=30)
+    await sb.write_file("deep/er/file.txt", b"x")
     await sb.stop()
-    assert not sb.root.exists()
+    assert not sb.root.exists()  # moved aside at once; deleted off the session's path
+    await provider.aclose()  # which waits for the deletions it started
+    assert list(sb.root.parent.iterdir()) == []
+
+
+async def test_reap_removes_a_directory_a_dead_worker_left_half_deleted(root: Path) -> None:
+    aside = root / "run" / "gone.removing"
+    (aside / "home" / "deep").mkdir(parents=True)
+    (aside / "home" / "deep" / "file").write_text("x")
+    live = root / "run" / "alive.removing"  # a session's own name: it has a descriptor, so it is kept
+    live.mkdir()
+    (live / "sandbox.json").write_text("{}")
+    assert await asyncio.to_thread(reap_stale, root, "run") == []
+    assert not aside.exists() and live.exists()
 
 
 async def test_delete_removes_the_directory(sandbox: LocalSandbox) -> None:
