@@ -9,7 +9,8 @@ An entry is keyed by the inline files and by the path, mode, size and mtime of e
 ``copy_from``, so a source edited during a run gets a new entry. At most ``max_entries`` are kept; the
 least recently used one goes once no copy reads it. Each worker keeps its entries under a directory
 named after it (host, boot, pid, start time); ``reap_prepared`` removes those of workers that are gone.
-Without git on this host the cache steps aside and the sandbox makes its own baseline.
+Without git on this host the cache steps aside and the sandbox makes its own baseline; so it does for a
+``copy_from`` that is a git repository, whose config could make git run programs of the task's choosing.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ class PreparedWorkspaces:
     async def use(self, spec: WorkspaceSpec, files: dict[str, str]) -> AsyncIterator[Path | None]:
         """The laid-out workspace for ``spec`` (``files`` its checked inline files), kept while the
         caller copies it; None when this host has no git."""
-        if not self._host_has_git:
+        # A task's own repository is committed inside the sandbox, as without this cache: its config may
+        # name programs (filters, hooks, fsmonitor) for git to run, and only the sandbox may run them.
+        if not self._host_has_git or (
+            spec.copy_from and os.path.lexists(os.path.join(spec.copy_from, ".git"))
+        ):
             yield None
             return
         key = await asyncio.to_thread(_key_of, spec, files)

@@ -247,3 +247,26 @@ def test_reap_prepared_removes_only_the_entries_of_gone_workers(tmp_path: Path) 
         (path / "entry").mkdir(parents=True)
     assert reap_prepared(tmp_path) == [gone.name]
     assert sorted(p.name for p in base.iterdir()) == sorted([mine.name, elsewhere.name])
+
+
+@needs_git
+async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host(tmp_path: Path) -> None:
+    """A repository's config can make `git add` run a program (a clean filter); that runs in the sandbox."""
+    src, seen = tmp_path / "repo", tmp_path / "filter-ran-in.txt"
+    src.mkdir()
+    git(src, "init", "-q")
+    git(src, "config", "filter.spy.clean", f"sh -c 'echo \"${{ROLLOUT_SANDBOX:-host}}\" >> {seen}; cat'")
+    (src / ".gitattributes").write_text("*.txt filter=spy\n")
+    (src / "a.txt").write_text("a\n")
+    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    sb = await _started(provider)
+    try:
+        await lay_out(sb, WorkspaceSpec(copy_from=str(src)), prepared)
+        assert Path(sb.workdir, "a.txt").read_text() == "a\n"
+    finally:
+        await sb.stop()
+        await provider.aclose()
+    assert prepared.builds == 0
+    ran_in = seen.read_text().split()
+    assert ran_in and "host" not in ran_in
