@@ -185,6 +185,11 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
         "executor_session_median_s": e[0],
         "executor_session_p90_s": e[1],
         "executor_harness_phase_median_s": h[0],
+        # Setup, verify (diff, evidence, verifier) and cleanup: what the executor adds around the harness.
+        **{
+            f"executor_{phase}_phase_median_s": statistics.median(r[f"t_{phase}_s"] for r in rows[warm])
+            for phase in ("setup", "verify", "cleanup")
+        },
         "ratio": e[0] / d[0],
         "pairwise_ratio_median": statistics.median(x / y for x, y in zip(total, direct[warm], strict=True)),
     }
@@ -407,8 +412,11 @@ def run_all(
                 f"(a) overhead, {runs} sequential Codex rollouts: "
                 f"direct median {a['direct_median_s']:.3f} s (codex exec alone "
                 f"{a['direct_codex_only_median_s']:.3f} s), "
-                f"executor median {a['executor_session_median_s']:.3f} s (harness phase "
-                f"{a['executor_harness_phase_median_s']:.3f} s), ratio {a['ratio']:.2f} "
+                f"executor median {a['executor_session_median_s']:.3f} s (phases: setup "
+                f"{a['executor_setup_phase_median_s']:.3f}, harness "
+                f"{a['executor_harness_phase_median_s']:.3f}, verify "
+                f"{a['executor_verify_phase_median_s']:.3f}, cleanup "
+                f"{a['executor_cleanup_phase_median_s']:.3f} s), ratio {a['ratio']:.2f} "
                 f"(median of the pairs' ratios {a['pairwise_ratio_median']:.2f})"
             )
         if "b" in parts:
