@@ -270,3 +270,26 @@ async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host
     assert prepared.builds == 0
     ran_in = seen.read_text().split()
     assert ran_in and "host" not in ran_in
+
+
+@needs_git
+async def test_the_diff_starts_from_the_baselines_index(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
+    """The diff rehashes only files whose size or mtime changed (a big repository is not rehashed on
+    every rollout): a same-size rewrite that puts the old mtime back is, as for `git status`, unseen."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("kept.py", "edited.py", "same_size.py"):
+        (src / name).write_text(f"{name} = 1\n")
+        os.utime(src / name, (1_600_000_000, 1_600_000_000))
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src)), prepared)
+
+    work = Path(sandbox.workdir)
+    (work / "edited.py").write_text("edited.py = 2\n")
+    (work / "same_size.py").write_text("same_size.py = 2\n")
+    os.utime(work / "same_size.py", (1_600_000_000, 1_600_000_000))
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "+edited.py = 2" in diff
+    assert "same_size.py" not in diff and "kept.py" not in diff
