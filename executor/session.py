@@ -11,6 +11,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 from executor.config import RunConfig
 from executor.tasks import Task
-from harnesses.base import Harness, HarnessReport, LaunchContext
+from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
 from harnesses.gateway import Gateway, GatewaySession
 from harnesses.install import InstallError
@@ -122,29 +123,30 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
         row["sandbox_id"] = sandbox.id
-        try:
-            _, install_dir = await asyncio.gather(
-                lay_out(sandbox, req.task.workspace, ctx.workspaces),
-                asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root),
-            )
-        except (InstallError, Exception) as exc:
-            timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
-
         if ctx.scripted is not None and req.task.model_script:
             ctx.scripted.set_script(req.rollout_id, parse_steps(req.task.model_script))
         gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model")
-        launch = await ctx.harness.prepare(
-            sandbox,
-            LaunchContext(
+
+        async def install_and_prepare(gw: GatewaySession) -> Launch:
+            install_dir = await asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root)
+            context = LaunchContext(
                 base_url=gw.base_url,
                 api_key=gw.token,
                 model=cfg.model.name,
                 prompt=req.task.prompt,
                 install_dir=install_dir,
                 max_output_tokens=cfg.model.max_output_tokens,
-            ),
-        )
+            )
+            return await ctx.harness.prepare(sandbox, context)
+
+        try:
+            # The harness's config goes to HOME while the workspace is laid out: neither reads the other.
+            _, launch = await _gather_or_cancel(
+                lay_out(sandbox, req.task.workspace, ctx.workspaces), install_and_prepare(gw)
+            )
+        except (InstallError, Exception) as exc:
+            timer.lap("setup")
+            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
         timer.lap("setup")
 
         try:
@@ -155,15 +157,18 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             timer.lap("agent")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
         ctx.gateway.close_session(gw)
-        report = await ctx.harness.parse(sandbox, result)
-        timer.lap("agent")
-        outcome = classify(result, report, gw)
-        _record_agent(row, result, report, gw)
         # The diff is taken before the verifier runs, so it holds the agent's changes and nothing of the
-        # verifier's; it reads the workspace while the evidence copy reads the harness's own files.
-        await asyncio.gather(
-            _keep_evidence(sandbox, result, report, evidence_dir, row), _record_diff(sandbox, row)
-        )
+        # verifier's; it reads the workspace while parse and the evidence copy read the harness's files.
+        diff = asyncio.ensure_future(_record_diff(sandbox, row))
+        try:
+            report = await ctx.harness.parse(sandbox, result)
+            timer.lap("agent")
+            outcome = classify(result, report, gw)
+            _record_agent(row, result, report, gw)
+            await _keep_evidence(sandbox, result, report, evidence_dir, row)
+            await diff
+        finally:
+            diff.cancel()  # only when parse or the evidence copy raised, or the session was cancelled
 
         rule = cfg.policy.rule_for(outcome.failure_kind)
         if rule.grade and req.task.verify is not None:
@@ -177,6 +182,19 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             row["cleanup_ok"] = await _stop(sandbox)
             row["t_cleanup_s"] = timer.since_lap()
             row["t_total_s"] = round(sum(timer.marks.values()) + row["t_cleanup_s"], 4)
+
+
+async def _gather_or_cancel(*steps: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather``, except that the first failure cancels the other steps and waits for them:
+    none may go on writing into a sandbox that is about to be stopped."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _record_diff(sandbox: Sandbox, row: dict[str, Any]) -> None:
