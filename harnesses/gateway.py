@@ -209,9 +209,27 @@ class _Request:
     headers: list[tuple[str, str]]
     body: bytes
     sha256: str
-    request_file: str | None
-    request_truncated: bool
     capture_tokens: bool = False  # the body was rewritten to ask for token ids; parse the answer for them
+    request_file: str | None = None
+    request_truncated: bool = False
+    # The body's kept copy, written while the first attempt goes upstream: (file name, (written, cut)).
+    saving: tuple[str, asyncio.Future[tuple[bool, bool]]] | None = None
+
+    async def saved(self) -> None:
+        """Wait for the kept copy of the body, so that the attempt's record can name it."""
+        if self.saving is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.saving[1])
+            self.take_saved()
+
+    def take_saved(self) -> None:
+        if self.saving is None or not self.saving[1].done():
+            return
+        name, future = self.saving
+        self.saving = None
+        if not future.cancelled() and future.exception() is None:
+            written, self.request_truncated = future.result()
+            self.request_file = name if written else None
 
 
 class _GzipCapture:
@@ -479,6 +497,7 @@ class _Attempt:
             # upstream's last bytes (Codex on response.completed): the endpoint answered in full.
             kind, message, client_aborted = FailureKind.NONE, None, False
         session, req = self.req.session, self.req
+        req.take_saved()  # a record made before the copy was awaited (a cancel) names it if it is there
         prompt, ids, logprobs = self.tokens.result() if self.tokens else (None, None, None)
         response_file = None
         if self.capture is not None and self.response_bytes:
@@ -660,14 +679,13 @@ class Gateway:
             # Off the loop: a long agent history takes a while to parse and serialize.
             rewritten = await asyncio.to_thread(_ask_for_tokens, body, api_path, self.config.top_logprobs)
             capture, body = rewritten is not None, rewritten or body
-        request_file, truncated = None, False
+        saving = None
         if self.config.keep_bodies and body:
-            # One file per request, not per attempt: every attempt sends these same bytes.
+            # One file per request, not per attempt: every attempt sends these same bytes. Off the loop
+            # (compressing a long agent history takes a while) and beside the first attempt, not before it.
             name = f"req-{index}.json.gz"
             path, limit = session.evidence_dir / name, self.config.max_body_bytes
-            # Off the loop: compressing a long agent history takes a while, and every session shares it.
-            written, truncated = await asyncio.to_thread(_save_gzip, body, limit, path)
-            request_file = name if written else None
+            saving = (name, asyncio.ensure_future(asyncio.to_thread(_save_gzip, body, limit, path)))
         return _Request(
             session=session,
             index=index,
@@ -677,9 +695,8 @@ class Gateway:
             headers=self._upstream_headers(request, session),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
-            request_file=request_file,
-            request_truncated=truncated,
             capture_tokens=capture,
+            saving=saving,
         )
 
     def _upstream_headers(self, request: web.Request, session: GatewaySession) -> list[tuple[str, str]]:
@@ -749,7 +766,9 @@ class Gateway:
             try:
                 upstream = await self._client.send(upstream_request, stream=True)
             except httpx.TransportError as exc:
+                await req.saved()
                 return self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
+            await req.saved()
             try:
                 att.status = upstream.status_code
                 if upstream.status_code >= 400:
@@ -839,14 +858,23 @@ class Gateway:
             )
             _abort(request)
             return response or _closed()
-        if response is not None:
-            self._finish(att, FailureKind.NONE)
+        if response is None:
+            body = b"".join(held)
+            if not att.streamed:
+                att.usage.feed_json(body)
+            headers = _relayed(upstream.headers)
+            response = web.Response(status=upstream.status_code, body=body, headers=headers)
+            with contextlib.suppress(ConnectionError):
+                await response.prepare(request)
+        # The harness gets the end of its answer before the record and the kept body are written: they
+        # are ours to wait for, not the harness's.
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             return response
-        body = b"".join(held)
-        if not att.streamed:
-            att.usage.feed_json(body)
         self._finish(att, FailureKind.NONE)
-        return web.Response(status=upstream.status_code, body=body, headers=_relayed(upstream.headers))
+        return response
 
     def _finish(
         self, att: _Attempt, kind: FailureKind, message: str | None = None, *, client_aborted: bool = False
