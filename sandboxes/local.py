@@ -344,34 +344,13 @@ class LocalSandbox:
     # -- paths ------------------------------------------------------------------------------------------
 
     def _inside(self, path: str) -> Path:
-        """The real path of ``path`` (relative to the workdir, or absolute), refused if outside the root.
-
-        A process in the sandbox could still swap a directory for a symlink between this check and the
-        open; the final component is opened with O_NOFOLLOW, which narrows that to parent directories.
-        """
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise SandboxError(f"invalid sandbox path {path!r}")
-        candidate = path if os.path.isabs(path) else os.path.join(self.workdir, path)
-        real = os.path.realpath(candidate)
-        root = str(self.root)
-        if os.path.commonpath([real, root]) != root:
-            raise SandboxError(f"path {path!r} resolves outside sandbox {self.id}")
-        return Path(real)
+        return confined_path(str(self.root), self.workdir, path, f"sandbox {self.id}")
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         self._check_open()
-
-        def write() -> None:
-            real = self._inside(path)
-            real.parent.mkdir(parents=True, exist_ok=True)
-            self._inside(str(real.parent))  # the directories just made must still be ours
-            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                os.fchmod(f.fileno(), mode)  # the umask must not change what the caller asked for
-
+        where = f"sandbox {self.id}"
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(write_confined, str(self.root), self.workdir, path, data, mode, where)
         except SandboxError:
             raise
         except OSError as exc:
@@ -619,6 +598,33 @@ class LocalSandbox:
         """Stop, then remove the session's directory whatever ``keep`` says."""
         await self.stop()
         await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+
+
+def confined_path(root: str, base: str, path: str, where: str) -> Path:
+    """The real path of ``path`` (relative to ``base``, or absolute), refused if it resolves outside
+    ``root`` (a real path); ``where`` names ``root`` in the error.
+
+    A process in the sandbox could still swap a directory for a symlink between this check and the
+    open; the final component is opened with O_NOFOLLOW, which narrows that to parent directories.
+    """
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise SandboxError(f"invalid sandbox path {path!r}")
+    candidate = path if os.path.isabs(path) else os.path.join(base, path)
+    real = os.path.realpath(candidate)
+    if os.path.commonpath([real, root]) != root:
+        raise SandboxError(f"path {path!r} resolves outside {where}")
+    return Path(real)
+
+
+def write_confined(root: str, base: str, path: str, data: bytes, mode: int, where: str) -> None:
+    """Write ``data`` at ``path`` as ``confined_path`` resolves it, making its directories; blocking."""
+    real = confined_path(root, base, path, where)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    confined_path(root, base, str(real.parent), where)  # the directories just made must still be inside
+    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        os.fchmod(f.fileno(), mode)  # the umask must not change what the caller asked for
 
 
 def reap_stale(

@@ -27,14 +27,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from sandboxes.base import WorkspaceSpec
+from sandboxes.base import SandboxError, WorkspaceSpec
+from sandboxes.local import write_confined
 from sandboxes.owner import Owner
 from sandboxes.workspace import (
     BASELINE_SCRIPT,
     GIT_NOT_FOUND,
     GIT_TIMEOUT_S,
     WorkspaceError,
-    checked_relative_path,
     git_failure,
     git_script,
 )
@@ -150,8 +150,13 @@ def _build(spec: WorkspaceSpec, files: dict[str, str], path: Path) -> bool:
                 raise WorkspaceError(f"cannot copy workspace {spec.copy_from!r}: {str(exc)[:2000]}") from exc
         else:
             workdir.mkdir(parents=True)
+        inside = os.path.realpath(workdir)
         for rel, text in files.items():
-            _write_inside(workdir, checked_relative_path(rel), text.encode())
+            # A symlink from copy_from must not lead an inline file, or its directories, out.
+            try:
+                write_confined(inside, inside, rel, text.encode(), 0o644, "the workspace")
+            except SandboxError as exc:
+                raise WorkspaceError(str(exc)) from exc
         argv, env = git_script(BASELINE_SCRIPT, str(workdir))
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", **env}
         try:
@@ -168,16 +173,3 @@ def _build(spec: WorkspaceSpec, files: dict[str, str], path: Path) -> bool:
         return True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_inside(workdir: Path, rel: str, data: bytes) -> None:
-    """Write ``data`` at ``rel`` under ``workdir``; a symlink from ``copy_from`` must not lead out."""
-    target = workdir / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
-    real_parent = os.path.realpath(target.parent)
-    if os.path.commonpath([real_parent, os.path.realpath(workdir)]) != os.path.realpath(workdir):
-        raise WorkspaceError(f"workspace file path {rel!r} leads outside the workspace through a symlink")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        os.fchmod(f.fileno(), 0o644)  # as a sandbox's write_file leaves it, whatever the umask

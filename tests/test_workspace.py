@@ -219,7 +219,10 @@ async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
     assert not prepared.root.exists()
 
 
-async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_symlink(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", ["escape/x.txt", "escape/new/dir/x.txt"])
+async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_symlink(
+    tmp_path: Path, inline: str
+) -> None:
     src, outside = tmp_path / "src", tmp_path / "outside"
     src.mkdir()
     outside.mkdir()
@@ -229,7 +232,7 @@ async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_syml
     sb = await _started(provider)
     try:
         with pytest.raises(WorkspaceError, match="outside the workspace"):
-            await lay_out(sb, WorkspaceSpec(copy_from=str(src), files={"escape/x.txt": "x"}), prepared)
+            await lay_out(sb, WorkspaceSpec(copy_from=str(src), files={inline: "x"}), prepared)
     finally:
         await sb.stop()
         await provider.aclose()
