@@ -67,7 +67,7 @@ class LocalSandboxConfig(ProviderConfig):
     # isolated: every command in a loopback-only network namespace of its own, which reaches the
     # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
     network: Literal["host", "isolated"] = "host"
-    # isolated: a PID namespace per command, so /proc shows only the sandbox's own processes (not the
+    # isolated: a PID namespace per sandbox, so /proc shows only the sandbox's own processes (not the
     # worker's, whose environment holds the API key); auto: isolated when this host allows it.
     pids: Literal["auto", "host", "isolated"] = "auto"
     # readonly: each command under bubblewrap, the host read-only and only the session directory writable.

@@ -74,9 +74,12 @@ class ExecServer:
         self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, *, cwd: str, env: dict[str, str], marker_token: str, log_path: Path) -> ExecServer:
+    async def start(
+        cls, *, cwd: str, env: dict[str, str], marker_token: str, log_path: Path, pid_namespace: bool = False
+    ) -> ExecServer:
         """``env`` must carry the marker: /proc/PID/environ of the server and of every supervisor it
-        forks shows it, which is how the sandbox finds its processes."""
+        forks shows it, which is how the sandbox finds its processes. ``pid_namespace``: every command
+        runs in one PID namespace, made by the server at its start (see supervisor.py)."""
         # -I keeps PYTHON* variables of the sandbox's environment from steering the interpreter; -S skips
         # site start-up, which a standard-library-only script does not need.
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +91,7 @@ class ExecServer:
                 SUPERVISOR_PATH,
                 "--serve",
                 str(os.getpid()),
+                *(["--pid-namespace"] if pid_namespace else []),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=server_log,

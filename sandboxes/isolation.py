@@ -1,7 +1,8 @@
 """The isolation layers of a local sandbox's commands: network, PID and filesystem namespaces.
 
-PID and network namespaces are made by the supervisor itself (``namespaces`` gives its parameter; see
-sandboxes/supervisor.py): an isolated command costs a fork and a few system calls. A read-only host
+PID and network namespaces are made by the supervisor's server and the supervisor themselves (see
+sandboxes/supervisor.py): a sandbox's PID namespace once, by its server, and a command's network namespace
+by a fork and a few system calls. A read-only host
 filesystem needs bubblewrap, and ``wrap`` turns the command's argv into this chain::
 
     supervisor
@@ -12,8 +13,8 @@ filesystem needs bubblewrap, and ``wrap`` turns the command's argv into this cha
 
 The outer exists because no process inside a PID namespace can hand a death by signal out: its init
 ignores signals sent from inside, and bwrap reports one as 128+N. The inner drops CAP_SYS_ADMIN before
-the command starts, or root inside could remount the read-only root writable (the supervisor's own init
-does the same for a PID namespace, whose fresh /proc root could unmount). Standard library only: it runs
+the command starts, or root inside could remount the read-only root writable (a sandbox's PID namespace
+drops it the same way, since root could unmount its fresh /proc). Standard library only: it runs
 as ``python3 -I -S isolation.py``.
 """
 
@@ -199,7 +200,7 @@ def wrap(argv: list[str], layers: Isolation, session_dir: str) -> list[str]:
     """``argv`` inside ``layers``; ``session_dir`` is what stays writable when the host is read-only.
 
     Only a read-only host needs a wrapper (bwrap); PID and network namespaces alone are made by the
-    supervisor itself (``namespaces``), which costs a fork instead of the wrappers' interpreters."""
+    supervisor's server and the supervisor, which costs a fork instead of the wrappers' interpreters."""
     if not layers.readonly:
         return argv
     outer = [sys.executable, "-I", "-S", ISOLATION_PATH, "outer", "--readonly", session_dir]
@@ -209,11 +210,19 @@ def wrap(argv: list[str], layers: Isolation, session_dir: str) -> list[str]:
     return [*outer, "--", *argv]
 
 
-def namespaces(layers: Isolation) -> dict[str, Any] | None:
-    """The supervisor's ``namespaces`` parameter for ``layers`` (None: none, or bwrap makes them)."""
-    if layers.readonly or not (layers.pids or layers.network_forward):
+def server_pid_namespace(layers: Isolation) -> bool:
+    """Whether a sandbox's supervisor server makes the PID namespace all its commands run in (with a
+    read-only host, bwrap makes one per command instead)."""
+    return layers.pids and not layers.readonly
+
+
+def network_forward(layers: Isolation) -> list[Any] | None:
+    """The supervisor's ``network_forward`` parameter: each command in a loopback-only network namespace
+    of its own, where 127.0.0.1:port reaches the gateway's socket (None: the host's network, or bwrap
+    makes the namespace)."""
+    if layers.readonly or layers.network_forward is None:
         return None
-    return {"pid": layers.pids, "net": list(layers.network_forward) if layers.network_forward else None}
+    return list(layers.network_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------

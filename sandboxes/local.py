@@ -219,7 +219,11 @@ class LocalSandboxProvider:
         token = uuid.uuid4().hex
         # Not yet any sandbox's: it runs from / and carries only its marker, which the sandbox adopts.
         return await ExecServer.start(
-            cwd="/", env={SANDBOX_MARKER_VAR: token}, marker_token=token, log_path=self._server_log
+            cwd="/",
+            env={SANDBOX_MARKER_VAR: token},
+            marker_token=token,
+            log_path=self._server_log,
+            pid_namespace=isolation.server_pid_namespace(self.isolation),
         )
 
     async def aclose(self) -> None:
@@ -469,7 +473,7 @@ class LocalSandbox:
             "nofile_limit": self._nofile,
             "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
             "log_path": str(files.log),
-            "namespaces": isolation.namespaces(self._isolation),
+            "network_forward": isolation.network_forward(self._isolation),
         }
 
         started = time.monotonic()

@@ -6,9 +6,10 @@ behind, then writes a small JSON result. Two ways to start one:
 
 - ``python3 -I -S supervisor.py PARAMS.json``, with the command's environment as its own (the in-sandbox
   agent does this);
-- ``python3 -I -S supervisor.py --serve PARENT_PID``: a server per sandbox that forks a supervisor for
-  each command it is sent (the local sandbox, via sandboxes/exec_server.py), so a command costs a fork
-  rather than an interpreter start-up and these imports.
+- ``python3 -I -S supervisor.py --serve PARENT_PID [--pid-namespace]``: a server per sandbox that forks a
+  supervisor for each command it is sent (the local sandbox, via sandboxes/exec_server.py), so a command
+  costs a fork rather than an interpreter start-up and these imports; with ``--pid-namespace``, every
+  command of the sandbox runs in one PID namespace the server makes at its start.
 
 Standard library only, so it runs under any python3 >= 3.11 the host has.
 """
@@ -240,14 +241,17 @@ class _Pump:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Namespaces: the command in a PID namespace (a /proc of its own) and/or a loopback-only network namespace,
-# made here rather than by a chain of helper programs, so an isolated command costs a fork, not two more
-# interpreter start-ups. The supervisor stays in the host's namespaces and forks an init into the new ones:
+# Namespaces. A sandbox's PID namespace (a /proc of its own) is made once, by its server (``--serve ...
+# --pid-namespace``): the server unshares it, forks the namespace's init (which mounts the fresh /proc in
+# a mount namespace of its own and then only reaps orphans), and each supervisor it forks after that is
+# born inside, then joins the init's mount namespace. The server stays outside, so the pids it reports
+# are the host's, and an isolated command costs what a host one does:
 #
-#     supervisor ── init (pid 1 of the namespace: forwards signals, reaps orphans) ── command
+#     server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
+#             └ supervisor ── command       (one per command, each inside the namespace)
 #
-# No process inside a PID namespace can hand a death by signal out (its init ignores signals from inside),
-# so the init writes the command's raw wait status to a pipe, and the supervisor reports that.
+# A loopback-only network namespace is per command: the supervisor forks an init into it, which runs the
+# gateway forwarder and the command, and writes the command's raw wait status to a pipe.
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -258,22 +262,78 @@ PR_CAPBSET_DROP = 24
 CAP_SYS_ADMIN = 21
 
 
-class _Forked:
-    """The part of a Popen object the supervisor uses, for a child made by fork."""
+class PidNamespace:
+    """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
+    def __init__(self) -> None:
+        # Takes effect for our children only: the first is the namespace's pid 1, every later one is
+        # born inside it too.
+        _libc_call("unshare", CLONE_NEWPID)
+        ready_r, ready_w = os.pipe()
+        hold_r, self.hold = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(ready_r)
+                os.close(self.hold)
+                code = _pid_namespace_init(ready_w, hold_r)
+            except BaseException as exc:  # a forked child must never return into the server
+                os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(hold_r)
+        self.init_pid = pid
+        try:
+            ready = os.read(ready_r, 1)  # bounded: the init writes it, or dies and the pipe ends
+        finally:
+            os.close(ready_r)
+        if ready != b"1":
+            raise OSError(f"the PID namespace's init (pid {pid}) failed to start")
+        self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+    def enter(self) -> None:
+        """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and
+        keep CAP_SYS_ADMIN from every program started after this, or root inside could unmount that /proc
+        and see the host's again."""
+        os.close(self.hold)  # the init ends with the server, not with us
+        _libc_call("setns", self.mount_ns, CLONE_NEWNS)
+        os.close(self.mount_ns)
+        _prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
 
 
-def _start_namespace_init(
+def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)  # the server's request pipe is not ours to hold open
+    os.dup2(null, 1)
+    os.close(null)
+    # A mount namespace of its own (the server's /proc must stay the host's), private so that nothing
+    # mounted here reaches the host.
+    _libc_call("unshare", CLONE_NEWNS)
+    _libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+    _libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    _prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+    # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
+    signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
+    os.write(ready_w, b"1")
+    os.close(ready_w)
+    # Until the server closes its end, by exiting or dying. Our exit ends the namespace: the kernel kills
+    # whatever is left in it.
+    while os.read(hold_r, 64):
+        pass
+    return 0
+
+
+def _reap_all() -> None:
+    for _pid, _status in _exited_children():
+        pass
+
+
+def _start_network_init(
     p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
 ) -> tuple[_Forked, int]:
-    ns = p["namespaces"]
     status_r, status_w = os.pipe()
-    if ns.get("pid"):
-        # Takes effect for our next child only: that child is the new namespace's pid 1.
-        _libc_call("unshare", CLONE_NEWPID)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -284,7 +344,7 @@ def _start_namespace_init(
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, target)
                 os.close(fd)
-            code = _namespace_init(p, env, status_w)
+            code = _network_init(p, env, status_w)
         except BaseException as exc:  # a forked child must never return into the supervisor
             os.write(2, f"sandbox isolation: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
         finally:
@@ -293,25 +353,22 @@ def _start_namespace_init(
     return _Forked(pid), status_r
 
 
-def _namespace_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
-    ns = p["namespaces"]
-    if ns.get("pid"):
-        # A mount namespace of its own (the supervisor's /proc must stay the host's), private so that
-        # nothing mounted here reaches the host.
-        _libc_call("unshare", CLONE_NEWNS)
-        _libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
-        _libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        # Root inside could otherwise unmount this /proc and see the host's again. The bounding set is
-        # per thread and inherited: dropped here, before any thread starts, it binds the command.
-        ctypes.CDLL(None, use_errno=True).prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0)
-    if ns.get("net"):
-        _libc_call("unshare", CLONE_NEWNET)
-        # Run by path with -I, our directory is not on sys.path; netns.py is our sibling.
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import netns
+class _Forked:
+    """The part of a Popen object the supervisor uses, for a child made by fork."""
 
-        port, socket_path = ns["net"]
-        netns.start_forwarder(int(port), str(socket_path))
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+
+def _network_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
+    _libc_call("unshare", CLONE_NEWNET)
+    # Run by path with -I, our directory is not on sys.path; netns.py is our sibling.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import netns
+
+    port, socket_path = p["network_forward"]
+    netns.start_forwarder(int(port), str(socket_path))
     memory = p.get("memory_limit_bytes")
 
     def limit_child() -> None:
@@ -340,13 +397,8 @@ def _namespace_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: in
         signal.signal(sig, pass_on)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    # As pid 1, orphans are reparented to us: reap them all, until the command itself ends. Our exit
-    # then ends the namespace, and the kernel kills whatever is left in it.
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == command.pid:
-            reaped = True
-            break
+    _pid, status = os.waitpid(command.pid, 0)
+    reaped = True
     os.write(status_fd, str(status).encode())
     return 0
 
@@ -449,8 +501,8 @@ class Supervisor:
         stdin_path = p.get("stdin_path") or os.devnull
         stdin_fd = os.open(stdin_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if p.get("namespaces"):
-                self.child, self.status_pipe = _start_namespace_init(p, self.env, stdin_fd, out_w, err_w)
+            if p.get("network_forward"):
+                self.child, self.status_pipe = _start_network_init(p, self.env, stdin_fd, out_w, err_w)
                 return
             self.child = subprocess.Popen(
                 p["argv"],
@@ -641,9 +693,10 @@ MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway
 
 
 class _Server:
-    def __init__(self, parent_pid: int) -> None:
+    def __init__(self, parent_pid: int, pid_namespace: PidNamespace | None) -> None:
         self.parent_pid = parent_pid
         self.me = os.getpid()
+        self.pid_namespace = pid_namespace
         self.children: dict[int, int] = {}  # supervisor pid -> request id
         self.stop_signal: int | None = None
         self.stdin_open = True
@@ -695,7 +748,11 @@ class _Server:
         code = 1
         try:
             params = req["params"]
+            # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
             params["parent_pid"] = self.me
+            if self.pid_namespace is not None:
+                self.pid_namespace.enter()
+                params["parent_pid"] = 0
             for fd in (self.wake_r, self.wake_w):
                 os.close(fd)
             self.sel.close()
@@ -756,8 +813,9 @@ class _Server:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 3 and argv[1] == "--serve":
-        server = _Server(int(argv[2]))
+    if len(argv) in (3, 4) and argv[1] == "--serve":
+        pid_namespace = PidNamespace() if argv[3:] == ["--pid-namespace"] else None
+        server = _Server(int(argv[2]), pid_namespace)
         server.install_signals()
         code = server.serve()
         os._exit(code)  # nothing to flush or finalize: the sandbox's stop() waits for this exit

@@ -5,6 +5,7 @@ why, on a host that cannot make it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,10 +24,10 @@ from executor.config import LocalSandboxConfig
 from harnesses.gateway import Gateway
 from harnesses.scripted_model import ScriptedModel
 from sandboxes import isolation, netns
-from sandboxes.base import SandboxSpec
+from sandboxes.base import SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from tests.conftest import processes_under
-from tests.test_local_sandbox import live_with, new_mark, tree_script
+from tests.test_local_sandbox import Fifo, live_with, new_mark, tree_script, wait_exit
 
 
 def _netns_unavailable() -> str | None:
@@ -127,6 +128,45 @@ async def test_root_inside_cannot_uncover_the_hosts_proc(tmp_path, mode):
         listed = await sandbox.exec(LIST_PIDS, timeout=30)
     assert umount.exit_code != 0
     assert os.getpid() not in [int(p) for p in listed.stdout_tail.split()]
+
+
+@needs_pids
+async def test_a_sandboxs_commands_share_its_namespace_which_ends_with_its_server(tmp_path):
+    """One PID namespace per sandbox, made by its supervisor server: a command sees what an earlier one
+    of the same sandbox still runs, another sandbox sees none of it, and when the server dies the
+    namespace ends, taking with it what even its supervisor no longer holds."""
+    mark = new_mark()
+    fifo = Fifo(tmp_path / "ready.fifo")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, pids="isolated")
+    mine = await provider.start(SandboxSpec(run_id="r", session_id="mine", ttl_s=300))
+    other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
+    long = asyncio.ensure_future(
+        mine.exec(["bash", "-c", f"echo $$ > {fifo.path}; exec -a {mark} sleep 300"], timeout=300)
+    )
+    try:
+        inner_pid = int((await fifo.lines(1))[0])
+        seen = await mine.exec(["cat", f"/proc/{inner_pid}/cmdline"], timeout=30)
+        unseen = await other.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline"], timeout=30)
+        [host_pid] = live_with(mark)
+        # Its supervisor first, by SIGKILL (the command is then the init's orphan), then the server.
+        [supervisor_pid] = mine.descriptor()["supervisor_pids"]
+        os.kill(supervisor_pid, signal.SIGKILL)
+        await wait_exit(supervisor_pid)
+        assert live_with(mark) == [host_pid]
+        os.kill(mine.descriptor()["server_pid"], signal.SIGKILL)
+        await wait_exit(host_pid)
+        assert live_with(mark) == []
+        with pytest.raises(SandboxLostError):
+            await long
+    finally:
+        fifo.close()
+        long.cancel()
+        for sandbox in (mine, other):
+            await sandbox.stop()
+        await provider.aclose()
+    assert mark.encode() in seen.stdout_tail.encode() and host_pid != inner_pid
+    assert unseen.exit_code == 0 and mark not in unseen.stdout_tail
+    assert not processes_under(str(tmp_path / "sandboxes"))
 
 
 @needs_bwrap
