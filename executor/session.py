@@ -25,9 +25,16 @@ from harnesses.gateway import Gateway, GatewaySession
 from harnesses.install import InstallError
 from harnesses.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind, Outcome, Status, bound_text
-from sandboxes.base import ExecResult, Sandbox, SandboxLostError, SandboxProvider, SandboxSpec
+from sandboxes.base import (
+    ExecResult,
+    RunsBefore,
+    Sandbox,
+    SandboxLostError,
+    SandboxProvider,
+    SandboxSpec,
+)
 from sandboxes.prepared import PreparedWorkspaces
-from sandboxes.workspace import lay_out, workspace_diff
+from sandboxes.workspace import diff_step, lay_out, read_diff, workspace_diff
 
 log = logging.getLogger(__name__)
 
@@ -157,22 +164,20 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             timer.lap("agent")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
         ctx.gateway.close_session(gw)
-        # The diff is taken before the verifier runs, so it holds the agent's changes and nothing of the
-        # verifier's; it reads the workspace while parse and the evidence copy read the harness's files.
-        diff = asyncio.ensure_future(_record_diff(sandbox, row))
+        report = await ctx.harness.parse(sandbox, result)
+        timer.lap("agent")
+        outcome = classify(result, report, gw)
+        _record_agent(row, result, report, gw)
+        # The evidence copy reads the harness's files while the diff and the verifier use the workspace.
+        evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:
-            report = await ctx.harness.parse(sandbox, result)
-            timer.lap("agent")
-            outcome = classify(result, report, gw)
-            _record_agent(row, result, report, gw)
-            await _keep_evidence(sandbox, result, report, evidence_dir, row)
-            await diff
+            if cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None:
+                outcome = await _diff_and_grade(sandbox, req.task, outcome, row)
+            else:
+                await _record_diff(row, workspace_diff(sandbox))
+            await evidence
         finally:
-            diff.cancel()  # only when parse or the evidence copy raised, or the session was cancelled
-
-        rule = cfg.policy.rule_for(outcome.failure_kind)
-        if rule.grade and req.task.verify is not None:
-            outcome = await _grade(sandbox, req.task, outcome, row)
+            evidence.cancel()  # only when the grading raised, or the session was cancelled
         timer.lap("verify")
         return _finish(row, outcome, timer)
     finally:
@@ -197,23 +202,34 @@ async def _gather_or_cancel(*steps: Awaitable[Any]) -> list[Any]:
         raise
 
 
-async def _record_diff(sandbox: Sandbox, row: dict[str, Any]) -> None:
+async def _record_diff(row: dict[str, Any], diff: Awaitable[str | None]) -> None:
     try:
-        row["workspace_diff"] = bound_text(await workspace_diff(sandbox), MAX_DIFF_CHARS)
+        row["workspace_diff"] = bound_text(await diff, MAX_DIFF_CHARS)
     except Exception as exc:
         row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
 
 
-async def _grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, Any]) -> Outcome:
+async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, Any]) -> Outcome:
+    """The diff, then the verifier: the diff holds the agent's changes and nothing of the verifier's.
+    One exec where the sandbox can run a step before a command, else two."""
     assert task.verify is not None
+    argv, timeout = ["bash", "-c", task.verify.command], task.verify.timeout_s
+    one_exec = isinstance(sandbox, RunsBefore)
+    if one_exec:
+        verified = sandbox.exec(argv, timeout=timeout, name="verify", before=diff_step(sandbox.workdir))
+    else:
+        await _record_diff(row, workspace_diff(sandbox))
+        verified = sandbox.exec(argv, timeout=timeout, name="verify")
     try:
-        res = await sandbox.exec(
-            ["bash", "-c", task.verify.command], timeout=task.verify.timeout_s, name="verify"
-        )
+        res = await verified
     except Exception as exc:
+        if one_exec:
+            row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
         return outcome.model_copy(
             update={"failure_kind": FailureKind.VERIFIER_ERROR, "error_message": _err(exc)}
         )
+    if one_exec:
+        await _record_diff(row, read_diff(sandbox, res.before))
     row["verifier_exit_code"] = res.exit_code
     if res.timed_out:
         message = f"verifier ran past {task.verify.timeout_s}s"

@@ -58,6 +58,26 @@ class ExecResult(BaseModel):
     stderr_tail: str = ""
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    before: ExecResult | None = None  # the ``before`` step's, when the exec had one
+
+
+class ExecStep(BaseModel):
+    """A command an exec runs to its end before its own, with its own timeout and output files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    argv: list[str]
+    timeout: float
+    name: str
+    env: dict[str, str] = Field(default_factory=dict)  # added to the exec's environment
+
+
+@runtime_checkable
+class RunsBefore(Protocol):
+    """A sandbox whose ``exec`` takes ``before=ExecStep``: two commands for the cost of one exec (one
+    supervisor, one round trip). Sandboxes without it run the step as an exec of its own."""
+
+    runs_before: bool
 
 
 @runtime_checkable

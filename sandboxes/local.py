@@ -42,6 +42,7 @@ from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
     ExecResult,
+    ExecStep,
     SandboxError,
     SandboxLostError,
     SandboxSpec,
@@ -264,6 +265,8 @@ class LocalSandboxProvider:
 class LocalSandbox:
     """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
 
+    runs_before = True  # see sandboxes.base.RunsBefore
+
     def __init__(
         self, provider: LocalSandboxProvider, spec: SandboxSpec, session_dir: Path, server: ExecServer
     ) -> None:
@@ -434,20 +437,25 @@ class LocalSandbox:
         env: dict[str, str] | None = None,
         stdin: bytes | None = None,
         name: str = "exec",
+        before: ExecStep | None = None,
     ) -> ExecResult:
         """Run ``argv`` (no shell) to its end, its timeout or the TTL; no process of it outlives this call.
 
         ``stdout_bytes``/``stderr_bytes`` count everything the command wrote; the files keep the first
         ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file. Raises
-        SandboxLostError when the sandbox is stopped or reaped while the command runs.
+        SandboxLostError when the sandbox is stopped or reaped while the command runs. ``before``: a step
+        run to its end first, under the same supervisor, its result in the result's ``before``.
         """
         self._check_open()
         if time.time() >= self.ttl_deadline:
             raise SandboxError(f"sandbox {self.id} is past its TTL")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise SandboxError(f"argv must be a non-empty list of strings, not {argv!r}")
-        if not (isinstance(timeout, int | float) and timeout > 0 and math.isfinite(timeout)):
-            raise SandboxError(f"invalid timeout {timeout!r}")
+        for bound in (timeout, before.timeout if before else 1.0):
+            if not (isinstance(bound, int | float) and bound > 0 and math.isfinite(bound)):
+                raise SandboxError(f"invalid timeout {bound!r}")
+        if before is not None and not before.argv:
+            raise SandboxError("a before step's argv must not be empty")
         # A realpath and, below, a small JSON file on the sandbox's local disk: microseconds, where a hop
         # to a thread and back costs about half a millisecond an exec on a busy worker.
         cwd_real = self._inside(cwd or self.workdir)
@@ -477,6 +485,18 @@ class LocalSandbox:
             "log_path": str(files.log),
             "network_forward": isolation.network_forward(self._isolation),
         }
+        before_files = None
+        if before is not None:
+            before_files = self._reserve(before.name)
+            # The step's environment goes through the server's pipe with the rest, never to disk.
+            params["before"] = {
+                "argv": isolation.wrap(before.argv, self._isolation, str(self.root)),
+                "timeout_s": float(before.timeout),
+                "stdout_path": str(before_files.stdout),
+                "stderr_path": str(before_files.stderr),
+                "env": merge_environment(exec_env, before.env),
+            }
+            timeout += before.timeout
 
         started = time.monotonic()
         # The command's environment goes through the server's pipe, never to disk.
@@ -496,7 +516,9 @@ class LocalSandbox:
         finally:
             self._running.pop(proc.pid, None)
             files.stdin.unlink(missing_ok=True)
-        return await self._collect(files, name, proc, killed_from_outside, time.monotonic() - started)
+        return await self._collect(
+            files, name, proc, killed_from_outside, time.monotonic() - started, before_files
+        )
 
     @staticmethod
     def _signal(proc: ServedExec, sig: int) -> None:
@@ -526,13 +548,18 @@ class LocalSandbox:
             await asyncio.to_thread(_kill_tree, [proc.pid], self._marker, sweep=False, grace_s=0)
 
     async def _collect(
-        self, files: _ExecFiles, name: str, proc: ServedExec, killed: bool, duration: float
+        self,
+        files: _ExecFiles,
+        name: str,
+        proc: ServedExec,
+        killed: bool,
+        duration: float,
+        before_files: _ExecFiles | None = None,
     ) -> ExecResult:
         try:
             res: dict[str, Any] | None = json.loads(files.result.read_text())
         except (OSError, ValueError):
             res = None
-        paths = {"stdout_path": str(files.stdout), "stderr_path": str(files.stderr)}
         if res is None:
             if killed and not self._stopping:
                 (out_n, out), (err_n, err) = _file_tail(files.stdout), _file_tail(files.stderr)
@@ -545,7 +572,8 @@ class LocalSandbox:
                     stderr_tail=_text(err),
                     stdout_bytes=out_n,
                     stderr_bytes=err_n,
-                    **paths,
+                    stdout_path=str(files.stdout),
+                    stderr_path=str(files.stderr),
                 )
             _n, sup_log = _file_tail(files.log)
             raise SandboxLostError(
@@ -558,17 +586,10 @@ class LocalSandbox:
             raise SandboxLostError(f"sandbox {self.id} was stopped while {name!r} was running")
         if not res.get("clean", True):
             log.warning("sandbox %s: processes of %r outlived their supervisor; stop() sweeps", self.id, name)
-        return ExecResult(
-            exit_code=res["exit_code"],
-            signal=res["signal"],
-            timed_out=bool(res["timed_out"]),
-            duration_s=duration,
-            stdout_tail=_text(base64.b64decode(res.get("stdout_tail_b64", ""))),
-            stderr_tail=_text(base64.b64decode(res.get("stderr_tail_b64", ""))),
-            stdout_bytes=int(res.get("stdout_bytes", 0)),
-            stderr_bytes=int(res.get("stderr_bytes", 0)),
-            **paths,
-        )
+        before = None
+        if before_files is not None and isinstance(res.get("before"), dict):
+            before = _exec_result(res["before"], before_files, float(res["before"].get("duration_s", 0.0)))
+        return _exec_result(res, files, duration, before)
 
     # -- end of life ------------------------------------------------------------------------------------
 
@@ -604,6 +625,25 @@ class LocalSandbox:
         """Stop, then remove the session's directory whatever ``keep`` says."""
         await self.stop()
         await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+
+
+def _exec_result(
+    res: dict[str, Any], files: _ExecFiles, duration: float, before: ExecResult | None = None
+) -> ExecResult:
+    """The ExecResult of a supervisor's result for one command (or one step)."""
+    return ExecResult(
+        exit_code=res["exit_code"],
+        signal=res["signal"],
+        timed_out=bool(res["timed_out"]),
+        duration_s=duration,
+        stdout_tail=_text(base64.b64decode(res.get("stdout_tail_b64", ""))),
+        stderr_tail=_text(base64.b64decode(res.get("stderr_tail_b64", ""))),
+        stdout_bytes=int(res.get("stdout_bytes", 0)),
+        stderr_bytes=int(res.get("stderr_bytes", 0)),
+        stdout_path=str(files.stdout),
+        stderr_path=str(files.stderr),
+        before=before,
+    )
 
 
 def confined_path(root: str, base: str, path: str, where: str) -> Path:

@@ -462,7 +462,7 @@ class Supervisor:
         self.child_status: int | None = None
         self.sel = selectors.DefaultSelector()
         self.pumps: dict[int, _Pump] = {}
-        self.wake_r, _wake_w = _signal_wakeup(self.sel)
+        self.wake_r, self.wake_w = _signal_wakeup(self.sel)
 
     def install_signals(self) -> None:
         def on_stop(signum: int, _frame: object) -> None:
@@ -593,6 +593,15 @@ class Supervisor:
                     pass
         return kill_processes(self.tree, grace_s=float(self.p["kill_grace_s"]), idle=self.idle)
 
+    def close(self) -> None:
+        """Our pipes and selector; the next step of the exec, if any, makes its own."""
+        for pump in self.pumps.values():
+            pump.close()
+        signal.set_wakeup_fd(-1)
+        self.sel.close()
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+
     def drain(self) -> None:
         deadline = time.monotonic() + DRAIN_S
         while len(self.sel.get_map()) > 1 and (remaining := deadline - time.monotonic()) > 0:
@@ -644,12 +653,41 @@ def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
 
 def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
     """Supervise one command to its end and write its result; ``env`` is the command's environment
-    (None: our own)."""
+    (None: our own). With ``before`` (argv, timeout_s, stdout_path, stderr_path and env of a step), that
+    step runs to its end first and its result goes under "before": two commands for one supervisor."""
+    result: dict[str, Any] = {}
+    previous: Supervisor | None = None
+    failure: BaseException | None = None
+    before = params.get("before")
+    if before:
+        step = {**params, **before, "before": None}
+        result["before"], previous, failure = _supervise(step, before.get("env", env))
+    if failure is None:
+        main, _sup, failure = _supervise(params, env, previous)
+        result.update(main)
+    else:
+        result.update(result["before"])
+    _write_json_atomic(params["result_path"], result)
+    if failure is not None:
+        raise failure
+    return 0
+
+
+def _supervise(
+    params: dict[str, Any], env: dict[str, str] | None, previous: Supervisor | None = None
+) -> tuple[dict[str, Any], Supervisor, BaseException | None]:
+    """One command to its end: its result, its supervisor, and what went wrong in here, for the caller
+    to raise once the result is written. A stop signal that reached ``previous`` (the step before)
+    stops this one before it starts."""
+    started = time.monotonic()
     sup = Supervisor(params, env)
     sup.install_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across its fork
+    if previous is not None:  # read after our handlers took over: no signal falls in between
+        sup.terminated_by = previous.terminated_by
     reason, error = "error", None
     spawn_failure: OSError | None = None
+    failure: BaseException | None = None
     try:
         sup.bind_lifetime()
         if sup.terminated_by is not None:
@@ -663,20 +701,15 @@ def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
                 reason = sup.run_until_done()
     except BaseException as exc:
         error = f"supervisor: {type(exc).__name__}: {exc}"
-        raise
-    finally:
-        # Whatever happened above, nothing the command started may outlive us.
-        clean = sup.kill_tree()
-        sup.drain()
-        sup.reap()
-        for pump in sup.pumps.values():
-            pump.close()
-        if spawn_failure is not None:
-            result = _spawn_failure(params, spawn_failure)
-        else:
-            result = sup.result(reason, clean, error)
-        _write_json_atomic(params["result_path"], result)
-    return 0
+        failure = exc
+    # Whatever happened above, nothing the command started may outlive us.
+    clean = sup.kill_tree()
+    sup.drain()
+    sup.reap()
+    sup.close()
+    result = _spawn_failure(params, spawn_failure) if spawn_failure else sup.result(reason, clean, error)
+    result["duration_s"] = time.monotonic() - started
+    return result, sup, failure
 
 
 # ---------------------------------------------------------------------------------------------------------

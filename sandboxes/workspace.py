@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from sandboxes.base import ExecResult, Sandbox, SandboxError, WorkspaceSpec
+from sandboxes.base import ExecResult, ExecStep, Sandbox, SandboxError, WorkspaceSpec
 
 if TYPE_CHECKING:
     from sandboxes.prepared import PreparedWorkspaces
@@ -120,6 +120,7 @@ fi
 """
 
 _NOT_A_REPO = 3
+_DIFF_NAME = "workspace-diff"
 # Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
 _DIFF_SCRIPT = f"""if [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"
 else gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}; fi
@@ -166,10 +167,24 @@ async def record_baseline(sandbox: Sandbox) -> bool:
     return True
 
 
+def diff_step(workdir: str) -> ExecStep:
+    """The command that prints the workspace's diff, as a step to run before another command in the
+    workspace (``Sandbox.exec(..., before=...)`` where the sandbox ``RunsBefore``); ``read_diff`` reads
+    its result."""
+    argv, env = git_script(_DIFF_SCRIPT, workdir)
+    return ExecStep(argv=argv, timeout=GIT_TIMEOUT_S, name=_DIFF_NAME, env=env)
+
+
 async def workspace_diff(sandbox: Sandbox, limit: int = DIFF_LIMIT_BYTES) -> str | None:
     """The agent's changes since the baseline (new files too) as a git diff, at most ``limit`` bytes
     plus a truncation note; None when the workspace is no git repository or there is no git."""
-    result = await _git_script(sandbox, _DIFF_SCRIPT, "workspace-diff")
+    return await read_diff(sandbox, await _git_script(sandbox, _DIFF_SCRIPT, _DIFF_NAME), limit)
+
+
+async def read_diff(sandbox: Sandbox, result: ExecResult | None, limit: int = DIFF_LIMIT_BYTES) -> str | None:
+    """What ``workspace_diff`` returns, from the result of a ``diff_step`` (None: it did not run)."""
+    if result is None:
+        raise WorkspaceError("the exec returned no result of its diff step")
     if result.exit_code in (GIT_NOT_FOUND, _NOT_A_REPO):
         return None
     _ok(result, "diff")

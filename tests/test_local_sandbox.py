@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes.base import TAIL_BYTES, SandboxError, SandboxLostError, SandboxSpec, SandboxStartError
+from sandboxes.base import (
+    TAIL_BYTES,
+    ExecStep,
+    SandboxError,
+    SandboxLostError,
+    SandboxSpec,
+    SandboxStartError,
+)
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
 from sandboxes.supervisor import read_proc
@@ -417,6 +424,58 @@ async def test_outside_kill_when_the_supervisor_is_stuck(root: Path) -> None:
     gc = Proc(*map(int, Path(sb.workdir, "gc").read_text().split(":")))
     assert not running(gc)
     assert live_with(mark) == []
+
+
+async def test_a_step_before_the_command_runs_to_its_end_first(sandbox: LocalSandbox) -> None:
+    """One exec, two commands: the step's own output files, environment and exit code, then the command,
+    which sees what the step left, and none of the step's variables."""
+    step = ExecStep(
+        argv=["bash", "-c", 'echo "step $STEP_ONLY"; echo step-err >&2; echo left > left.txt; exit 4'],
+        timeout=30,
+        name="first",
+        env={"STEP_ONLY": "yes"},
+    )
+    res = await sandbox.exec(
+        ["bash", "-c", 'cat left.txt; echo "main ${STEP_ONLY:-unset}"'], timeout=30, name="then", before=step
+    )
+    assert (res.exit_code, res.stdout_tail) == (0, "left\nmain unset\n")
+    assert res.before is not None
+    assert (res.before.exit_code, res.before.stdout_tail, res.before.stderr_tail) == (
+        4,
+        "step yes\n",
+        "step-err\n",
+    )
+    assert res.before.stdout_path == str(sandbox.root / "logs" / "first.stdout")
+    assert Path(res.before.stdout_path).read_text() == "step yes\n"
+    assert res.stdout_path == str(sandbox.root / "logs" / "then.stdout")
+    plain = await sandbox.exec(["true"], timeout=30)
+    assert plain.before is None
+
+
+async def test_a_step_that_runs_past_its_timeout_is_ended_and_the_command_still_runs(
+    sandbox: LocalSandbox,
+) -> None:
+    mark = new_mark()
+    step = ExecStep(argv=["bash", "-c", f"exec -a {mark} sleep 300"], timeout=1, name="slow")
+    res = await sandbox.exec(["echo", "graded"], timeout=30, before=step)
+    assert res.before is not None
+    assert (res.before.timed_out, res.before.exit_code, res.before.signal) == (True, None, signal.SIGTERM)
+    assert (res.exit_code, res.stdout_tail) == (0, "graded\n")
+    assert live_with(mark) == []
+
+
+async def test_stop_during_the_step_runs_no_command(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    fifo = Fifo(tmp_path / "ready.fifo")
+    step = ExecStep(argv=["bash", "-c", f"echo up > {fifo.path}; sleep 300"], timeout=300, name="step")
+    task = asyncio.create_task(sandbox.exec(["bash", "-c", "echo ran > ran.txt"], timeout=300, before=step))
+    try:
+        await fifo.lines(1)
+    finally:
+        fifo.close()
+    await sandbox.stop()
+    with pytest.raises(SandboxLostError):
+        await task
+    assert not Path(sandbox.workdir, "ran.txt").exists()
 
 
 async def test_stop_kills_a_running_exec_and_is_idempotent(sandbox: LocalSandbox, tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ async def test_clean_completion_is_graded(tmp_path):
             {"type": "shell", "command": "printf 'hello world\\n' > hello.txt"},
             {"type": "text", "text": "Created hello.txt."},
         ],
-        verify="grep -qx 'hello world' hello.txt",
+        # What the verifier writes must not show in the diff, which holds the agent's changes only.
+        verify="grep -qx 'hello world' hello.txt && echo graded > verifier-was-here.txt",
     )
     row = await _run(tmp_path, task)
     assert (row["status"], row["failure_kind"], row["reward"]) == ("completed", "none", 1.0), row[
@@ -42,7 +43,8 @@ async def test_clean_completion_is_graded(tmp_path):
     assert shell and shell[0]["exit_code"] == 0 and shell[0]["status"] == "completed"
     assert row["input_tokens"] > 0 and row["output_tokens"] > 0
     assert [a["status"] for a in row["model_attempts"]] == [200, 200]
-    assert "hello.txt" in row["workspace_diff"]
+    assert "hello.txt" in row["workspace_diff"] and "verifier-was-here" not in row["workspace_diff"]
+    assert row["evidence_gaps"] == []
     assert row["cleanup_ok"] is True
     assert not processes_under(str(tmp_path / "sandboxes"))
 
