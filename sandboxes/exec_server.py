@@ -62,8 +62,9 @@ class ServedExec:
 class ExecServer:
     """A running supervisor server. Build it with ``ExecServer.start``."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, marker_token: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, marker_token: str, pid_namespace: bool) -> None:
         self._proc = proc
+        self.pid_namespace = pid_namespace
         self.marker_token = marker_token
         self._marker = marker_entry(marker_token)
         self._ids = itertools.count(1)
@@ -99,11 +100,17 @@ class ExecServer:
                 env=env,
                 start_new_session=True,
             )
-        return cls(proc, marker_token)
+        return cls(proc, marker_token, pid_namespace)
 
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def emptied_its_namespace(self) -> bool:
+        """Whether the server has exited after its PID namespace ended with every process in it: nothing
+        it ran can be left anywhere."""
+        return self.pid_namespace and self._proc.returncode == 0
 
     @property
     def alive(self) -> bool:

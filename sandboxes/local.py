@@ -612,8 +612,10 @@ class LocalSandbox:
             # Whatever did not go by itself, and anything of ours that escaped every tree: by force.
             overran = [p.pid for p in procs if not p.ended]
             await self._server.close(self._grace + sup.DRAIN_S + 2.0)
-            overran.append(self._server.pid)
-            clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
+            clean = not overran and self._server.emptied_its_namespace
+            if not clean:  # a walk of all of /proc for our marker: milliseconds, needed only here
+                overran.append(self._server.pid)
+                clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
             self.descriptor_path.unlink(missing_ok=True)

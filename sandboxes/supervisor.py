@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import selectors
 import signal
 import subprocess
@@ -41,6 +42,7 @@ FREEZE_ROUNDS = 50
 KILL_SETTLE_S = 0.5  # how long one SIGKILL round waits for the kernel to tear processes down
 DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is gone
 READ_CHUNK = 64 * 1024
+NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's processes
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -292,6 +294,26 @@ class PidNamespace:
         if ready != b"1":
             raise OSError(f"the PID namespace's init (pid {pid}) failed to start")
         self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+    def end(self, timeout: float) -> bool:
+        """Close our end, which ends the init and with it the namespace; True once the init is reaped,
+        which the kernel allows only when every other process of the namespace is gone."""
+        os.close(self.hold)
+        try:
+            exited = os.pidfd_open(self.init_pid)
+        except ProcessLookupError:
+            exited = None  # reaped already, by the server's loop
+        if exited is not None:
+            try:
+                select.select([exited], [], [], timeout)
+            finally:
+                os.close(exited)
+            try:
+                pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
+            except ChildProcessError:
+                return True
+            return pid == self.init_pid
+        return True
 
     def enter(self) -> None:
         """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and
@@ -851,6 +873,9 @@ def main(argv: list[str]) -> int:
         server = _Server(int(argv[2]), pid_namespace)
         server.install_signals()
         code = server.serve()
+        # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
+        if pid_namespace is not None and not pid_namespace.end(NAMESPACE_END_S):
+            code = 1
         os._exit(code)  # nothing to flush or finalize: the sandbox's stop() waits for this exit
     with open(argv[1], encoding="utf-8") as f:
         params = json.load(f)

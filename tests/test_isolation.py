@@ -169,6 +169,33 @@ async def test_a_sandboxs_commands_share_its_namespace_which_ends_with_its_serve
     assert not processes_under(str(tmp_path / "sandboxes"))
 
 
+@needs_pids
+async def test_stop_leaves_nothing_of_the_namespace_without_a_sweep(tmp_path):
+    """A process its supervisor no longer holds (the supervisor died by SIGKILL) is the namespace's
+    orphan; stop() ends the namespace and returns only once it is empty, with no walk of /proc."""
+    mark = new_mark()
+    fifo = Fifo(tmp_path / "ready.fifo")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, pids="isolated")
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="s", ttl_s=300))
+    orphaned = asyncio.ensure_future(
+        sandbox.exec(["bash", "-c", f"echo up > {fifo.path}; exec -a {mark} sleep 300"], timeout=300)
+    )
+    try:
+        await fifo.lines(1)
+    finally:
+        fifo.close()
+    [supervisor_pid] = sandbox.descriptor()["supervisor_pids"]
+    os.kill(supervisor_pid, signal.SIGKILL)
+    with pytest.raises(SandboxLostError):
+        await orphaned
+    assert len(live_with(mark)) == 1
+    await sandbox.stop()
+    await provider.aclose()
+    # The server exits 0 only once its namespace's init is reaped, and then stop() skips the sweep.
+    assert sandbox._server.emptied_its_namespace
+    assert live_with(mark) == []
+
+
 @needs_bwrap
 async def test_readonly_writes_only_inside_the_session(tmp_path):
     outside = tmp_path / "host-dir"
