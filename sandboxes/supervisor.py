@@ -287,6 +287,7 @@ class PidNamespace:
         os.close(ready_w)
         os.close(hold_r)
         self.init_pid = pid
+        self.init_reaped = False
         try:
             ready = os.read(ready_r, 1)  # bounded: the init writes it, or dies and the pipe ends
         finally:
@@ -299,21 +300,15 @@ class PidNamespace:
         """Close our end, which ends the init and with it the namespace; True once the init is reaped,
         which the kernel allows only when every other process of the namespace is gone."""
         os.close(self.hold)
+        if self.init_reaped:
+            return True
+        exited = os.pidfd_open(self.init_pid)  # our unreaped child: its pid is still its own
         try:
-            exited = os.pidfd_open(self.init_pid)
-        except ProcessLookupError:
-            exited = None  # reaped already, by the server's loop
-        if exited is not None:
-            try:
-                select.select([exited], [], [], timeout)
-            finally:
-                os.close(exited)
-            try:
-                pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
-            except ChildProcessError:
-                return True
-            return pid == self.init_pid
-        return True
+            select.select([exited], [], [], timeout)
+        finally:
+            os.close(exited)
+        pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
+        return pid == self.init_pid
 
     def enter(self) -> None:
         """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and
@@ -850,6 +845,8 @@ class _Server:
             req_id = self.children.pop(pid, None)
             if req_id is not None:
                 self.reply({"id": req_id, "status": status})
+            elif self.pid_namespace is not None and pid == self.pid_namespace.init_pid:
+                self.pid_namespace.init_reaped = True  # its pid is free for reuse from here on
 
     def serve(self) -> int:
         # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
