@@ -71,6 +71,14 @@ class SessionContext:
     worker_id: str = ""
     # Workspaces laid out once per worker and copied in; None lays each out inside its sandbox.
     workspaces: PreparedWorkspaces | None = None
+    install_dir: Path | None = None  # the harness's, once a session has found it installed
+
+    async def ensure_installed(self) -> Path:
+        """The harness's install directory, installing it the first time (in a thread: it may take
+        minutes); later sessions of this worker skip the thread."""
+        if self.install_dir is None:
+            self.install_dir = await asyncio.to_thread(self.harness.ensure_installed, self.cache_root)
+        return self.install_dir
 
 
 class _Timer:
@@ -135,7 +143,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model")
 
         async def install_and_prepare(gw: GatewaySession) -> Launch:
-            install_dir = await asyncio.to_thread(ctx.harness.ensure_installed, ctx.cache_root)
+            install_dir = await ctx.ensure_installed()
             context = LaunchContext(
                 base_url=gw.base_url,
                 api_key=gw.token,

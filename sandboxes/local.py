@@ -187,7 +187,7 @@ class LocalSandboxProvider:
             await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
         try:
-            await asyncio.to_thread(self._make_tree, session_dir, sandbox.xdg_dirs)
+            self._make_tree(session_dir, sandbox.xdg_dirs)  # a few mkdirs: less than a hop to a thread
             sandbox._write_descriptor(create=True)
         except OSError as exc:
             await server.close(self.kill_grace_s)

@@ -69,7 +69,8 @@ class PreparedWorkspaces:
         ):
             yield None
             return
-        key = await asyncio.to_thread(_key_of, spec, files)
+        # Inline files alone are hashed here; a copy_from is walked in a thread, as it may be large.
+        key = await asyncio.to_thread(_key_of, spec, files) if spec.copy_from else _key_of(spec, files)
         self._readers[key] = self._readers.get(key, 0) + 1
         try:
             path = await self._entry(key, spec, files)
