@@ -112,6 +112,27 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
     return sup.kill_processes(find, grace_s=grace_s, idle=time.sleep)
 
 
+# A harness's config file, or a workspace of a few dozen entries, is written on the event loop: a hop to a
+# thread and back costs more than that, and in a Ray worker (other threads after the GIL) several times
+# more. Anything larger goes to a thread, so one big copy never stalls the worker's other sessions.
+_INLINE_BYTES = 64 * 1024
+_INLINE_ENTRIES = 64
+
+
+def _has_fewer_entries(root: Path, limit: int) -> bool:
+    """Whether the tree under ``root`` holds fewer than ``limit`` entries; stops counting at ``limit``."""
+    count, pending = 0, [str(root)]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                count += 1
+                if count >= limit:
+                    return False
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return True
+
+
 def _file_tail(path: Path) -> tuple[int, bytes]:
     try:
         with open(path, "rb") as f:
@@ -357,7 +378,10 @@ class LocalSandbox:
         self._check_open()
         where = f"sandbox {self.id}"
         try:
-            await asyncio.to_thread(write_confined, str(self.root), self.workdir, path, data, mode, where)
+            if len(data) <= _INLINE_BYTES:
+                write_confined(str(self.root), self.workdir, path, data, mode, where)
+            else:
+                await asyncio.to_thread(write_confined, str(self.root), self.workdir, path, data, mode, where)
         except SandboxError:
             raise
         except OSError as exc:
@@ -391,7 +415,10 @@ class LocalSandbox:
         if not src.is_dir():
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
         try:
-            await asyncio.to_thread(shutil.copytree, src, self.workdir, symlinks=True, dirs_exist_ok=True)
+            if _has_fewer_entries(src, _INLINE_ENTRIES):
+                shutil.copytree(src, self.workdir, symlinks=True, dirs_exist_ok=True)
+            else:
+                await asyncio.to_thread(shutil.copytree, src, self.workdir, symlinks=True, dirs_exist_ok=True)
         except (OSError, shutil.Error) as exc:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
 

@@ -696,6 +696,24 @@ async def test_write_and_read_inside(sandbox: LocalSandbox) -> None:
         await sandbox.read_file("missing.txt", 10)
 
 
+@pytest.mark.parametrize(
+    "files", [3, 200]
+)  # a small tree is copied on the event loop, a large one in a thread
+async def test_copy_in_small_and_large_trees(sandbox: LocalSandbox, tmp_path: Path, files: int) -> None:
+    src = tmp_path / "src"
+    for i in range(files):
+        (src / f"d{i % 7}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 7}" / f"f{i}.txt").write_text(f"{i}\n")
+    (src / "link").symlink_to("d0/f0.txt")
+    await sandbox.copy_in(src)
+    copied = sorted(p.relative_to(sandbox.workdir) for p in Path(sandbox.workdir).rglob("*"))
+    assert copied == sorted(p.relative_to(src) for p in src.rglob("*"))
+    assert Path(sandbox.workdir, f"d{(files - 1) % 7}", f"f{files - 1}.txt").read_text() == f"{files - 1}\n"
+    assert os.readlink(Path(sandbox.workdir, "link")) == "d0/f0.txt"
+    await sandbox.write_file("big.bin", b"x" * (1 << 20))  # past the inline size: written in a thread
+    assert Path(sandbox.workdir, "big.bin").stat().st_size == 1 << 20
+
+
 async def test_path_escapes_are_refused(sandbox: LocalSandbox, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
