@@ -43,6 +43,7 @@ from policy import (
     kind_for_http,
     parse_retry_after,
 )
+from sandboxes.inline import small_inline
 
 SESSION_HEADER = "x-rollout-session"  # the scripted model keys its scripts on it; a real endpoint ignores it
 
@@ -681,11 +682,11 @@ class Gateway:
             capture, body = rewritten is not None, rewritten or body
         saving = None
         if self.config.keep_bodies and body:
-            # One file per request, not per attempt: every attempt sends these same bytes. Off the loop
-            # (compressing a long agent history takes a while) and beside the first attempt, not before it.
+            # One file per request, not per attempt: every attempt sends these same bytes. Beside the first
+            # attempt, not before it, and in a thread once the body is large (a long agent history).
             name = f"req-{index}.json.gz"
             path, limit = session.evidence_dir / name, self.config.max_body_bytes
-            saving = (name, asyncio.ensure_future(asyncio.to_thread(_save_gzip, body, limit, path)))
+            saving = (name, asyncio.ensure_future(small_inline(len(body), _save_gzip, body, limit, path)))
         return _Request(
             session=session,
             index=index,

@@ -56,6 +56,7 @@ from sandboxes.environment import (
     xdg_dirs,
 )
 from sandboxes.exec_server import ExecServer, ServedExec
+from sandboxes.inline import small_inline
 from sandboxes.owner import boot_id, start_ticks
 
 log = logging.getLogger(__name__)
@@ -112,10 +113,7 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
     return sup.kill_processes(find, grace_s=grace_s, idle=time.sleep)
 
 
-# A harness's config file, or a workspace of a few dozen entries, is written on the event loop: a hop to a
-# thread and back costs more than that, and in a Ray worker (other threads after the GIL) several times
-# more. Anything larger goes to a thread, so one big copy never stalls the worker's other sessions.
-_INLINE_BYTES = 64 * 1024
+# A workspace of a few dozen entries (a prepared one) is copied on the event loop; see sandboxes/inline.py.
 _INLINE_ENTRIES = 64
 
 
@@ -378,10 +376,9 @@ class LocalSandbox:
         self._check_open()
         where = f"sandbox {self.id}"
         try:
-            if len(data) <= _INLINE_BYTES:
-                write_confined(str(self.root), self.workdir, path, data, mode, where)
-            else:
-                await asyncio.to_thread(write_confined, str(self.root), self.workdir, path, data, mode, where)
+            await small_inline(
+                len(data), write_confined, str(self.root), self.workdir, path, data, mode, where
+            )
         except SandboxError:
             raise
         except OSError as exc:
@@ -402,7 +399,13 @@ class LocalSandbox:
                 return f.read(limit)
 
         try:
-            return await asyncio.to_thread(read)
+            try:
+                size = min(limit, os.stat(self._inside(path)).st_size)
+            except OSError as exc:
+                if isinstance(exc, FileNotFoundError):
+                    raise
+                size = limit  # read() says what is wrong
+            return await small_inline(size, read)
         except (SandboxError, FileNotFoundError):
             raise
         except OSError as exc:
