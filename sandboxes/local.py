@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ from sandboxes.environment import (
     xdg_dirs,
 )
 from sandboxes.exec_server import ExecServer, ServedExec
-from sandboxes.inline import small_inline
+from sandboxes.inline import inline_if, small_inline, small_tree
 from sandboxes.owner import boot_id, start_ticks
 
 log = logging.getLogger(__name__)
@@ -111,24 +112,6 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
         return {pid for pid in found if pid in procs and procs[pid].alive}
 
     return sup.kill_processes(find, grace_s=grace_s, idle=time.sleep)
-
-
-# A workspace of a few dozen entries (a prepared one) is copied on the event loop; see sandboxes/inline.py.
-_INLINE_ENTRIES = 64
-
-
-def _has_fewer_entries(root: Path, limit: int) -> bool:
-    """Whether the tree under ``root`` holds fewer than ``limit`` entries; stops counting at ``limit``."""
-    count, pending = 0, [str(root)]
-    while pending:
-        with os.scandir(pending.pop()) as entries:
-            for entry in entries:
-                count += 1
-                if count >= limit:
-                    return False
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-    return True
 
 
 def _file_tail(path: Path) -> tuple[int, bytes]:
@@ -389,8 +372,7 @@ class LocalSandbox:
         if limit < 0:
             raise SandboxError(f"negative read limit {limit}")
 
-        def read() -> bytes:
-            real = self._inside(path)
+        def read(real: Path) -> bytes:
             # O_NONBLOCK so that a FIFO planted at this path cannot hang us in open().
             fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as f:
@@ -399,13 +381,14 @@ class LocalSandbox:
                 return f.read(limit)
 
         try:
+            real = self._inside(path)
             try:
-                size = min(limit, os.stat(self._inside(path)).st_size)
+                size = min(limit, os.stat(real).st_size)
             except OSError as exc:
                 if isinstance(exc, FileNotFoundError):
                     raise
                 size = limit  # read() says what is wrong
-            return await small_inline(size, read)
+            return await small_inline(size, read, real)
         except (SandboxError, FileNotFoundError):
             raise
         except OSError as exc:
@@ -418,10 +401,8 @@ class LocalSandbox:
         if not src.is_dir():
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
         try:
-            if _has_fewer_entries(src, _INLINE_ENTRIES):
-                shutil.copytree(src, self.workdir, symlinks=True, dirs_exist_ok=True)
-            else:
-                await asyncio.to_thread(shutil.copytree, src, self.workdir, symlinks=True, dirs_exist_ok=True)
+            copy = functools.partial(shutil.copytree, symlinks=True, dirs_exist_ok=True)
+            await inline_if(small_tree(src), copy, src, self.workdir)
         except (OSError, shutil.Error) as exc:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
 
@@ -481,7 +462,7 @@ class LocalSandbox:
             raise SandboxError(f"sandbox {self.id} is past its TTL")
         if not argv or not all(isinstance(a, str) for a in argv):
             raise SandboxError(f"argv must be a non-empty list of strings, not {argv!r}")
-        for bound in (timeout, before.timeout if before else 1.0):
+        for bound in [timeout] + ([before.timeout] if before else []):
             if not (isinstance(bound, int | float) and bound > 0 and math.isfinite(bound)):
                 raise SandboxError(f"invalid timeout {bound!r}")
         if before is not None and not before.argv:

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from sandboxes.base import SandboxError, WorkspaceSpec
+from sandboxes.inline import inline_if
 from sandboxes.local import write_confined
 from sandboxes.owner import Owner
 from sandboxes.workspace import (
@@ -70,7 +71,7 @@ class PreparedWorkspaces:
             yield None
             return
         # Inline files alone are hashed here; a copy_from is walked in a thread, as it may be large.
-        key = await asyncio.to_thread(_key_of, spec, files) if spec.copy_from else _key_of(spec, files)
+        key = await inline_if(not spec.copy_from, _key_of, spec, files)
         self._readers[key] = self._readers.get(key, 0) + 1
         try:
             path = await self._entry(key, spec, files)
