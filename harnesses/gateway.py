@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import httpx
+import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import BaseModel, ConfigDict, Field
+from yarl import URL
 
 from policy import (
     FailureKind,
@@ -67,7 +68,8 @@ _MAX_TOKEN_ID = 2**31 - 1  # the row stores int32; an id past it is not a real v
 # The two model-call APIs whose requests ask for token ids when capture_tokens is on.
 _CHAT_PATH, _RESPONSES_PATH = "/chat/completions", "/responses"
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_POOL = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30.0)
+_MAX_CONNECTIONS = 512
+_KEEPALIVE_S = 30.0
 
 _HOP_BY_HOP = frozenset(
     {
@@ -558,7 +560,7 @@ class Gateway:
         )
         self._rng = random.Random()
         self._sessions: dict[str, GatewaySession] = {}
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
         self.unix_path: str | None = None  # the Unix socket it also listens on, if any
@@ -589,15 +591,16 @@ class Gateway:
             await runner.cleanup()
             raise
         cfg = self.config
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=cfg.connect_timeout_s,
-                read=cfg.read_timeout_s,
-                write=cfg.read_timeout_s,
-                pool=cfg.connect_timeout_s,
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S),
+            # connect covers the wait for a pooled connection too; sock_read bounds every wait for a byte,
+            # the answer's headers included, so an upstream that stops reading our body is bounded too.
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
             ),
-            limits=_POOL,
-            follow_redirects=False,
+            auto_decompress=False,  # relayed as received: the usage sniffer and the kept copy see those bytes
+            # What the harness sent, and nothing of aiohttp's own in its place.
+            skip_auto_headers=("User-Agent", "Content-Type"),
             trust_env=False,  # a proxy from the environment must never see the real key
         )
         self._runner = runner
@@ -610,7 +613,7 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
         self._url = None
         if self.unix_path is not None:
@@ -654,7 +657,8 @@ class Gateway:
             session._refused += 1
             return _closed()
         rest = request.rel_url.raw_path.split("/", 4)[4]
-        # httpx resolves dot segments, which would let a harness reach paths outside /v1 with the real key.
+        # A URL library resolves dot segments, which would let a harness reach paths outside /v1 with the
+        # real key.
         if any(unquote(part) in (".", "..") for part in rest.split("/")):
             return _closed()
         task = asyncio.current_task()
@@ -761,38 +765,41 @@ class Gateway:
         assert self._client is not None
         req = att.req
         try:
-            upstream_request = self._client.build_request(
-                req.method, req.url, headers=req.headers, content=req.body or None
-            )
             try:
-                upstream = await self._client.send(upstream_request, stream=True)
-            except httpx.TransportError as exc:
+                upstream = await self._client.request(
+                    req.method,
+                    URL(req.url, encoded=True),  # sent as the harness wrote it, not re-quoted
+                    headers=req.headers,
+                    data=req.body or None,
+                    allow_redirects=False,
+                )
+            except aiohttp.ClientError as exc:
                 await req.saved()
                 return self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
             await req.saved()
             try:
-                att.status = upstream.status_code
-                if upstream.status_code >= 400:
+                att.status = upstream.status
+                if upstream.status >= 400:
                     return await self._answer_error(att, upstream)
                 return await self._relay(att, upstream, request)
             finally:
-                await upstream.aclose()
+                upstream.release()  # back to the pool if read to its end, else closed
         except asyncio.CancelledError:
             self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             raise
 
     async def _answer_error(
-        self, att: _Attempt, upstream: httpx.Response
+        self, att: _Attempt, upstream: aiohttp.ClientResponse
     ) -> web.StreamResponse | AttemptRecord:
-        status, session = upstream.status_code, att.req.session
+        status, session = upstream.status, att.req.session
         body = bytearray()
         try:
-            async for chunk in upstream.aiter_raw():
+            while chunk := await upstream.content.readany():
                 att.received(chunk)
                 body += chunk[: _MAX_ERROR_BODY_BYTES - len(body)]
                 if len(body) >= _MAX_ERROR_BODY_BYTES:
                     break
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             return self._finish(att, FailureKind.TRANSPORT_ERROR, f"HTTP {status}, then {_describe(exc)}")
         kind = kind_for_http(status, bytes(body))
         att.retry_after_s = parse_retry_after(upstream.headers.get("retry-after"))
@@ -816,23 +823,21 @@ class Gateway:
         return web.Response(status=status, body=bytes(body), headers=_relayed(upstream.headers))
 
     async def _relay(
-        self, att: _Attempt, upstream: httpx.Response, request: web.Request
+        self, att: _Attempt, upstream: aiohttp.ClientResponse, request: web.Request
     ) -> web.StreamResponse | AttemptRecord:
         att.streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
         held: list[bytes] = []
         held_bytes = 0
         response: web.StreamResponse | None = None  # set once bytes go to the harness: no retry after
         try:
-            async for chunk in upstream.aiter_raw():
+            while chunk := await _read_upstream(upstream):
                 att.received(chunk)
                 if response is None:
                     held.append(chunk)
                     held_bytes += len(chunk)
                     if not att.streamed and held_bytes <= _MAX_HELD_BYTES:
                         continue
-                    response = web.StreamResponse(
-                        status=upstream.status_code, headers=_relayed(upstream.headers)
-                    )
+                    response = web.StreamResponse(status=upstream.status, headers=_relayed(upstream.headers))
                     await response.prepare(request)
                     chunk = b"".join(held)
                     held.clear()
@@ -840,8 +845,8 @@ class Gateway:
                 async with asyncio.timeout(self.config.read_timeout_s):
                     await response.write(chunk)
                 att.answer_delivered = att.usage.finish_reason is not None
-        except httpx.TransportError as exc:
-            record = self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
+        except _UpstreamCut as cut:
+            record = self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(cut.error))
             if response is None:
                 return record
             # Bytes already reached the harness: pass the cut on; its own reconnect is a new request.
@@ -864,7 +869,7 @@ class Gateway:
             if not att.streamed:
                 att.usage.feed_json(body)
             headers = _relayed(upstream.headers)
-            response = web.Response(status=upstream.status_code, body=body, headers=headers)
+            response = web.Response(status=upstream.status, body=body, headers=headers)
             with contextlib.suppress(ConnectionError):
                 await response.prepare(request)
         # The harness gets the end of its answer before the record and the kept body are written: they
@@ -891,11 +896,28 @@ def _closed() -> web.Response:
     return web.Response(status=400, body=CLOSED_BODY, content_type="application/json")
 
 
-def _relayed(headers: httpx.Headers) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.multi_items() if k.lower() not in _NOT_RELAYED)
+def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RELAYED)
 
 
-def _describe(exc: httpx.TransportError) -> str:
+class _UpstreamCut(Exception):
+    """The upstream's answer broke off; kept apart from the harness's side, whose write errors are
+    ConnectionErrors too (aiohttp's ClientConnectionResetError is both)."""
+
+    def __init__(self, error: aiohttp.ClientError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _read_upstream(upstream: aiohttp.ClientResponse) -> bytes:
+    """The next bytes of the answer as they arrive (b"" at its end)."""
+    try:
+        return await upstream.content.readany()
+    except aiohttp.ClientError as exc:
+        raise _UpstreamCut(exc) from exc
+
+
+def _describe(exc: aiohttp.ClientError) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

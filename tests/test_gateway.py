@@ -275,7 +275,7 @@ async def test_connection_refused_is_a_transport_error(harness, tmp_path) -> Non
 
     assert (response.status_code, response.content) == (400, CLOSED_BODY)
     assert kinds(session) == [(None, FailureKind.TRANSPORT_ERROR)] * 3
-    assert all(a.error_message and "ConnectError" in a.error_message for a in session.attempts)
+    assert all(a.error_message and "Cannot connect" in a.error_message for a in session.attempts)
     assert session.closed_kind is FailureKind.TRANSPORT_ERROR
 
 
