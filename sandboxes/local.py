@@ -394,15 +394,17 @@ class LocalSandbox:
         except OSError as exc:
             raise SandboxError(f"cannot read {path!r} in sandbox {self.id}: {exc}") from exc
 
-    async def copy_in(self, src: Path) -> None:
-        """Copy a local directory's content into the workspace (symlinks kept as links, .git included)."""
+    async def copy_in(self, src: Path, dest: str | None = None) -> None:
+        """Copy a local directory's content into the workspace, or into ``dest`` (a path in the sandbox),
+        symlinks kept as links, .git included."""
         self._check_open()
         src = Path(src)
         if not src.is_dir():
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
+        target = self.workdir if dest is None else str(self._inside(dest))
         try:
             copy = functools.partial(shutil.copytree, symlinks=True, dirs_exist_ok=True)
-            await inline_if(small_tree(src), copy, src, self.workdir)
+            await inline_if(small_tree(src), copy, src, target)
         except (OSError, shutil.Error) as exc:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
 

@@ -200,13 +200,15 @@ class RemoteSandbox:
             raise FileNotFoundError(path)
         return resp.content[:limit]
 
-    async def copy_in(self, src: Path) -> None:
-        """Copy a local directory's content into the workspace (symlinks kept as links, .git included)."""
+    async def copy_in(self, src: Path, dest: str | None = None) -> None:
+        """Copy a local directory's content into the workspace, or into ``dest`` (a path in the sandbox),
+        symlinks kept as links, .git included."""
         src = Path(src)
         if not src.is_dir():
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
         data = await asyncio.to_thread(_tar_of, src, COPY_IN_LIMIT_BYTES)
-        await self._request("POST", "/untar", params={"dest": self.workdir}, content=data, timeout=300.0)
+        params = {"dest": dest or self.workdir}
+        await self._request("POST", "/untar", params=params, content=data, timeout=300.0)
 
     async def stop(self) -> None:
         """Ask the agent to end its commands, then end the job or task; idempotent, bounded."""

@@ -1,11 +1,14 @@
 """Laying out a task's workspace in a sandbox, and reading back what the agent changed there.
 
-After ``lay_out`` the workspace is a git repository (when the sandbox has git) whose state right after
-lay-out is recorded as the commit ``refs/rollout/baseline``. ``workspace_diff`` compares the working tree
-against it, new files included, so the diff holds the agent's changes and nothing of the lay-out. A
-workspace that was not a repository gets ``git init`` and the baseline as its first commit; a copied
-repository keeps its HEAD, branch and index untouched (the baseline commit hangs off HEAD, unreferenced
-by any branch).
+After ``lay_out`` the workspace's state right after lay-out is recorded (when the sandbox has git) as the
+commit ``refs/rollout/baseline``. ``workspace_diff`` compares the working tree against it, new files
+included, so the diff holds the agent's changes and nothing of the lay-out.
+
+A workspace that is no repository stays none: its baseline goes to a git directory of ours beside it
+(``baseline_git_dir``), so the agent sees the task as it was given, with no history or ``.git`` of ours,
+and a harness spends nothing on git (Codex reads a repository's state at start-up: ~6 ms a rollout). A
+copied repository keeps its HEAD, branch and index untouched (the baseline commit hangs off HEAD,
+unreferenced by any branch).
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ class WorkspaceError(SandboxError):
 
 @runtime_checkable
 class CopiesIn(Protocol):
-    """A sandbox that can take a local directory's content into its workspace."""
+    """A sandbox that can take a local directory's content into its workspace, or into ``dest``."""
 
-    async def copy_in(self, src: Path) -> None: ...
+    async def copy_in(self, src: Path, dest: str | None = None) -> None: ...
 
 
 def checked_relative_path(path: str) -> str:
@@ -78,6 +81,8 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: PreparedWorks
         async with prepared.use(spec, files) as template:
             if template is not None:
                 await sandbox.copy_in(template)
+                if (git_dir := Path(baseline_git_dir(str(template)))).is_dir():
+                    await sandbox.copy_in(git_dir, baseline_git_dir(sandbox.workdir))
                 return
     if spec.copy_from:
         if not isinstance(sandbox, CopiesIn):
@@ -87,6 +92,15 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: PreparedWorks
         await sandbox.write_file(rel, text.encode())
     await record_baseline(sandbox)
 
+
+def baseline_git_dir(workdir: str) -> str:
+    """Where the baseline of a workspace that is no repository is kept: beside it, in the sandbox's own
+    directory (its parent), out of the agent's workspace."""
+    return posixpath.join(posixpath.dirname(posixpath.normpath(workdir)), _BASELINE_GIT_NAME)
+
+
+_BASELINE_GIT_NAME = "baseline.git"
+_BASELINE_GIT_ENV = "ROLLOUT_BASELINE_GIT"
 
 # One shell script per operation rather than one exec per git command: each exec costs a process
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
@@ -111,18 +125,24 @@ if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then
   g update-ref {BASELINE_REF} "$commit"
   mv "$GIT_INDEX_FILE" "$gd/{_DIFF_INDEX}"
 else
-  g init -q --template=
+  export GIT_DIR="${_BASELINE_GIT_ENV}"
+  g init -q --template=  # bare: the work tree is named at each use, never recorded in its config
+  export GIT_WORK_TREE="$PWD"
   g add -A
   g commit -q --allow-empty --no-verify -m "workspace baseline"
   g update-ref {BASELINE_REF} HEAD
-  if [ -f .git/index ]; then cp -p .git/index .git/{_DIFF_INDEX}; fi
+  if [ -f "$GIT_DIR/index" ]; then cp -p "$GIT_DIR/index" "$GIT_DIR/{_DIFF_INDEX}"; fi
 fi
 """
 
 _NOT_A_REPO = 3
 _DIFF_NAME = "workspace-diff"
 # Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
-_DIFF_SCRIPT = f"""if [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"
+# Our own baseline directory first: a `git init` of the agent's in the workspace must not hide it.
+_DIFF_SCRIPT = f"""if [ -d "${_BASELINE_GIT_ENV}" ]; then
+  gd="${_BASELINE_GIT_ENV}"
+  export GIT_DIR="$gd" GIT_WORK_TREE="$PWD"
+elif [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"
 else gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}; fi
 # A private index, so that untracked files show up and the agent's own index is left alone.
 export GIT_INDEX_FILE="$gd/{_DIFF_INDEX}"
@@ -140,6 +160,7 @@ def git_script(body: str, workdir: str) -> tuple[list[str], dict[str, str]]:
     env = dict(_GIT_ENV)
     # Never climb above the workspace into a repository that happens to contain the sandbox root.
     env["GIT_CEILING_DIRECTORIES"] = posixpath.dirname(workdir.rstrip("/"))
+    env[_BASELINE_GIT_ENV] = baseline_git_dir(workdir)
     return ["sh", "-c", _PRELUDE + body], env
 
 

@@ -78,6 +78,28 @@ async def test_inline_files_then_diff_of_the_agents_edits(
 
 
 @needs_git
+async def test_a_workspace_that_is_no_repository_stays_one_and_its_agents_own_repository_is_not_ours(
+    sandbox: LocalSandbox, prepared: PreparedWorkspaces | None
+) -> None:
+    await lay_out(sandbox, WorkspaceSpec(files={"app.py": "v = 1\n"}), prepared)
+    work = Path(sandbox.workdir)
+    assert sorted(p.name for p in work.iterdir()) == ["app.py"]  # no .git, nothing of ours
+    outside = {**GIT_ENV, "GIT_CEILING_DIRECTORIES": str(work.parent)}
+    found = subprocess.run(["git", "rev-parse", "--git-dir"], cwd=work, env=outside, capture_output=True)
+    assert found.returncode != 0  # the agent's git finds no repository, as the task gave none
+
+    # The agent makes a repository of its own and commits its edit there: the diff is still against
+    # the lay-out, and holds nothing of the agent's .git.
+    script = "git init -q && echo 'v = 2' > app.py && git add -A && git commit -qm mine && echo n > new.txt"
+    done = await sandbox.exec(["bash", "-c", script], timeout=30, env=GIT_ENV)
+    assert done.exit_code == 0, done.stderr_tail
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "-v = 1" in diff and "+v = 2" in diff and "+++ b/new.txt" in diff
+    assert ".git/" not in diff
+
+
+@needs_git
 async def test_copy_from_a_git_repository(
     sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
 ) -> None:
