@@ -328,6 +328,31 @@ async def test_missing_command_is_127(sandbox: LocalSandbox) -> None:
     assert "definitely-not-a-command-xyz" in res.stderr_tail
 
 
+async def test_a_command_starts_with_stdio_only_default_signals_and_a_group_of_its_own(
+    sandbox: LocalSandbox,
+) -> None:
+    # `ls` lists the descriptors of the shell, which opens none of its own for these lines.
+    script = 'grep SigIgn /proc/$$/status; read -r -a st < /proc/$$/stat; echo "$$ ${st[4]}"; '
+    script += "ls /proc/$$/fd; exit 0"
+    res = await sandbox.exec(["bash", "-c", script], timeout=30)
+    ignored, ids, *fds = res.stdout_tail.splitlines()
+    assert fds == ["0", "1", "2"]  # nothing of the supervisor's leaks into the command
+    sigign = int(ignored.split()[1], 16)
+    assert not sigign & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1))
+    pid, pgid = ids.split()
+    assert pid == pgid
+
+
+async def test_the_command_is_looked_up_on_its_own_path(sandbox: LocalSandbox, tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "true").write_text("#!/bin/sh\nexit 9\n")  # not executable: skipped, as execvp does
+    res = await sandbox.exec(["true"], timeout=30, env={"PATH": f"{shadow}:/usr/bin:/bin"})
+    assert res.exit_code == 0
+    res = await sandbox.exec(["true"], timeout=30, env={"PATH": str(shadow)})
+    assert res.exit_code == 126 and "true" in res.stderr_tail
+
+
 async def test_stdin_is_fed_then_closed(sandbox: LocalSandbox) -> None:
     res = await sandbox.exec(["cat"], timeout=30, stdin=b"prompt\x00bytes")
     assert res.stdout_tail == "prompt\x00bytes"
