@@ -165,6 +165,9 @@ class LocalSandboxProvider:
         self.supervisor_slack_s = supervisor_slack_s
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
+        # A spare starts at the lowest CPU priority while the machine may need the CPU for a harness, and
+        # gets the normal one back when taken; False once this process turns out not to be allowed to.
+        self._spare_nice = True
         self._removals: set[asyncio.Task[None]] = set()
         # pids/filesystem: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
         # network_forward (port, unix socket): every command runs in a loopback-only network namespace of
@@ -199,9 +202,8 @@ class LocalSandboxProvider:
         return sandbox
 
     async def _take_server(self) -> ExecServer:
-        """The spare supervisor server if there is a live one, else a new one; a new spare is started
-        for the next sandbox. A server's interpreter start-up and imports take tens of milliseconds,
-        which a spare moves off the session's path."""
+        """The spare supervisor server if there is a live one, else a new one. A server's interpreter
+        start-up and imports take tens of milliseconds, which a spare moves off the session's path."""
         loop = asyncio.get_running_loop()
         spare, self._spare = self._spare, None
         server: ExecServer | None = None
@@ -210,12 +212,38 @@ class LocalSandboxProvider:
             # Done: at once. Still starting: waiting for it is no slower than starting a new one.
             with contextlib.suppress(OSError):
                 server = await spare[1]
-            if server is not None and not server.alive:
+            if server is not None and not (server.alive and self._normal_priority(server)):
                 await server.close(0)
                 server = None
         if server is None:
             server = await self._new_server()
-        self._spare = (loop, asyncio.ensure_future(self._new_server()))
+        return server
+
+    def _normal_priority(self, server: ExecServer) -> bool:
+        """Give a taken spare, and so every command it will run, the normal CPU priority back."""
+        try:
+            os.setpriority(os.PRIO_PGRP, server.pid, 0)  # the server leads its group, with its init
+        except PermissionError:  # no CAP_SYS_NICE, nor an RLIMIT_NICE that allows it
+            log.info("sandboxes: cannot restore a spare's CPU priority; later spares keep the normal one")
+            self._spare_nice = False
+            return False
+        except ProcessLookupError:
+            return False
+        return True
+
+    def want_spare(self) -> None:
+        """Start a spare server for the next sandbox, if none is there: called once a sandbox's command
+        runs, so that its start-up neither delays a session's setup on this event loop nor takes the
+        CPU from a harness (it runs at the lowest priority until taken)."""
+        loop = asyncio.get_running_loop()
+        if self._spare is None or self._spare[0] is not loop:
+            self._spare = (loop, asyncio.ensure_future(self._new_spare()))
+
+    async def _new_spare(self) -> ExecServer:
+        server = await self._new_server()
+        if self._spare_nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, server.pid, 19)
         return server
 
     async def _new_server(self) -> ExecServer:
@@ -515,6 +543,7 @@ class LocalSandbox:
         # The command's environment goes through the server's pipe, never to disk.
         proc = await self._server.spawn(params, exec_env)
         self._running[proc.pid] = proc
+        self._provider.want_spare()
         try:
             if self._stopping:  # stop() ran while we were spawning and did not see this supervisor
                 self._signal(proc, signal.SIGTERM)

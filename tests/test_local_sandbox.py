@@ -397,6 +397,26 @@ async def test_resource_limits(provider: LocalSandboxProvider) -> None:
     assert res.stdout_tail.split() == ["0", str(nofile), str(256 * 1024)]
 
 
+async def test_a_spare_server_waits_at_the_lowest_priority_and_its_sandbox_runs_at_the_normal_one(
+    provider: LocalSandboxProvider,
+) -> None:
+    first = await provider.start(spec())
+    try:
+        await first.exec(["true"], timeout=30)  # a running command asks for the next sandbox's server
+        assert provider._spare is not None
+        spare = await provider._spare[1]
+        assert os.getpriority(os.PRIO_PROCESS, spare.pid) == 19
+        second = await provider.start(spec())
+        try:
+            res = await second.exec(["nice"], timeout=30)  # prints the command's niceness
+        finally:
+            await second.stop()
+    finally:
+        await first.stop()
+    assert second._server is spare
+    assert res.stdout_tail.strip() == "0"
+
+
 async def test_cwd_is_workdir_or_inside(sandbox: LocalSandbox) -> None:
     await sandbox.write_file("sub/dir/f.txt", b"x")
     res = await sandbox.exec(["pwd"], timeout=30)
