@@ -445,6 +445,11 @@ def _spawn(
         candidates = [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
     denied: OSError | None = None
     for path in candidates:
+        # A check first: each spawn that fails costs a clone, where Popen tries every entry in one child.
+        if not os.access(path, os.X_OK):
+            if os.path.lexists(path):
+                denied = denied or PermissionError(13, "Permission denied", path)
+            continue
         try:
             return os.posix_spawn(
                 path,
