@@ -131,7 +131,9 @@ else
   g add -A
   g commit -q --allow-empty --no-verify -m "workspace baseline"
   g update-ref {BASELINE_REF} HEAD
-  if [ -f "$GIT_DIR/index" ]; then cp -p "$GIT_DIR/index" "$GIT_DIR/{_DIFF_INDEX}"; fi
+  # Only what the diff reads: every file here is copied into each sandbox of a prepared workspace.
+  if [ -f "$GIT_DIR/index" ]; then mv "$GIT_DIR/index" "$GIT_DIR/{_DIFF_INDEX}"; fi
+  rm -rf "$GIT_DIR/logs" "$GIT_DIR/COMMIT_EDITMSG"
 fi
 """
 
