@@ -141,6 +141,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
 
     from executor.config import load_config
     from executor.driver import connect_ray
+    from executor.schema import batch_from_wire
     from executor.tasks import load_tasks
     from executor.worker import RemoteSandboxWorker
     from harnesses.codex import CodexHarness
@@ -164,7 +165,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
         )
         for i, task in enumerate(load_tasks(tasks)):
             _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
-            rows.extend(ray.get(worker.run.remote(task.model_dump_json(), 0, 1)).to_pylist())
+            rows.extend(batch_from_wire(ray.get(worker.run.remote(task.model_dump_json(), 0, 1))).to_pylist())
             ray.get(worker.settle.remote())  # its sandbox's deletion runs after the row, not during ours
     finally:
         model.stop()
@@ -285,7 +286,7 @@ def throughput(n: int, levels: tuple[int, ...], scratch: Path) -> list[dict[str,
 def _null_worker_class() -> Any:
     import ray
 
-    from executor.schema import rows_to_batch
+    from executor.schema import batch_to_wire, rows_to_batch
 
     class NullWorker:
         """Answers every session at once with a completed row: only the driver's side is exercised."""
@@ -295,23 +296,25 @@ def _null_worker_class() -> Any:
 
         async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
             task_id = json.loads(task_json)["id"]
-            return rows_to_batch(
-                [
-                    {
-                        "run_id": self.run_id,
-                        "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
-                        "task_id": task_id,
-                        "sample_index": sample_index,
-                        "attempt": attempt,
-                        "harness": "null",
-                        "sandbox_provider": "null",
-                        "status": "completed",
-                        "failure_kind": "none",
-                        "reward": 1.0,
-                        "final_text": "done",
-                        "evidence_gaps": [],
-                    }
-                ]
+            return batch_to_wire(
+                rows_to_batch(
+                    [
+                        {
+                            "run_id": self.run_id,
+                            "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
+                            "task_id": task_id,
+                            "sample_index": sample_index,
+                            "attempt": attempt,
+                            "harness": "null",
+                            "sandbox_provider": "null",
+                            "status": "completed",
+                            "failure_kind": "none",
+                            "reward": 1.0,
+                            "final_text": "done",
+                            "evidence_gaps": [],
+                        }
+                    ]
+                )
             )
 
     return ray.remote(NullWorker)

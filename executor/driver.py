@@ -30,7 +30,7 @@ from executor.admission import Admission
 from executor.config import RunConfig
 from executor.gc import collect_quietly
 from executor.progress import Progress
-from executor.schema import rows_to_batch, with_decisions
+from executor.schema import batch_from_wire, rows_to_batch, with_decisions
 from executor.session import SessionRequest, lost_row
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
@@ -298,7 +298,7 @@ class Driver:
         self._load[index] -= 1
         submitted_at = self._submitted_at.pop(ref, 0.0)
         try:
-            batch: pa.RecordBatch = ray.get(ref)
+            batch = batch_from_wire(ray.get(ref))
         except ActorUnavailableError as exc:
             key = (req.task.id, req.sample_index)
             died_at = self._worker_died_at.get(index)

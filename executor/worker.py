@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pyarrow as pa
 import ray
 
 from executor.config import LocalSandboxConfig, RunConfig
 from executor.gc import collect_quietly
-from executor.schema import rows_to_batch
+from executor.schema import batch_to_wire, rows_to_batch
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.gateway import Gateway
@@ -83,14 +82,15 @@ class SandboxWorker:
             gc.freeze()
             return self._ctx
 
-    async def run(self, task_json: str, sample_index: int, attempt: int) -> pa.RecordBatch:
+    async def run(self, task_json: str, sample_index: int, attempt: int) -> bytes:
+        """The session's row, as ``executor.schema.batch_to_wire`` sends it."""
         ctx = await self._context()
         req = SessionRequest(
             self.cfg.run_id or "", Task.model_validate_json(task_json), sample_index, attempt
         )
         async with self._slots:
             row = await run_session(req, ctx)
-        return rows_to_batch([row])
+        return batch_to_wire(rows_to_batch([row]))
 
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id}

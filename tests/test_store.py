@@ -6,7 +6,14 @@ import textwrap
 import pyarrow.parquet as pq
 import pytest
 
-from executor.schema import COLUMNS, ROW_SCHEMA, rows_to_batch, with_decisions
+from executor.schema import (
+    COLUMNS,
+    ROW_SCHEMA,
+    batch_from_wire,
+    batch_to_wire,
+    rows_to_batch,
+    with_decisions,
+)
 from executor.store import RunStore, part_files, read_table, scan
 
 
@@ -44,6 +51,21 @@ def test_schema_columns_cover_identity_and_decision():
     ):
         assert name in COLUMNS
     assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"2"
+
+
+def test_rows_travel_from_worker_to_driver_unchanged():
+    batch = rows_to_batch([_row(task="a", reward=1.0, evidence_gaps=["x"]), _row(task="b", final_text="é\0")])
+    back = batch_from_wire(batch_to_wire(batch))
+    assert back.equals(batch) and back.schema.metadata == ROW_SCHEMA.metadata
+
+
+def test_rows_of_another_schema_version_are_refused_by_name():
+    import pyarrow as pa
+
+    old = pa.schema([pa.field("run_id", pa.string())], metadata={"rollout_executor_schema": "1"})
+    sent = batch_to_wire(pa.RecordBatch.from_pylist([{"run_id": "r"}], schema=old))
+    with pytest.raises(ValueError, match="schema version 1, this driver writes version 2"):
+        batch_from_wire(sent)
 
 
 def test_unknown_column_rejected():
