@@ -794,13 +794,14 @@ class Gateway:
         status, session = upstream.status, att.req.session
         body = bytearray()
         try:
-            while chunk := await upstream.content.readany():
+            while chunk := await _read_upstream(upstream):
                 att.received(chunk)
                 body += chunk[: _MAX_ERROR_BODY_BYTES - len(body)]
                 if len(body) >= _MAX_ERROR_BODY_BYTES:
                     break
-        except aiohttp.ClientError as exc:
-            return self._finish(att, FailureKind.TRANSPORT_ERROR, f"HTTP {status}, then {_describe(exc)}")
+        except _UpstreamCut as cut:
+            message = f"HTTP {status}, then {_describe(cut.error)}"
+            return self._finish(att, FailureKind.TRANSPORT_ERROR, message)
         kind = kind_for_http(status, bytes(body))
         att.retry_after_s = parse_retry_after(upstream.headers.get("retry-after"))
         record = self._finish(att, kind, error_message_of(bytes(body), _MAX_MESSAGE_CHARS))
