@@ -412,9 +412,9 @@ class LocalSandbox:
             real = self._inside(path)
             try:
                 size = min(limit, os.stat(real).st_size)
-            except OSError as exc:
-                if isinstance(exc, FileNotFoundError):
-                    raise
+            except FileNotFoundError:
+                raise
+            except OSError:
                 size = limit  # read() says what is wrong
             return await small_inline(size, read, real)
         except (SandboxError, FileNotFoundError):

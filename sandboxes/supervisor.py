@@ -391,16 +391,15 @@ def _network_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int)
 
     port, socket_path = p["network_forward"]
     netns.start_forwarder(int(port), str(socket_path))
-    memory = p.get("memory_limit_bytes")
-
-    def limit_child() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
     import subprocess  # netns has imported it already
 
     try:
         command = subprocess.Popen(
-            p["argv"], cwd=p["cwd"], env=env, close_fds=True, preexec_fn=limit_child if memory else None
+            p["argv"],
+            cwd=p["cwd"],
+            env=env,
+            close_fds=True,
+            preexec_fn=_address_space_limit(p.get("memory_limit_bytes")),
         )
     except OSError as exc:
         os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
@@ -478,11 +477,6 @@ def _popen_limited(
     `subprocess` is imported for these alone."""
     import subprocess
 
-    memory = int(p["memory_limit_bytes"])
-
-    def limit_child() -> None:  # runs in the forked child; we are single-threaded, so this is safe
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
     return subprocess.Popen(
         p["argv"],
         cwd=p["cwd"],
@@ -492,8 +486,20 @@ def _popen_limited(
         stderr=err_w,
         close_fds=True,
         process_group=0,
-        preexec_fn=limit_child,
+        preexec_fn=_address_space_limit(p["memory_limit_bytes"]),
     )
+
+
+def _address_space_limit(memory: int | None) -> Callable[[], None] | None:
+    """The hook that sets a command's RLIMIT_AS between fork and exec; None without a limit."""
+    if not memory:
+        return None
+    limit = int(memory)
+
+    def set_limit() -> None:  # runs in the forked child; we are single-threaded, so this is safe
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return set_limit
 
 
 def _reported_status(status_pipe: int, init_status: int) -> int:

@@ -741,9 +741,8 @@ async def test_write_and_read_inside(sandbox: LocalSandbox) -> None:
         await sandbox.read_file("missing.txt", 10)
 
 
-@pytest.mark.parametrize(
-    "files", [3, 200]
-)  # a small tree is copied on the event loop, a large one in a thread
+# A small tree is copied on the event loop, a large one in a thread.
+@pytest.mark.parametrize("files", [3, 200])
 async def test_copy_in_small_and_large_trees(sandbox: LocalSandbox, tmp_path: Path, files: int) -> None:
     src = tmp_path / "src"
     for i in range(files):
