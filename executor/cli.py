@@ -325,7 +325,7 @@ def conformance(
 def bench(
     parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d.")] = "abcd",
     runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
-    null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 256,
+    null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
     store_rows: Annotated[int, typer.Option(help="(d) rows appended, then resume-scanned.")] = 100_000,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,

@@ -30,7 +30,7 @@ from executor.admission import Admission
 from executor.config import RunConfig
 from executor.gc import collect_quietly
 from executor.progress import Progress
-from executor.schema import batch_from_wire, rows_to_batch, with_decisions
+from executor.schema import batch_from_wire, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
@@ -157,6 +157,10 @@ def training_reward_stats(
     }
 
 
+# What the driver reads of a row to decide on it; the rest travels on to the store unconverted.
+_VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "model_attempts", "error_message")
+
+
 class Driver:
     def __init__(self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker) -> None:
         """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one)."""
@@ -208,6 +212,7 @@ class Driver:
             ).remote(cfg.model_dump_json(), str(self.run_dir), i)
             for i in range(cfg.concurrency.workers)
         ]
+        warm_up()  # while the workers start, not at the first row
         self._load = [0] * len(workers)
         exhausted = False
         try:
@@ -330,7 +335,7 @@ class Driver:
             batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
         except RayError as exc:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
-        row = batch.to_pylist()[0]
+        row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
         self.admission.observe(row.get("model_attempts"))
         kind = FailureKind(row["failure_kind"])
         verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)

@@ -119,6 +119,13 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
 
 
+def warm_up() -> None:
+    """Pay pyarrow's one-time costs at start-up: its first conversion of Python objects imports pandas
+    when that is installed (~0.3-0.5 s of CPU), which would otherwise stall the first session's row and
+    every session sharing that process's event loop."""
+    rows_to_batch([{}]).to_pylist()
+
+
 def batch_to_wire(batch: pa.RecordBatch) -> bytes:
     """A worker's rows as they travel to the driver: an Arrow IPC stream. Ray pickles a RecordBatch
     (schema and all) in ~1.5 ms a row; these bytes take ~0.04 ms, and ~0.06 ms to read back."""

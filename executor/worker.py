@@ -15,7 +15,7 @@ import ray
 
 from executor.config import LocalSandboxConfig, RunConfig
 from executor.gc import collect_quietly
-from executor.schema import batch_to_wire, rows_to_batch
+from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.gateway import Gateway
@@ -76,6 +76,7 @@ class SandboxWorker:
                 worker_id=self.worker_id,
                 workspaces=PreparedWorkspaces(root),
             )
+            warm_up()
             # Ray's, pyarrow's and pydantic's objects live as long as the worker: out of the collector's
             # reach, a full collection no longer walks them (a ~50 ms stop of this loop, and of every
             # session's model traffic through the gateway, every ~20 rollouts).

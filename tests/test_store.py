@@ -68,6 +68,27 @@ def test_rows_of_another_schema_version_are_refused_by_name():
         batch_from_wire(sent)
 
 
+def test_warm_up_leaves_the_first_row_nothing_to_import():
+    """pyarrow imports pandas (installed with the test extra) at its first conversion; a worker or a
+    driver that warmed up pays that before its first session, not in the middle of its run."""
+    script = textwrap.dedent(
+        """
+        import datetime, sys
+        from executor.schema import batch_from_wire, batch_to_wire, rows_to_batch, warm_up
+        warm_up()
+        before = set(sys.modules)
+        row = {"run_id": "r", "rollout_id": "t.s0.a1", "task_id": "t", "sample_index": 0, "attempt": 1,
+               "status": "completed", "failure_kind": "none", "reward": 1.0, "t_total_s": 0.5,
+               "started_at": datetime.datetime.now(datetime.timezone.utc),
+               "model_attempts": [{"request_index": 0, "status": 200, "latency_s": 0.1}]}
+        batch_from_wire(batch_to_wire(rows_to_batch([row]))).to_pylist()
+        print(sorted(set(sys.modules) - before))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_unknown_column_rejected():
     with pytest.raises(ValueError, match="outside the schema"):
         rows_to_batch([_row(colour="red")])
