@@ -85,7 +85,9 @@ def test_warm_up_leaves_the_first_row_nothing_to_import():
         print(sorted(set(sys.modules) - before))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
