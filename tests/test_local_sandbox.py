@@ -7,7 +7,9 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -415,6 +417,49 @@ async def test_a_spare_server_waits_at_the_lowest_priority_and_its_sandbox_runs_
         await first.stop()
     assert second._server is spare
     assert res.stdout_tail.strip() == "0"
+
+
+_NO_NICE_SCRIPT = """
+import asyncio, os, sys
+from pathlib import Path
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+
+async def main():
+    provider = LocalSandboxProvider(Path(sys.argv[1]))
+    first = await provider.start(SandboxSpec(run_id="r", session_id="s1", ttl_s=60))
+    await first.exec(["true"], timeout=30)
+    spare = await provider._spare[1]
+    spare_nice = os.getpriority(os.PRIO_PROCESS, spare.pid)
+    second = await provider.start(SandboxSpec(run_id="r", session_id="s2", ttl_s=60))
+    res = await second.exec(["nice"], timeout=30)
+    later = os.getpriority(os.PRIO_PROCESS, (await provider._spare[1]).pid)
+    print(spare_nice, second._server is spare, res.stdout_tail.strip(), later)
+    await second.stop()
+    await first.stop()
+    await provider.aclose()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_without_cap_sys_nice_a_spare_is_not_used_and_later_spares_keep_the_normal_priority(
+    tmp_path: Path,
+) -> None:
+    """A worker that may lower a niceness but not raise it back: the spare it lowered cannot serve a
+    sandbox at the normal priority, so the sandbox gets a new server, and no later spare is lowered."""
+    drop = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"]
+    out = subprocess.run(
+        [*drop, sys.executable, "-c", _NO_NICE_SCRIPT, str(tmp_path / "sandboxes")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the spare was lowered; the second sandbox runs on a server of its own, at the normal priority
+    assert out.stdout.split() == ["19", "False", "0", "0"]
 
 
 async def test_cwd_is_workdir_or_inside(sandbox: LocalSandbox) -> None:
