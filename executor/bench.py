@@ -309,26 +309,21 @@ def _null_worker_class() -> Any:
 
         async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
             task_id = json.loads(task_json)["id"]
-            return batch_to_wire(
-                rows_to_batch(
-                    [
-                        {
-                            "run_id": self.run_id,
-                            "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
-                            "task_id": task_id,
-                            "sample_index": sample_index,
-                            "attempt": attempt,
-                            "harness": "null",
-                            "sandbox_provider": "null",
-                            "status": "completed",
-                            "failure_kind": "none",
-                            "reward": 1.0,
-                            "final_text": "done",
-                            "evidence_gaps": [],
-                        }
-                    ]
-                )
-            )
+            row = {
+                "run_id": self.run_id,
+                "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
+                "task_id": task_id,
+                "sample_index": sample_index,
+                "attempt": attempt,
+                "harness": "null",
+                "sandbox_provider": "null",
+                "status": "completed",
+                "failure_kind": "none",
+                "reward": 1.0,
+                "final_text": "done",
+                "evidence_gaps": [],
+            }
+            return batch_to_wire(rows_to_batch([row]))
 
     return ray.remote(NullWorker)
 

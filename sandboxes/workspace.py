@@ -93,14 +93,15 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: PreparedWorks
     await record_baseline(sandbox)
 
 
+_BASELINE_GIT_NAME = "baseline.git"
+_BASELINE_GIT_ENV = "ROLLOUT_BASELINE_GIT"
+
+
 def baseline_git_dir(workdir: str) -> str:
     """Where the baseline of a workspace that is no repository is kept: beside it, in the sandbox's own
     directory (its parent), out of the agent's workspace."""
     return posixpath.join(posixpath.dirname(posixpath.normpath(workdir)), _BASELINE_GIT_NAME)
 
-
-_BASELINE_GIT_NAME = "baseline.git"
-_BASELINE_GIT_ENV = "ROLLOUT_BASELINE_GIT"
 
 # One shell script per operation rather than one exec per git command: each exec costs a process
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
