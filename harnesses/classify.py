@@ -29,6 +29,15 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
     # whatever the harness made of the neutral 400 it got afterwards.
     if gateway.closed_kind is not None:
         return Outcome.of(gateway.closed_kind, gateway.closed_message, **http)
+    if result.timed_out and gateway.stalled_at_close:
+        # The deadline fell while the endpoint sat on a request past the gateway's stall bound: the time
+        # was the model's, not the agent's, and the partial work must not be graded as the agent's best.
+        return Outcome.of(
+            FailureKind.MODEL_TIMEOUT,
+            f"deadline of {result.duration_s:.1f}s fell while a model request had stalled "
+            f"({gateway.model_wait_s:.1f}s of the session spent waiting on the model)",
+            **http,
+        )
     if result.timed_out:
         return Outcome.of(
             FailureKind.AGENT_TIMEOUT,
@@ -42,6 +51,13 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
         return Outcome.of(FailureKind.MODEL_OUTPUT_LIMIT, "the model stopped on its output limit", **http)
     if report.claimed_failure is None and result.exit_code == 0 and report.final_text:
         return Outcome(status=Status.COMPLETED, error_detail=detail)
+    if not gateway.attempts and not report.final_text and not result.signal:
+        # Not one model request: the harness never started its loop (launch, environment, config).
+        message = f"the harness exited (code {result.exit_code}) without a single model request"
+        tail = result.stderr_tail[-2000:]
+        return Outcome.of(
+            FailureKind.AGENT_NO_MODEL_CALL, f"{message}; stderr: {tail}" if tail else message, **http
+        )
 
     # The harness failed. Prefer what the endpoint actually answered on the session's last request.
     if last_failure is not None and _on_last_request(gateway, last_failure.request_index):

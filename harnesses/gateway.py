@@ -172,6 +172,10 @@ class GatewaySession:
     attempts: list[AttemptRecord] = field(default_factory=list)
     closed_kind: FailureKind | None = None  # why the gateway stopped serving it; None if it never did
     closed_message: str | None = None
+    # Set by close_session: a request was still outstanding and had gone past the stall bound without an
+    # upstream byte (classify: a deadline that falls then is model_timeout, not agent_timeout)
+    stalled_at_close: bool = False
+    model_wait_s: float = 0.0  # time with a model request outstanding, frozen at close_session
     _requests: int = field(default=0, init=False, repr=False)  # forwarded upstream
     _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded
     _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session

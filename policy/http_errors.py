@@ -19,8 +19,16 @@ _CONTEXT_MARKERS = (
 )
 
 RETRYABLE_KINDS = frozenset(
-    {FailureKind.RATE_LIMIT_EXCEEDED, FailureKind.PROVIDER_UNAVAILABLE, FailureKind.TRANSPORT_ERROR}
+    {
+        FailureKind.RATE_LIMIT_EXCEEDED,
+        FailureKind.PROVIDER_UNAVAILABLE,
+        FailureKind.TRANSPORT_ERROR,
+        FailureKind.MODEL_TIMEOUT,
+    }
 )
+# The 4xx a model's own turn can cause (the request it built): graded by default. Every other 4xx says the
+# endpoint, model name, route or account is wrong, which no sample can be blamed for.
+_MODEL_REQUEST_STATUSES = frozenset({400, 413, 422})
 
 
 def is_context_overflow(body: str | bytes | None) -> bool:
@@ -45,7 +53,9 @@ def kind_for_http(status: int | None, body: str | bytes | None = None) -> Failur
         return FailureKind.PROVIDER_UNAVAILABLE
     if status in (400, 413) and is_context_overflow(body):
         return FailureKind.MODEL_CONTEXT_LIMIT
-    return FailureKind.MODEL_REQUEST_ERROR
+    if status in _MODEL_REQUEST_STATUSES:
+        return FailureKind.MODEL_REQUEST_ERROR
+    return FailureKind.ENDPOINT_CONFIG_ERROR
 
 
 def is_retryable(kind: FailureKind) -> bool:

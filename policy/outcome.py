@@ -36,11 +36,14 @@ class FailureKind(StrEnum):
     TRANSPORT_ERROR = "transport_error"
     PROVIDER_AUTH_ERROR = "provider_auth_error"
     MODEL_REQUEST_ERROR = "model_request_error"
+    ENDPOINT_CONFIG_ERROR = "endpoint_config_error"
+    MODEL_TIMEOUT = "model_timeout"
     MODEL_CONTEXT_LIMIT = "model_context_limit"
     MODEL_OUTPUT_LIMIT = "model_output_limit"
     AGENT_TIMEOUT = "agent_timeout"
     AGENT_CRASH = "agent_crash"
     AGENT_NO_RESULT = "agent_no_result"
+    AGENT_NO_MODEL_CALL = "agent_no_model_call"
     SETUP_FAILED = "setup_failed"
     SANDBOX_START_FAILED = "sandbox_start_failed"
     SANDBOX_LOST = "sandbox_lost"
@@ -72,27 +75,41 @@ KIND_INFO: dict[FailureKind, KindInfo] = {
         Status.FAILED, True, "401 / 403: a configuration error, not the model's"
     ),
     FailureKind.MODEL_REQUEST_ERROR: KindInfo(
-        Status.FAILED, False, "400 / 404 / 413 / 422 that is not a context overflow"
+        Status.FAILED, False, "400 / 413 / 422 that is not a context overflow"
+    ),
+    FailureKind.ENDPOINT_CONFIG_ERROR: KindInfo(
+        Status.FAILED, True, "402 / 404 / 405 or another 4xx: the endpoint, model, route or account is wrong"
+    ),
+    FailureKind.MODEL_TIMEOUT: KindInfo(
+        Status.FAILED,
+        True,
+        "the endpoint accepted a request and stalled past the gateway's bounds, or the deadline fell "
+        "while it stalled",
     ),
     FailureKind.MODEL_CONTEXT_LIMIT: KindInfo(Status.INCOMPLETE, False, "the context window was exceeded"),
     FailureKind.MODEL_OUTPUT_LIMIT: KindInfo(
         Status.INCOMPLETE, False, "the model stopped on max output tokens"
     ),
     FailureKind.AGENT_TIMEOUT: KindInfo(
-        Status.INCOMPLETE, False, "the end-to-end deadline killed the harness"
+        Status.INCOMPLETE, False, "the deadline killed the harness while the model answered promptly"
     ),
     FailureKind.AGENT_CRASH: KindInfo(
         Status.FAILED, True, "the harness died with no model error to explain it"
     ),
     FailureKind.AGENT_NO_RESULT: KindInfo(
-        Status.FAILED, False, "the harness exited cleanly but produced no final answer"
+        Status.FAILED, False, "the harness exited cleanly after model calls but produced no final answer"
+    ),
+    FailureKind.AGENT_NO_MODEL_CALL: KindInfo(
+        Status.FAILED, True, "the harness exited without a single model request: a launch problem"
     ),
     FailureKind.SETUP_FAILED: KindInfo(Status.FAILED, True, "workspace setup or harness install failed"),
     FailureKind.SANDBOX_START_FAILED: KindInfo(Status.FAILED, True, "the sandbox never became ready"),
     FailureKind.SANDBOX_LOST: KindInfo(
         Status.FAILED, True, "the sandbox, its worker or its node died mid-session"
     ),
-    FailureKind.VERIFIER_ERROR: KindInfo(None, True, "the verifier itself broke"),
+    FailureKind.VERIFIER_ERROR: KindInfo(
+        None, True, "the verifier could not grade: killed by a signal, exit 126/127 or its reserved code"
+    ),
     FailureKind.VERIFIER_TIMEOUT: KindInfo(None, True, "the verifier ran past its timeout"),
     FailureKind.CLEANUP_FAILED: KindInfo(None, False, "the sandbox could not be confirmed stopped"),
     FailureKind.CANCELLED: KindInfo(Status.FAILED, True, "the run was stopped; resubmitted on resume"),

@@ -45,6 +45,8 @@ DEFAULT_RULES: dict[FailureKind, Rule] = {
     FailureKind.AGENT_TIMEOUT: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.MODEL_REQUEST_ERROR: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.AGENT_NO_RESULT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.AGENT_NO_MODEL_CALL: _infra(),
+    FailureKind.MODEL_TIMEOUT: _infra(),
     FailureKind.RATE_LIMIT_EXCEEDED: _infra(),
     FailureKind.PROVIDER_UNAVAILABLE: _infra(),
     FailureKind.TRANSPORT_ERROR: _infra(),
@@ -57,6 +59,7 @@ DEFAULT_RULES: dict[FailureKind, Rule] = {
     FailureKind.CANCELLED: _infra(max_attempts=100),
     FailureKind.CLEANUP_FAILED: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.PROVIDER_AUTH_ERROR: Rule(retry=False, final=FinalAs.MASK, stop_run=True),
+    FailureKind.ENDPOINT_CONFIG_ERROR: Rule(retry=False, final=FinalAs.MASK, stop_run=True),
 }
 
 
@@ -70,6 +73,9 @@ class PolicyConfig(BaseModel):
     group: GroupMode = GroupMode.NONE
     group_resubmits: int = Field(default=1, ge=0, le=10)  # resubmit_group: whole-group reruns per task
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    # A Retry-After past this is not waited for: the attempt is masked at once (and the breaker counts it),
+    # so no hint, however large, holds a sample or the run for a day.
+    max_retry_after_s: float = Field(default=300.0, ge=0)
 
     @model_validator(mode="after")
     def _no_graded_infrastructure_zero(self) -> PolicyConfig:
@@ -112,6 +118,10 @@ def decide(
     """The decision for one attempt (1-based ``attempt``) given the run's remaining retry budget."""
     kind = outcome.failure_kind
     rule = policy.rule_for(kind)
+    hint = outcome.retry_after_s
+    if rule.retry and hint is not None and hint > policy.max_retry_after_s:
+        reason = f"{kind.value}: Retry-After {hint:.0f}s is past the policy's {policy.max_retry_after_s:.0f}s"
+        return Verdict(_final(rule), reason)
     if rule.retry and attempt < rule.max_attempts:
         if budget_left > 0:
             delay = backoff_delay(rule, attempt, outcome.retry_after_s, rng or random.Random())

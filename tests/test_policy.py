@@ -44,7 +44,11 @@ def test_every_kind_has_info_and_a_default_rule():
         (400, '{"error":{"message":"bad tool schema"}}', FailureKind.MODEL_REQUEST_ERROR),
         (413, "This model's maximum context length is 8192 tokens", FailureKind.MODEL_CONTEXT_LIMIT),
         (422, None, FailureKind.MODEL_REQUEST_ERROR),
-        (404, None, FailureKind.MODEL_REQUEST_ERROR),
+        (413, None, FailureKind.MODEL_REQUEST_ERROR),
+        (404, '{"error":{"message":"The model `gpt-x` does not exist"}}', FailureKind.ENDPOINT_CONFIG_ERROR),
+        (402, None, FailureKind.ENDPOINT_CONFIG_ERROR),
+        (405, None, FailureKind.ENDPOINT_CONFIG_ERROR),
+        (418, None, FailureKind.ENDPOINT_CONFIG_ERROR),
     ],
 )
 def test_kind_for_http(status, body, kind):
@@ -181,3 +185,41 @@ def test_retry_verdict_carries_the_retry_after_floor():
     verdict = _decide(FailureKind.RATE_LIMIT_EXCEEDED, retry_after=7.0)
     assert verdict.decision is Decision.RETRY
     assert verdict.retry_delay_s >= 7.0
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        FailureKind.ENDPOINT_CONFIG_ERROR,
+        FailureKind.MODEL_TIMEOUT,
+        FailureKind.AGENT_NO_MODEL_CALL,
+    ],
+)
+def test_new_infrastructure_kinds_are_never_graded_and_end_masked(kind):
+    policy = PolicyConfig()
+    rule = policy.rule_for(kind)
+    assert KIND_INFO[kind].infrastructure
+    assert not rule.grade
+    last = decide(Outcome.of(kind), rule.max_attempts, policy, budget_left=10)
+    assert last.decision is Decision.MASK
+
+
+def test_an_endpoint_config_error_stops_the_run_and_a_stall_is_retried():
+    policy = PolicyConfig()
+    assert policy.rule_for(FailureKind.ENDPOINT_CONFIG_ERROR).stop_run
+    assert (
+        decide(Outcome.of(FailureKind.ENDPOINT_CONFIG_ERROR), 1, policy, budget_left=10).decision
+        is Decision.MASK
+    )
+    assert decide(Outcome.of(FailureKind.MODEL_TIMEOUT), 1, policy, budget_left=10).decision is Decision.RETRY
+
+
+def test_a_retry_after_past_the_policy_bound_masks_at_once_and_a_shorter_one_waits():
+    policy = PolicyConfig(max_retry_after_s=300)
+    huge = Outcome.of(FailureKind.RATE_LIMIT_EXCEEDED, retry_after_s=86_400.0)
+    verdict = decide(huge, 1, policy, budget_left=10)
+    assert verdict.decision is Decision.MASK
+    assert "86400s" in verdict.reason and "300s" in verdict.reason
+    short = Outcome.of(FailureKind.RATE_LIMIT_EXCEEDED, retry_after_s=120.0)
+    verdict = decide(short, 1, policy, budget_left=10)
+    assert verdict.decision is Decision.RETRY and verdict.retry_delay_s >= 120.0
