@@ -296,7 +296,9 @@ def throughput(n: int, levels: tuple[int, ...], scratch: Path) -> list[dict[str,
 # (c) ------------------------------------------------------------------------------------------------
 
 
-def _null_worker_class() -> Any:
+def _null_worker_class(token_ids: int = 0) -> Any:
+    """``token_ids``: each row carries two model attempts with that many prompt and completion ids and
+    logprobs, as a run with ``gateway.capture_tokens`` does."""
     import ray
 
     from executor.schema import batch_to_wire, rows_to_batch
@@ -306,6 +308,15 @@ def _null_worker_class() -> Any:
 
         def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
             self.run_id = json.loads(config_json)["run_id"]
+            ids = list(range(token_ids))
+            call = {
+                "status": 200,
+                "kind": "none",
+                "prompt_token_ids": ids,
+                "completion_token_ids": ids,
+                "completion_logprobs": [-0.5] * token_ids,
+            }
+            self.attempts = [dict(call, request_index=i) for i in range(2)] if token_ids else []
 
         async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
             task_id = json.loads(task_json)["id"]
@@ -322,28 +333,37 @@ def _null_worker_class() -> Any:
                 "reward": 1.0,
                 "final_text": "done",
                 "evidence_gaps": [],
+                "model_attempts": self.attempts,
             }
             return batch_to_wire(rows_to_batch([row]))
 
     return ray.remote(NullWorker)
 
 
-def driver_memory_child(n: int, scratch: Path) -> dict[str, Any]:
+def driver_memory_child(n: int, scratch: Path, token_ids: int = 0) -> dict[str, Any]:
     """Run in a fresh process: one driver, n null rollouts; report its peak RSS."""
-    tasks = _write_tasks(scratch / f"c{n}.jsonl", n)
+    name = f"c{n}t{token_ids}"
+    tasks = _write_tasks(scratch / f"{name}.jsonl", n)
     extra = (
-        f"run_id: c{n}\nharness: {{name: command}}\nconcurrency: {{workers: 2, sessions_per_worker: 128}}\n"
+        f"run_id: {name}\nharness: {{name: command}}\nconcurrency: {{workers: 2, sessions_per_worker: 128}}\n"
     )
-    summary, wall = _run_driver(_write_config(scratch, f"c{n}", tasks, extra), _null_worker_class())
+    cfg = _write_config(scratch, name, tasks, extra)
+    summary, wall = _run_driver(cfg, _null_worker_class(token_ids))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rollouts": n, "final": summary.final, "wall_s": wall, "peak_rss_mb": peak_kb / 1024}
+    return {
+        "rollouts": n,
+        "token_ids": token_ids,
+        "final": summary.final,
+        "wall_s": wall,
+        "peak_rss_mb": peak_kb / 1024,
+    }
 
 
-def driver_memory(n: int, scratch: Path) -> list[dict[str, Any]]:
+def driver_memory(n: int, scratch: Path, token_ids: int = 0) -> list[dict[str, Any]]:
     results = []
     for size in (n, 10 * n):
         out = subprocess.run(
-            [sys.executable, "-m", "executor.bench", "memory-child", str(size), str(scratch)],
+            [sys.executable, "-m", "executor.bench", "memory-child", str(size), str(scratch), str(token_ids)],
             capture_output=True,
             text=True,
             timeout=7200,
@@ -407,6 +427,7 @@ def run_all(
     memory_rollouts: int,
     store_rows: int,
     echo: Callable[[str], None] = print,
+    token_ids: int = 0,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -443,9 +464,10 @@ def run_all(
                     f"with start-up {r['executor_per_s']:.1f}/s vs {r['plain_per_s']:.1f}/s"
                 )
         if "c" in parts:
-            out["c"] = c = driver_memory(memory_rollouts, scratch)
+            out["c"] = c = driver_memory(memory_rollouts, scratch, token_ids)
+            tokens = f", {token_ids:,} token ids per model call" if token_ids else ""
             echo(
-                f"(c) driver peak RSS: {c[0]['rollouts']:,} rollouts {c[0]['peak_rss_mb']:.0f} MB, "
+                f"(c) driver peak RSS{tokens}: {c[0]['rollouts']:,} rollouts {c[0]['peak_rss_mb']:.0f} MB, "
                 f"{c[1]['rollouts']:,} rollouts {c[1]['peak_rss_mb']:.0f} MB, "
                 f"ratio {c[1]['peak_rss_mb'] / c[0]['peak_rss_mb']:.2f}"
             )
@@ -455,5 +477,5 @@ def run_all(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "memory-child":
-        print(json.dumps(driver_memory_child(int(sys.argv[2]), Path(sys.argv[3]))))
+    if len(sys.argv) == 5 and sys.argv[1] == "memory-child":
+        print(json.dumps(driver_memory_child(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))))

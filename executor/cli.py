@@ -328,6 +328,9 @@ def bench(
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
     store_rows: Annotated[int, typer.Option(help="(d) rows appended, then resume-scanned.")] = 100_000,
+    token_ids: Annotated[
+        int, typer.Option(help="(c) token ids per model call in each row, as with gateway.capture_tokens.")
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
@@ -337,7 +340,11 @@ def bench(
 
     if not set(parts) <= set("abcd") or not parts:
         _fail_input(f"--parts {parts!r}: use letters from 'abcd'")
-    figures = run_all(parts, runs, null_rollouts, memory_rollouts, store_rows, echo=console.print)
+    if token_ids < 0:
+        _fail_input(f"--token-ids {token_ids}: must be 0 or more")
+    figures = run_all(
+        parts, runs, null_rollouts, memory_rollouts, store_rows, echo=console.print, token_ids=token_ids
+    )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))
 

@@ -119,6 +119,13 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
 
 
+def attempt_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The named fields of every model attempt in ``batch``, as Python: only those, so a row's token id
+    lists (capture_tokens: up to a million per call) never become Python objects in the driver."""
+    attempts = batch.column("model_attempts").flatten()
+    return pa.StructArray.from_arrays([attempts.field(n) for n in names], names=list(names)).to_pylist()
+
+
 def warm_up() -> None:
     """Pay pyarrow's one-time costs at start-up: its first conversion of Python objects imports pandas
     when that is installed (~0.3-0.5 s of CPU), which would otherwise stall the first session's row and

@@ -1,4 +1,5 @@
 from executor.admission import Admission, AdmissionConfig
+from executor.schema import attempt_fields, rows_to_batch
 
 OK = [{"status": 200}]
 PUSHED = [{"status": 429, "retry_after_s": None}, {"status": 200}]
@@ -49,3 +50,16 @@ def test_one_overload_seen_by_many_sessions_counts_once():
     for _ in range(10):
         a.observe(PUSHED)
     assert a.cap == 16 and a.decreases == 1
+
+
+def test_the_driver_reads_only_the_push_back_fields_of_a_row_with_token_ids():
+    ids = list(range(5_000))
+    call = {"prompt_token_ids": ids, "completion_token_ids": ids, "completion_logprobs": [-0.1] * 5_000}
+    batch = rows_to_batch(
+        [{"model_attempts": [dict(call, status=429, retry_after_s=2.0), dict(call, status=200)]}]
+    )
+    seen = attempt_fields(batch, ("status", "retry_after_s"))
+    assert seen == [{"status": 429, "retry_after_s": 2.0}, {"status": 200, "retry_after_s": None}]
+    a = Admission(8, AdmissionConfig(cooldown_s=0))
+    a.observe(seen)
+    assert a.cap == 0  # held by the Retry-After hint
