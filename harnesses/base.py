@@ -72,6 +72,10 @@ class LaunchContext(BaseModel):
     max_output_tokens: int | None = None
 
 
+# The wire API a harness speaks to the model: the Responses API or Chat Completions.
+HarnessApi = Literal["responses", "chat"]
+
+
 class Launch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,6 +90,8 @@ class Harness(Protocol):
     name: str
     tested_version: str
     version: str
+    # Which API the harness calls, so a preflight can try that one; None when it cannot be known.
+    api: HarnessApi | None
 
     def ensure_installed(self, cache_root: Path) -> Path: ...
 

@@ -24,7 +24,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
+from harnesses.base import (
+    HarnessApi,
+    HarnessReport,
+    Launch,
+    LaunchContext,
+    Message,
+    ToolCall,
+    Usage,
+    warn_if_untested,
+)
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     add_usage,
@@ -177,6 +186,7 @@ class CodexHarness:
 
     name = "codex"
     tested_version = TESTED_VERSION
+    api: HarnessApi | None = "responses"  # wire_api "chat" is refused by 0.171.0 and 0.144.4 alike
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION

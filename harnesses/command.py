@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message
+from harnesses.base import HarnessApi, HarnessReport, Launch, LaunchContext, Message
 from sandboxes.base import ExecResult, Sandbox
 
 DEFAULT_COMMAND = "echo done"
@@ -19,6 +19,7 @@ DEFAULT_COMMAND = "echo done"
 class CommandHarness:
     name = "command"
     tested_version = "1"
+    api: HarnessApi | None = None  # the command is the user's: it may call either API, or none
 
     def __init__(self, version: str | None = None, command: str | None = None) -> None:
         self.version = version or self.tested_version

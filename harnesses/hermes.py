@@ -37,7 +37,16 @@ from typing import Any
 
 import yaml
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
+from harnesses.base import (
+    HarnessApi,
+    HarnessReport,
+    Launch,
+    LaunchContext,
+    Message,
+    ToolCall,
+    Usage,
+    warn_if_untested,
+)
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     as_text,
@@ -159,6 +168,7 @@ class HermesHarness:
 
     name = "hermes"
     tested_version = TESTED_VERSION
+    api: HarnessApi | None = "chat"  # provider "custom" speaks Chat Completions
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION

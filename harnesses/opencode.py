@@ -33,7 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnesses.base import HarnessReport, Launch, LaunchContext, Message, ToolCall, Usage, warn_if_untested
+from harnesses.base import (
+    HarnessApi,
+    HarnessReport,
+    Launch,
+    LaunchContext,
+    Message,
+    ToolCall,
+    Usage,
+    warn_if_untested,
+)
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
     add_usage,
@@ -174,6 +183,7 @@ class OpenCodeHarness:
 
     name = "opencode"
     tested_version = TESTED_VERSION
+    api: HarnessApi | None = "chat"  # @ai-sdk/openai-compatible calls /chat/completions
 
     def __init__(self, version: str | None = None) -> None:
         self.version = version or TESTED_VERSION
