@@ -30,6 +30,7 @@ from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.store import RunStore, read_table
 from executor.tasks import InputError, Task
+from harnesses.base import Harness, Launch, LaunchContext
 from harnesses.conformance import (
     NEMO_GYM_VERSIONS,
     PROMPT,
@@ -48,6 +49,7 @@ from harnesses.registry import HARNESSES, make_harness
 from harnesses.scripted_model import ScriptedModel
 from policy import Decision
 from sandboxes import netns
+from sandboxes.base import Sandbox
 from sandboxes.leaks import processes_under
 from sandboxes.local import LocalSandboxProvider
 
@@ -172,6 +174,21 @@ def _task(scenario: Scenario) -> Task:
     )
 
 
+class _LaunchInstead:
+    """The harness prepared as usual (config written, install found), with ``argv`` run in its place: the
+    adapter's parse and the classification then meet a harness that never reached the model."""
+
+    def __init__(self, harness: Harness, argv: tuple[str, ...]) -> None:
+        self._harness, self._argv = harness, list(argv)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._harness, name)
+
+    async def prepare(self, sandbox: Sandbox, ctx: LaunchContext) -> Launch:
+        launch = await self._harness.prepare(sandbox, ctx)
+        return launch.model_copy(update={"argv": self._argv, "stdin": None})
+
+
 async def _wait_no_processes(marker: str) -> tuple[str, ...]:
     """The sandbox's processes are gone (bounded wait: a killed tree takes a moment to be reaped)."""
     deadline = time.monotonic() + LEAK_WAIT_S
@@ -210,7 +227,7 @@ async def run_cell(
             ctx = SessionContext(
                 config=cfg,
                 provider=LocalSandboxProvider(sandbox_root, keep=False, network_forward=forward, pids="auto"),
-                harness=harness,
+                harness=_LaunchInstead(harness, scenario.launch_argv) if scenario.launch_argv else harness,
                 gateway=gateway,
                 scripted=scripted,
                 evidence_root=run_dir / "evidence",

@@ -49,7 +49,19 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
     if last is not None and last.kind is FailureKind.NONE and last.finish_reason in _OUTPUT_LIMIT_REASONS:
         # Codex fails the turn on a truncated answer, others carry on: either way the model hit its limit.
         return Outcome.of(FailureKind.MODEL_OUTPUT_LIMIT, "the model stopped on its output limit", **http)
-    if report.claimed_failure is None and result.exit_code == 0 and report.final_text:
+    # A harness may print an endpoint's error as its answer and exit 0 (an error event inside a 200
+    # stream, say): the session's last model call failing outranks that.
+    ended_on_failure = (
+        last is not None
+        and last.kind not in (FailureKind.NONE, FailureKind.CANCELLED)
+        and not last.client_aborted
+    )
+    if (
+        report.claimed_failure is None
+        and result.exit_code == 0
+        and report.final_text
+        and not ended_on_failure
+    ):
         return Outcome(status=Status.COMPLETED, error_detail=detail)
     if not gateway.attempts and not report.final_text and not result.signal:
         # Not one model request: the harness never started its loop (launch, environment, config).

@@ -25,6 +25,7 @@ DONE = "CONFORMANCE_DONE"
 MAX_REASON_CHARS = 300
 ANY = "any"  # an expectation that accepts whatever the row holds
 
+STALL_S = 3.0
 # The run settings every cell starts from (RunConfig keys): fast retries, so the matrix stays short, and
 # the infrastructure kinds retried once by the driver, so "retried, then masked" shows in two attempts.
 # A session budget of 4 failed upstream attempts ends a harness's own reconnect loop (OpenCode re-sends a
@@ -36,6 +37,9 @@ BASE_CONFIG: dict[str, Any] = {
         "max_attempts_per_session": 4,
         "backoff_base_s": 0.1,
         "backoff_cap_s": 0.5,
+        # The scripted model answers in milliseconds: a request without a byte for 3 s has stalled.
+        "first_byte_timeout_s": STALL_S,
+        "chunk_timeout_s": STALL_S,
     },
     "policy": {
         "rules": {
@@ -46,9 +50,9 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "limits": {"deadline_s": 180, "grace_s": 2},
 }
-# The agent_hang deadline, and how far past deadline + grace the kill may land (supervisor start-up, kill
-# rounds, the parse of what the harness left).
-HANG_DEADLINE_S = 4.0
+# The agent_hang and model_stall deadline, and how far past deadline + grace the session may end (supervisor
+# start-up, kill rounds, the parse of what the harness left).
+HANG_DEADLINE_S = 8.0
 HANG_SLACK_S = 8.0
 
 # A plain 400 that is no context overflow and holds none of the words that make a harness retry
@@ -71,6 +75,27 @@ AUTH_ERROR_BODY = json.dumps(
         }
     }
 )
+
+# An unknown model and an account out of credits, as OpenAI-compatible servers word them.
+MODEL_NOT_FOUND_BODY = json.dumps(
+    {
+        "error": {
+            "message": "The model `no-such-model` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "code": "model_not_found",
+        }
+    }
+)
+BILLING_BODY = json.dumps(
+    {
+        "error": {
+            "message": "Insufficient credits on this account. Add a payment method to continue.",
+            "type": "billing_error",
+            "code": "insufficient_credits",
+        }
+    }
+)
+STREAM_ERROR_MESSAGE = "The server had an error while processing your request."
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,9 @@ class Scenario:
     deadline_s: float | None = None
     config: dict[str, Any] = field(default_factory=dict)  # merged over BASE_CONFIG
     checks: tuple[tuple[str, Check], ...] = ()
+    # The harness is prepared as usual (its config files written), then this command runs in its place:
+    # the adapter's parse and the classification meet a harness that never reached the model.
+    launch_argv: tuple[str, ...] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,6 +276,89 @@ def _hang_bounded(rows: Rows, ctx: CheckContext) -> str | None:
     if took is None or took > bound:
         return f"agent phase took {took}s, past deadline + grace + slack = {bound}s"
     return None
+
+
+def _agent_spent_the_time(rows: Rows, ctx: CheckContext) -> str | None:
+    waiting = [a for a in _attempts(rows[-1]) if a["kind"] != FailureKind.NONE.value]
+    if waiting:
+        return f"model attempts that did not answer: {[(a['status'], a['kind']) for a in waiting]}"
+    return _hang_bounded(rows, ctx)
+
+
+def _stall_recorded(rows: Rows, ctx: CheckContext) -> str | None:
+    def one(row: dict[str, Any]) -> str | None:
+        kinds = [(a["status"], a["kind"]) for a in _attempts(row)]
+        if (None, FailureKind.MODEL_TIMEOUT.value) not in kinds:
+            return f"no stalled attempt (no status, model_timeout) among {kinds}"
+        took = row.get("t_agent_s")
+        bound = ctx.gateway.max_attempts_per_request * (STALL_S + ctx.gateway.backoff_cap_s) + HANG_SLACK_S
+        if took is None or took > bound:
+            return f"agent phase took {took}s; the gateway's stall bounds end it within {bound:.0f}s"
+        return None
+
+    return _each_row(rows, one)
+
+
+def _stalled_then_answered(rows: Rows, ctx: CheckContext) -> str | None:
+    first = [a for a in _attempts(rows[-1]) if a["request_index"] == 0]
+    got = [(a["status"], a["kind"]) for a in first]
+    if got != [(None, FailureKind.MODEL_TIMEOUT.value), (200, FailureKind.NONE.value)]:
+        return f"request 0 attempts {got}, expected a stall (model_timeout) then 200"
+    return None if first[0]["request_sha256"] == first[1]["request_sha256"] else "the retry sent other bytes"
+
+
+def _never_graded(rows: Rows, ctx: CheckContext) -> str | None:
+    graded = [r.get("attempt") for r in rows if r.get("verified") or r.get("reward") is not None]
+    if graded:
+        return f"attempts {graded} were graded: the stall was the endpoint's, not the agent's"
+    return None if _shell_calls(rows[0]) else "the work before the stall (a shell call) is missing"
+
+
+def _config_error_stops_run(status: int) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        if not ctx.policy.rule_for(FailureKind.ENDPOINT_CONFIG_ERROR).stop_run:
+            return "the policy rule for endpoint_config_error does not stop the run"
+        seen = _statuses(rows[-1])
+        return None if seen == [status] else f"upstream statuses {seen}, expected one {status} and no more"
+
+    return check
+
+
+def _in_stream_error_recorded(rows: Rows, ctx: CheckContext) -> str | None:
+    def one(row: dict[str, Any]) -> str | None:
+        failed = [a for a in _attempts(row) if a["status"] == 200 and a["kind"] != FailureKind.NONE.value]
+        if not failed:
+            return f"no 200 attempt recorded as failed: {[(a['status'], a['kind']) for a in _attempts(row)]}"
+        message = failed[0].get("error_message") or ""
+        return None if STREAM_ERROR_MESSAGE in message else f"the endpoint's message is missing: {message!r}"
+
+    return _each_row(rows, one)
+
+
+def _no_model_attempts(rows: Rows, ctx: CheckContext) -> str | None:
+    return _each_row(rows, lambda r: f"model attempts {_statuses(r)}" if _attempts(r) else None)
+
+
+def _verifier_ran(times: int) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        return _each_row(
+            rows,
+            lambda r: (
+                None
+                if r.get("verifier_runs") == times
+                else f"verifier_runs {r.get('verifier_runs')}, expected {times}"
+            ),
+        )
+
+    return check
+
+
+def _masked_at_once_for_retry_after(rows: Rows, ctx: CheckContext) -> str | None:
+    seen = _statuses(rows[-1])
+    if seen != [429]:
+        return f"upstream statuses {seen}: a day-long Retry-After must end the request at its first answer"
+    reason = rows[-1].get("decision_reason") or ""
+    return None if "Retry-After" in reason else f"decision reason {reason!r} does not name the Retry-After"
 
 
 def _verified_zero(rows: Rows, ctx: CheckContext) -> str | None:
@@ -448,16 +559,137 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "agent_hang",
-        f"never answers (deadline {HANG_DEADLINE_S:g}s)",
-        "agent_timeout within deadline plus grace; no process left",
-        [{"type": "hang", "max_s": 600}],
+        f"asks for a command that runs past the deadline ({HANG_DEADLINE_S:g}s), answering promptly",
+        "agent_timeout within deadline plus grace (the time was the agent's); graded; no process left",
+        [{"type": "shell", "command": "sleep 600"}],
         _NOTHING_DONE,
         "incomplete",
         FailureKind.AGENT_TIMEOUT,
         ("accept",),
         0.0,
         deadline_s=HANG_DEADLINE_S,
-        checks=(("deadline", _hang_bounded),),
+        checks=(("agent_time", _agent_spent_the_time),),
+    ),
+    Scenario(
+        "model_stall",
+        "accepts every request and never answers",
+        "model_timeout through the gateway's stall bound, well before the deadline; retried, then masked",
+        [{"type": "hang", "max_s": 600}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.MODEL_TIMEOUT,
+        _INFRA,
+        None,
+        checks=(("stall", _stall_recorded),),
+    ),
+    Scenario(
+        "model_slow_first_byte",
+        "stalls on the first request once, then answers promptly",
+        "completed; request 0 recorded as a stall, then answered with the same bytes",
+        [{"type": "hang", "max_s": 600}, *_TWO_SHELLS],
+        _BOTH_FILES,
+        "completed",
+        FailureKind.NONE,
+        ("accept",),
+        1.0,
+        checks=(("stall_then_answer", _stalled_then_answered),),
+    ),
+    Scenario(
+        "stall_after_tools",
+        "a shell call does the work, then every request stalls",
+        "model_timeout; never graded though the verifier would pass; retried, then masked",
+        [{"type": "shell", "command": "printf one > a.txt && cat a.txt"}, {"type": "hang", "max_s": 600}],
+        "test -f a.txt",
+        "failed",
+        FailureKind.MODEL_TIMEOUT,
+        _INFRA,
+        None,
+        checks=(("never_graded", _never_graded), ("stall", _stall_recorded)),
+    ),
+    Scenario(
+        "unknown_model_404",
+        "404: the model does not exist",
+        "endpoint_config_error; masked, never graded; the run stops (rule stop_run)",
+        [{"type": "error", "status": 404, "body": MODEL_NOT_FOUND_BODY}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.ENDPOINT_CONFIG_ERROR,
+        ("mask",),
+        None,
+        checks=(("stops_run", _config_error_stops_run(404)),),
+    ),
+    Scenario(
+        "billing_402",
+        "402: the account is out of credits",
+        "endpoint_config_error; masked, never graded; the run stops (rule stop_run)",
+        [{"type": "error", "status": 402, "body": BILLING_BODY}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.ENDPOINT_CONFIG_ERROR,
+        ("mask",),
+        None,
+        checks=(("stops_run", _config_error_stops_run(402)),),
+    ),
+    Scenario(
+        "in_stream_error",
+        "HTTP 200, a few deltas, then an error event in the stream, every time",
+        "provider_unavailable from the gateway's record of the 200 attempt; retried, then masked",
+        [{"type": "stream_error", "message": STREAM_ERROR_MESSAGE, "code": "server_error"}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.PROVIDER_UNAVAILABLE,
+        _INFRA,
+        None,
+        checks=(("in_stream_error", _in_stream_error_recorded),),
+    ),
+    Scenario(
+        "no_model_call",
+        "the harness is prepared, then exits 0 without a request (`true` runs in its place)",
+        "agent_no_model_call, not agent_no_result; retried, then masked",
+        _TWO_SHELLS,
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.AGENT_NO_MODEL_CALL,
+        _INFRA,
+        None,
+        checks=(("no_model_attempts", _no_model_attempts),),
+        launch_argv=("true",),
+    ),
+    Scenario(
+        "verifier_killed",
+        "completes; the verifier is killed by SIGKILL every time",
+        "verifier_error, no reward; the verifier re-run in the sandbox; retried, then masked",
+        _TWO_SHELLS,
+        "kill -KILL $$",
+        "completed",
+        FailureKind.VERIFIER_ERROR,
+        _INFRA,
+        None,
+        checks=(("verifier_reran", _verifier_ran(2)),),
+    ),
+    Scenario(
+        "verifier_flaky",
+        "completes; the verifier cannot start once (exit 127), then grades",
+        "completed, reward 1, accepted at the first attempt: the verifier re-ran, not the agent",
+        _TWO_SHELLS,
+        f"if [ -e .graded-once ]; then {_BOTH_FILES}; else touch .graded-once; exit 127; fi",
+        "completed",
+        FailureKind.NONE,
+        ("accept",),
+        1.0,
+        checks=(("verifier_reran", _verifier_ran(2)),),
+    ),
+    Scenario(
+        "retry_after_huge",
+        "429 with Retry-After of a day",
+        "rate_limit_exceeded; masked at once (policy.max_retry_after_s), nothing waits a day",
+        [{"type": "error", "status": 429, "headers": {"Retry-After": "86400"}}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.RATE_LIMIT_EXCEEDED,
+        ("mask",),
+        None,
+        checks=(("retry_after_bounded", _masked_at_once_for_retry_after),),
     ),
     Scenario(
         "verifier_failure",
@@ -567,7 +799,12 @@ def _check_reward(s: Scenario) -> Check:
 
 _RETRYABLE = frozenset(
     k.value
-    for k in (FailureKind.RATE_LIMIT_EXCEEDED, FailureKind.PROVIDER_UNAVAILABLE, FailureKind.TRANSPORT_ERROR)
+    for k in (
+        FailureKind.RATE_LIMIT_EXCEEDED,
+        FailureKind.PROVIDER_UNAVAILABLE,
+        FailureKind.TRANSPORT_ERROR,
+        FailureKind.MODEL_TIMEOUT,
+    )
 )
 
 
