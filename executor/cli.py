@@ -43,6 +43,12 @@ def run(
     api_key_env: Annotated[str | None, typer.Option(help="Environment variable holding the API key.")] = None,
     samples: Annotated[int | None, typer.Option(help="Samples per task.")] = None,
     max_in_flight: Annotated[int | None, typer.Option(help="Sessions outstanding at once.")] = None,
+    no_preflight: Annotated[
+        bool, typer.Option("--no-preflight", help="Skip the endpoint check made before any sandbox starts.")
+    ] = False,
+    preflight_timeout: Annotated[
+        float, typer.Option(min=0.5, max=600, help="Seconds the endpoint check may take in all.")
+    ] = 20.0,
 ) -> None:
     """Run (or resume) the rollouts a config describes."""
     from executor.config import load_config
@@ -72,6 +78,8 @@ def run(
     from executor.driver import Driver
     from executor.runs import running_marker
 
+    if not no_preflight:
+        _preflight(cfg, preflight_timeout)
     _ensure_harness(cfg)
     with running_marker(Path(cfg.out) / (cfg.run_id or "")):
         summary = Driver(cfg).run()
@@ -85,6 +93,23 @@ def run(
         highlight=False,
     )
     raise typer.Exit(summary.exit_code)
+
+
+def _preflight(cfg: RunConfig, timeout_s: float) -> None:
+    """Check the endpoint before anything starts or is written: a wrong URL, key or model would fail
+    every session alike. One line and exit code 2 when it would."""
+    from rich.markup import escape
+
+    from executor.preflight import PreflightError, preflight
+
+    try:
+        result = preflight(cfg, timeout_s)
+    except PreflightError as exc:
+        _fail_input(escape(exc.line))  # the endpoint's words may hold [brackets]: not markup
+    if result.warning:
+        Console(stderr=True).print(
+            f"[yellow]warning:[/] {escape(result.warning)}", highlight=False, soft_wrap=True
+        )
 
 
 def _validate_tasks(path: Path) -> None:
