@@ -76,13 +76,17 @@ def run(
         _fail_input(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from executor.driver import Driver
-    from executor.runs import running_marker
+    from executor.runs import RunLockedError
 
     if not no_preflight:
         _preflight(cfg, preflight_timeout)
     _ensure_harness(cfg)
-    with running_marker(Path(cfg.out) / (cfg.run_id or "")):
+    try:
         summary = Driver(cfg).run()
+    except RunLockedError as exc:
+        from rich.markup import escape
+
+        _fail_input(escape(str(exc)))  # another driver holds the run: nothing was written
     _print_counts(Path(summary.run_dir))
     if summary.stopped:
         Console(stderr=True).print(

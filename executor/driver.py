@@ -30,6 +30,7 @@ from executor.admission import Admission
 from executor.config import RunConfig
 from executor.gc import collect_quietly
 from executor.progress import Progress
+from executor.runs import run_lock
 from executor.schema import attempt_fields, batch_from_wire, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
@@ -186,6 +187,11 @@ class Driver:
         self.groups: GroupBook[tuple[SessionRequest, pa.RecordBatch, Verdict]] = GroupBook()
 
     def run(self) -> RunSummary:
+        """Run (or resume) the run; RunLockedError, with nothing written, if another driver holds it."""
+        with run_lock(self.run_dir):
+            return self._run_locked()
+
+    def _run_locked(self) -> RunSummary:
         cfg = self.cfg
         state = self.store.resume_state()
         if state.rows and self._restore_breaker():

@@ -1,12 +1,15 @@
-"""The runs in an output root and the state of each: running, complete, stopped, incomplete, interrupted.
+"""The runs in an output root and the state of each: running, complete, stopped, incomplete, interrupted;
+and the run lock that keeps one driver per run directory.
 
-A driver marks its run as running with ``driver.json`` (pid, host, start time) for as long as it runs.
-The state is read from that file and from ``summary.json``, which a driver writes when it ends:
+A driver holds its run with ``driver.json`` (host, boot id, pid and that process's start time, the
+wall-clock time it started, a random token) for as long as it runs: the lock and the "running" marker
+are one file. The state is read from that file and from ``summary.json``, which a driver writes when it
+ends:
 
-- ``running``: the marker names a live process on this host (or another host: we cannot check, so we
-  believe it);
-- ``interrupted``: the marker names a process that is gone (a SIGKILL, a crash), or there are rows but
-  neither a marker nor a summary;
+- ``running``: the lock names a live process on this host (or one on another host: we cannot check,
+  so we believe it);
+- ``interrupted``: the lock names a process that is gone (a SIGKILL, a crash, a reboot), or there are
+  rows but neither a lock nor a summary;
 - ``stopped``: the summary says the run was stopped (an auth error, an interrupt);
 - ``incomplete``: the summary says pairs are still pending (a budget ran out); ``rollout run`` resumes;
 - ``complete``: every pair is final.
@@ -17,32 +20,173 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from executor.store import iter_batches, part_files
+from sandboxes.owner import boot_id, start_ticks
 
 MARKER = "driver.json"
+# Taking over a dead owner's lock races with other drivers doing the same; each round either takes the
+# lock or finds a live owner, so a few rounds are plenty.
+LOCK_TRIES = 5
+
+
+class RunLockedError(Exception):
+    """Another live driver holds the run directory: one line naming it, its owner and since when."""
+
+
+def _owner_record() -> dict[str, Any]:
+    pid = os.getpid()
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot_id": boot_id(),
+        "pid_start": start_ticks(pid),  # /proc/<pid>/stat field 22
+        "started_at": time.time(),
+        "token": secrets.token_hex(8),
+    }
+
+
+def owner_alive(owner: dict[str, Any]) -> bool:
+    """Whether the driver a lock names may still run. A lock naming no process (not one a driver
+    wrote) is no one's. Another host's driver cannot be checked: it is believed. On this host: another
+    boot id means it died in a reboot; else its pid must be alive and, when the lock recorded it,
+    still have the same start time (not a reused pid)."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if owner.get("host") != socket.gethostname():
+        return True
+    recorded_boot = owner.get("boot_id")
+    if recorded_boot and boot_id() and recorded_boot != boot_id():
+        return False
+    return _process_alive(pid, owner.get("pid_start"))
+
+
+def _process_alive(pid: int, recorded_start: object) -> bool:
+    if not Path("/proc/self/stat").exists():  # no /proc to read start times from: the pid alone
+        return _pid_exists(pid)
+    ticks = start_ticks(pid)  # None for a process gone, or a zombie nobody reaped yet
+    return ticks is not None and (recorded_start is None or ticks == recorded_start)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def describe_owner(run_dir: Path, owner: dict[str, Any]) -> str:
+    """The refusal's one line; values from the file are bounded and escaped, it may hold anything."""
+    started = owner.get("started_at")
+    try:
+        since = datetime.fromtimestamp(float(started), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (TypeError, ValueError, OverflowError, OSError):
+        since = "an unknown time"
+    host = repr(str(owner.get("host")))[1:-1][:100]
+    pid = repr(owner.get("pid"))[:20]
+    return (
+        f"{run_dir} is in use by another driver (pid {pid} on {host}, since {since}); "
+        f"if that driver is gone, remove {run_dir / MARKER}"
+    )
 
 
 @contextlib.contextmanager
-def running_marker(run_dir: Path) -> Iterator[None]:
-    """Mark ``run_dir`` as driven by this process until the block ends (however it ends)."""
+def run_lock(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Hold ``run_dir`` for this process until the block ends (however it ends), else RunLockedError.
+
+    Nothing else in ``run_dir`` is touched before the lock is held. A lock whose owner is dead (see
+    ``owner_alive``) is taken over, as a dead worker's sandboxes are reaped."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / MARKER
-    tmp = path.with_name(f"{MARKER}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}))
-    os.replace(tmp, path)
+    record = _acquire(run_dir, _owner_record())
     try:
-        yield
+        yield record
     finally:
-        with contextlib.suppress(OSError):
-            if _read_json(path).get("pid") == os.getpid():
-                path.unlink()
+        _release(run_dir / MARKER, record["token"])
+
+
+def _acquire(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    path = run_dir / MARKER
+    for _ in range(LOCK_TRIES):
+        if _create_exclusively(path, record):
+            return record
+        owner, inode = _read_lock(path)
+        if inode is None:
+            continue  # released between our attempt and our look: try again
+        if owner_alive(owner):
+            raise RunLockedError(describe_owner(run_dir, owner))
+        _remove_stale(path, inode)
+    raise RunLockedError(f"{run_dir}: could not take {MARKER} in {LOCK_TRIES} rounds (other drivers racing)")
+
+
+def _create_exclusively(path: Path, record: dict[str, Any]) -> bool:
+    """Create the lock with its content whole, or return False if it exists. The content goes to a
+    name of our own first and is then hard-linked to the lock's name: the link is the exclusive create
+    (like O_EXCL, and atomic on NFS too), and a reader never sees a lock half written."""
+    tmp = path.with_name(f".{MARKER}.{record['pid']}.{record['token']}.tmp")
+    try:
+        with tmp.open("x") as fh:
+            fh.write(json.dumps(record))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_lock(path: Path) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """The lock's content and identity (device, inode); identity None if there is no lock now."""
+    try:
+        with path.open("rb") as fh:
+            st = os.fstat(fh.fileno())
+            raw = fh.read(64 * 1024)
+    except FileNotFoundError:
+        return {}, None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = {}  # not ours (we write it whole): nobody can be shown to own it
+    return (data if isinstance(data, dict) else {}), (st.st_dev, st.st_ino)
+
+
+def _remove_stale(path: Path, inode: tuple[int, int]) -> None:
+    """Remove the dead owner's lock, and only it: another driver may have taken it over and made a new
+    one since we read it. The rename moves one file aside atomically; if it was not the one we judged,
+    it goes back (a link: never over a lock made meanwhile)."""
+    aside = path.with_name(f".{MARKER}.stale.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    try:
+        st = aside.stat()
+        if (st.st_dev, st.st_ino) != inode:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _release(path: Path, token: str) -> None:
+    """Remove the lock if it is still ours (the token says so); never another driver's."""
+    owner, inode = _read_lock(path)
+    if inode is not None and owner.get("token") == token:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -51,20 +195,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _alive(pid: object, host: object) -> bool:
-    if host != socket.gethostname():
-        return True  # another machine's driver: nothing here can tell, so trust the marker
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def is_run_dir(path: Path) -> bool:
@@ -89,7 +219,7 @@ def run_state(run_dir: Path) -> tuple[str, dict[str, Any]]:
     summary = _read_json(run_dir / "summary.json")
     marker = _read_json(run_dir / MARKER)
     if marker:
-        return ("running" if _alive(marker.get("pid"), marker.get("host")) else "interrupted"), summary
+        return ("running" if owner_alive(marker) else "interrupted"), summary
     if not summary:
         return "interrupted", summary
     if summary.get("stopped"):

@@ -6,7 +6,9 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_attempts; a version 1 part file casts up
+# 2: token ids and logprobs in model_attempts; 3: verifier_runs. An older part file reads as this
+# version: a struct field or a column added since reads as null (store.iter_batches).
+SCHEMA_VERSION = "3"
 
 _TOOL_CALL = pa.struct(
     [
@@ -90,6 +92,7 @@ _FIELDS: list[tuple[str, pa.DataType]] = [
     ("reward", pa.float64()),
     ("verified", pa.bool_()),
     ("verifier_exit_code", pa.int32()),
+    ("verifier_runs", pa.int32()),  # how many times the verifier ran (re-runs after an error)
     # cleanup
     ("cleanup_ok", pa.bool_()),
     # decision (filled by the driver)

@@ -1,9 +1,13 @@
-"""The Arrow store: a run directory of whole Parquet part files, each written then renamed into place."""
+"""The Arrow store: a run directory of whole Parquet part files. Each is written under a temporary name of
+its own, then linked to its part name, which fails if that name exists: a part file is created, never
+replaced, and a crash never leaves a torn file under a part name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +21,9 @@ from executor.schema import ROW_SCHEMA, upgrade
 
 _PART = re.compile(r"^part-(\d{6,})\.parquet$")
 RESUME_COLUMNS = ["task_id", "sample_index", "attempt", "decision", "final"]
+# A part name taken meanwhile (it should not be: one driver per run holds the lock) moves the writer on to
+# the next number, this many times at most.
+PART_NAME_TRIES = 64
 
 Key = tuple[str, int]  # (task_id, sample_index)
 
@@ -43,16 +50,16 @@ def part_files(rows_dir: Path) -> list[Path]:
 
 class RunStore:
     """Buffers batches and writes them as part files. A crash loses at most the unflushed buffer,
-    never a written row, and never leaves a torn file under a part name."""
+    never a written row, and never leaves a torn file under a part name.
+
+    Making one touches nothing on disk: the rows directory is made, and temporaries left by a crash
+    removed, at the first flush. The driver flushes only while it holds the run's lock
+    (``executor.runs.run_lock``), so a driver refused the lock has written and removed nothing."""
 
     def __init__(self, run_dir: Path, flush_rows: int = 512, flush_interval_s: float = 2.0) -> None:
         self.run_dir = run_dir
         self.rows_dir = run_dir / "rows"
-        self.rows_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.rows_dir.glob("*.tmp"):
-            stale.unlink(missing_ok=True)  # left by a crash mid-write; its rows were never committed
-        existing = part_files(self.rows_dir)
-        self._next = int(_PART.match(existing[-1].name).group(1)) + 1 if existing else 0
+        self._next: int | None = None  # the next part number, known once the directory is opened
         self._buffer: list[pa.RecordBatch] = []
         self._buffered_rows = 0
         self._flush_rows = flush_rows
@@ -77,30 +84,80 @@ class RunStore:
         if not self._buffer:
             return
         table = pa.Table.from_batches(self._buffer, schema=ROW_SCHEMA)
-        final = self.rows_dir / f"part-{self._next:06d}.parquet"
-        tmp = final.with_name(final.name + ".tmp")
         try:
-            with tmp.open("wb") as fh:
-                pq.write_table(table, fh, compression="zstd")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
+            self._next = self._write_part(table, self._open()) + 1
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{final}: could not write part file ({exc.strerror or exc})") from exc
-        self._next += 1
+            raise StoreError(f"{self.rows_dir}: could not write a part file ({exc.strerror or exc})") from exc
         self.rows_written += table.num_rows
         self._buffer.clear()
         self._buffered_rows = 0
+
+    def _open(self) -> int:
+        """The next part number; the first time, make the directory and remove stale temporaries."""
+        if self._next is None:
+            self.rows_dir.mkdir(parents=True, exist_ok=True)
+            # Every temporary here is a dead writer's, never a live one's: only the holder of the run's
+            # lock writes part files, and that is us (see the class's docstring).
+            for stale in self.rows_dir.glob("*.tmp"):
+                stale.unlink(missing_ok=True)
+            existing = part_files(self.rows_dir)
+            self._next = int(_PART.match(existing[-1].name).group(1)) + 1 if existing else 0
+        return self._next
+
+    def _write_part(self, table: pa.Table, number: int) -> int:
+        """Write ``table`` whole under a name of our own, then link it to the first free part name from
+        ``number`` on; returns the number it took. A link never replaces a file, where a rename would."""
+        tmp = self.rows_dir / f".part.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        try:
+            with tmp.open("xb") as fh:
+                pq.write_table(table, fh, compression="zstd")
+                fh.flush()
+                os.fsync(fh.fileno())
+            for candidate in range(number, number + PART_NAME_TRIES):
+                try:
+                    os.link(tmp, self.rows_dir / f"part-{candidate:06d}.parquet")
+                except FileExistsError:
+                    continue
+                _fsync_dir(self.rows_dir)  # the new name survives a power cut, not just the data
+                return candidate
+            raise FileExistsError(
+                f"part-{number:06d} to part-{number + PART_NAME_TRIES - 1:06d} all exist: "
+                "is another driver writing to this run?"
+            )
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def resume_state(self) -> ResumeState:
         return scan(self.rows_dir)
 
 
 def iter_batches(rows_dir: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """``columns`` (all of the schema's when None) of every row, in that order. Part files of an older
+    schema version read as this one (a resumed run spans both): a column added since reads as null."""
+    names = list(columns) if columns is not None else list(ROW_SCHEMA.names)
     for path in part_files(rows_dir):
-        # Part files of an older schema version read as this one: a resumed run spans both.
-        yield from map(upgrade, pq.ParquetFile(path).iter_batches(columns=columns, batch_size=65_536))
+        for batch in pq.ParquetFile(path).iter_batches(columns=names, batch_size=65_536):
+            yield _complete(upgrade(batch), names)
+
+
+def _complete(batch: pa.RecordBatch, names: list[str]) -> pa.RecordBatch:
+    """``batch`` with exactly ``names``: one missing from its file (older schema) becomes nulls."""
+    if batch.schema.names == names:
+        return batch
+    arrays = [
+        batch.column(n) if n in batch.schema.names else pa.nulls(batch.num_rows, ROW_SCHEMA.field(n).type)
+        for n in names
+    ]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([ROW_SCHEMA.field(n) for n in names]))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def iter_rows_newest_first(rows_dir: Path, columns: list[str]) -> Iterator[tuple[Any, ...]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from executor.runs import MARKER, list_runs, running_marker
+from executor.runs import MARKER, list_runs, run_lock
 from executor.store import part_files
 from tests.conftest import processes_under
 
@@ -38,8 +38,8 @@ def _copy_run(src: Path, dst: Path, summary: dict | None) -> None:
         (dst / "summary.json").write_text(json.dumps(summary))
 
 
-def test_running_marker_is_removed_however_the_block_ends(tmp_path):
-    with pytest.raises(RuntimeError), running_marker(tmp_path):
+def test_the_run_lock_is_removed_however_the_block_ends(tmp_path):
+    with pytest.raises(RuntimeError), run_lock(tmp_path):
         assert json.loads((tmp_path / MARKER).read_text())["pid"] == os.getpid()
         raise RuntimeError("boom")
     assert not (tmp_path / MARKER).exists()
@@ -128,6 +128,14 @@ def test_a_real_run_while_it_is_going_then_interrupted(tmp_path):
         assert report.returncode == 0, report.stderr
         export = _rollout("export", str(run_dir), "--train", str(tmp_path / "live.parquet"))
         assert export.returncode == 0, export.stderr
+
+        # A second driver on the live run: refused in one line, the first one's lock left as it was.
+        lock = (run_dir / MARKER).read_bytes()
+        second = _rollout("run", str(config))
+        assert second.returncode == 2, second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+        assert str(run_dir) in second.stderr and f"pid {driver.pid} " in second.stderr
+        assert (run_dir / MARKER).read_bytes() == lock and driver.poll() is None
     finally:
         if driver.poll() is None:
             driver.send_signal(signal.SIGINT)  # the driver stops, cleans up and writes its summary

@@ -48,9 +48,10 @@ def test_schema_columns_cover_identity_and_decision():
         "tool_calls",
         "model_attempts",
         "evidence_gaps",
+        "verifier_runs",
     ):
         assert name in COLUMNS
-    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"2"
+    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"3"
 
 
 def test_rows_travel_from_worker_to_driver_unchanged():
@@ -64,7 +65,7 @@ def test_rows_of_another_schema_version_are_refused_by_name():
 
     old = pa.schema([pa.field("run_id", pa.string())], metadata={"rollout_executor_schema": "1"})
     sent = batch_to_wire(pa.RecordBatch.from_pylist([{"run_id": "r"}], schema=old))
-    with pytest.raises(ValueError, match="schema version 1, this driver writes version 2"):
+    with pytest.raises(ValueError, match="schema version 1, this driver writes version 3"):
         batch_from_wire(sent)
 
 
@@ -155,13 +156,89 @@ def test_resume_state(tmp_path):
     assert state.retries_used == 2
 
 
-def test_stale_tmp_ignored_and_removed(tmp_path):
+def test_stale_tmp_ignored_then_removed_at_the_first_write(tmp_path):
     rows = tmp_path / "run" / "rows"
     rows.mkdir(parents=True)
     (rows / "part-000000.parquet.tmp").write_bytes(b"torn")
+    (rows / ".part.123.abc.tmp").write_bytes(b"torn")
     store = RunStore(tmp_path / "run")
-    assert not list(rows.glob("*.tmp"))
     assert store.resume_state().rows == 0
+    # Making a store removes nothing: a driver refused the run's lock must not touch the holder's files.
+    assert len(list(rows.glob("*.tmp"))) == 2
+    store.append(rows_to_batch([_row()]))
+    store.flush()  # only the lock's holder flushes: every temporary left is a dead writer's
+    assert not list(rows.glob("*.tmp"))
+    assert [p.name for p in rows.iterdir()] == ["part-000000.parquet"]
+
+
+def test_a_store_that_never_wrote_made_nothing(tmp_path):
+    store = RunStore(tmp_path / "run")
+    assert store.resume_state().rows == 0 and read_table(tmp_path / "run").num_rows == 0
+    store.flush()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_part_name_that_exists_is_never_overwritten(tmp_path):
+    """A part name taken after this store chose its number (another writer, which the run lock should
+    have kept out) is left as it is; the rows go to the next free number."""
+    first = RunStore(tmp_path / "run")
+    first.append(rows_to_batch([_row(task="a")]))
+    first.flush()  # part-000000; this store's next number is now 1
+    rows = tmp_path / "run" / "rows"
+    theirs = [rows / "part-000001.parquet", rows / "part-000002.parquet"]
+    for path, task in zip(theirs, ("x", "y"), strict=True):
+        pq.write_table(read_table(tmp_path / "run").slice(0, 1).set_column(2, "task_id", [[task]]), path)
+    before = [p.read_bytes() for p in theirs]
+    first.append(rows_to_batch([_row(task="b")]))
+    first.flush()
+    assert [p.read_bytes() for p in theirs] == before
+    assert [p.name for p in part_files(rows)][-1] == "part-000003.parquet"
+    assert sorted(read_table(tmp_path / "run", ["task_id"]).column("task_id").to_pylist()) == [
+        "a",
+        "b",
+        "x",
+        "y",
+    ]
+    assert not list(rows.glob("*.tmp"))
+
+
+def test_a_writer_gives_up_rather_than_overwrite_when_every_name_is_taken(tmp_path):
+    from executor.store import PART_NAME_TRIES, StoreError
+
+    store = RunStore(tmp_path / "run")
+    store.append(rows_to_batch([_row(task="a")]))
+    store.flush()
+    rows = tmp_path / "run" / "rows"
+    for n in range(1, 1 + PART_NAME_TRIES):
+        (rows / f"part-{n:06d}.parquet").write_bytes(b"someone else's")
+    store.append(rows_to_batch([_row(task="b")]))
+    with pytest.raises(StoreError, match="all exist"):
+        store.flush()
+    assert all(
+        (rows / f"part-{n:06d}.parquet").read_bytes() == b"someone else's"
+        for n in range(1, 1 + PART_NAME_TRIES)
+    )
+    assert not list(rows.glob("*.tmp"))
+
+
+def test_a_part_file_of_the_previous_schema_reads_verifier_runs_as_null(tmp_path):
+    store = RunStore(tmp_path / "run")
+    store.append(rows_to_batch([_row(task="new", verifier_runs=2)]))
+    store.flush()
+    older = read_table(tmp_path / "run").drop_columns(["verifier_runs"])
+    pq.write_table(
+        older.set_column(2, "task_id", [["old"]]), tmp_path / "run" / "rows" / "part-000001.parquet"
+    )
+    table = read_table(tmp_path / "run")
+    assert table.schema.names == list(COLUMNS)
+    assert dict(
+        zip(table.column("task_id").to_pylist(), table.column("verifier_runs").to_pylist(), strict=True)
+    ) == {
+        "new": 2,
+        "old": None,
+    }
+    chosen = read_table(tmp_path / "run", ["verifier_runs", "task_id"])
+    assert chosen.schema.names == ["verifier_runs", "task_id"] and chosen.num_rows == 2
 
 
 def test_sigkill_mid_write_leaves_no_torn_part(tmp_path):
