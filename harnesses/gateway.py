@@ -7,6 +7,13 @@ reached the harness, records every upstream attempt as the session's authoritati
 gives up on a session answers every further request with the one neutral 400 that stops all four harnesses
 after a single request (``reference/harnesses.md`` §9), so their own retry loops cannot multiply the load.
 
+Every upstream attempt is bounded in time: its first body byte within ``first_byte_timeout_s`` of sending,
+then no gap longer than ``chunk_timeout_s``; a stall is a ``model_timeout``, retried like a transport
+failure while nothing reached the harness. An error the endpoint reports inside a 200 answer is that
+attempt's failure. Only model calls and model listings reach the endpoint; any other path is answered
+here. Per session it keeps the time spent waiting on the model and, at close, whether a request had
+stalled (a deadline falling then is the model's fault, not the agent's).
+
 Everything runs on the worker's event loop: call ``open_session`` / ``close_session`` from that loop.
 """
 
@@ -44,6 +51,7 @@ from policy import (
     kind_for_http,
     parse_retry_after,
 )
+from policy.http_errors import kind_for_stream_error
 from sandboxes.inline import small_inline
 
 SESSION_HEADER = "x-rollout-session"  # the scripted model keys its scripts on it; a real endpoint ignores it
@@ -55,10 +63,23 @@ CLOSED_BODY = (
     b'{"error":{"message":"gateway: session closed by gateway policy; no further model calls allowed",'
     b'"type":"invalid_request_error","code":"gateway_session_closed"}}'
 )
+# Any path but a model call or a model listing: answered here, never forwarded with the real key (files,
+# fine-tuning, batches, LoRA load/unload live there). As neutral as CLOSED_BODY, for the same reasons.
+NOT_SERVED_BODY = (
+    b'{"error":{"message":"gateway: this path is not served; only model calls and model listings pass",'
+    b'"type":"invalid_request_error","code":"gateway_path_not_served"}}'
+)
+# A model listing the endpoint did not give (no answer, a stall, a 5xx): the harness's lookup goes on
+# without it, and a 5xx's words must not reach a harness that matches on them.
+NO_LISTING_BODY = (
+    b'{"error":{"message":"gateway: the endpoint gave no usable model listing for this lookup",'
+    b'"type":"invalid_request_error","code":"gateway_listing_missing"}}'
+)
 
 _MAX_REQUEST_BYTES = 256 * 2**20  # a long agent history passes aiohttp's 1 MiB default easily
 _MAX_HELD_BYTES = 64 * 2**20  # a non-streamed answer is relayed whole up to this, streamed on past it
 _MAX_ERROR_BODY_BYTES = 2**20  # an error answer is read (and relayed) up to this; real ones are tiny
+_MAX_LISTING_BYTES = 16 * 2**20  # a model listing; OpenRouter's is a few MiB
 _MAX_SNIFF_LINE_BYTES = 4 * 2**20  # an SSE line longer than this is not parsed for usage
 # With capture_tokens the final Responses event repeats the prompt's ids and text: past 4 MiB in a long run.
 _MAX_CAPTURE_LINE_BYTES = 48 * 2**20
@@ -67,6 +88,7 @@ _MAX_CAPTURED_TOKENS = 1_000_000  # per list per model call; past it the record 
 _MAX_TOKEN_ID = 2**31 - 1  # the row stores int32; an id past it is not a real vocabulary's
 # The two model-call APIs whose requests ask for token ids when capture_tokens is on.
 _CHAT_PATH, _RESPONSES_PATH = "/chat/completions", "/responses"
+_MODEL_CALLS = frozenset({_CHAT_PATH[1:], _RESPONSES_PATH[1:]})  # POST, the path after /v1/
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _MAX_CONNECTIONS = 512
 _KEEPALIVE_S = 30.0
@@ -111,7 +133,13 @@ class GatewayConfig(BaseModel):
     backoff_cap_s: float = Field(default=8.0, ge=0)
     max_retry_after_s: float = Field(default=60.0, ge=0)  # a longer hint ends the retries of that request
     connect_timeout_s: float = Field(default=10.0, gt=0)
-    read_timeout_s: float = Field(default=300.0, gt=0)  # the longest idle gap between bytes, headers included
+    # A stalled attempt is a model_timeout, retried like a transport failure while nothing reached the
+    # harness. From sending an attempt to its first body byte (the wait for the headers included):
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    chunk_timeout_s: float = Field(default=60.0, gt=0)  # the longest gap between body bytes after that
+    # How long a harness may stop reading before its answer is cut. Also the socket-level backstop behind
+    # the two stall bounds (aiohttp's sock_read), never shorter than either of them.
+    read_timeout_s: float = Field(default=300.0, gt=0)
     max_context_overflows: int = Field(default=3, ge=0)  # per session; OpenCode can loop on them forever
     keep_bodies: bool = True  # request and response bodies into the evidence dir, gzip
     max_body_bytes: int = Field(default=32 * 2**20, ge=0)  # per kept body; the record says when it was cut
@@ -172,12 +200,21 @@ class GatewaySession:
     attempts: list[AttemptRecord] = field(default_factory=list)
     closed_kind: FailureKind | None = None  # why the gateway stopped serving it; None if it never did
     closed_message: str | None = None
-    # Set by close_session: a request was still outstanding and had gone past the stall bound without an
-    # upstream byte (classify: a deadline that falls then is model_timeout, not agent_timeout)
+    # Set by close_session: a request was still outstanding and had gone at least min(first_byte_timeout_s,
+    # chunk_timeout_s) without an upstream byte, counted from its arrival and reset by each byte of its
+    # answer, not by a retry (classify: a deadline that falls then is model_timeout, not agent_timeout).
     stalled_at_close: bool = False
-    model_wait_s: float = 0.0  # time with a model request outstanding, frozen at close_session
-    _requests: int = field(default=0, init=False, repr=False)  # forwarded upstream
+    # Wall time with at least one of the session's requests outstanding at the gateway, from arrival to
+    # the end of its answer (retries and backoff included, overlaps counted once), frozen at close_session
+    # with a request still outstanding then counted up to that moment. model_wait_now() is the live value.
+    model_wait_s: float = 0.0
+    _requests: int = field(default=0, init=False, repr=False)  # model calls forwarded upstream
     _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded
+    _probes: int = field(default=0, init=False, repr=False)  # model listings forwarded, not attempts
+    _probes_failed: int = field(default=0, init=False, repr=False)
+    _pending: set[_Request] = field(default_factory=set, init=False, repr=False)  # outstanding requests
+    _busy_since: float = field(default=0.0, init=False, repr=False)  # monotonic; valid while _pending
+    _waited: float = field(default=0.0, init=False, repr=False)  # closed busy spells, summed
     _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session
     _overflows: int = field(default=0, init=False, repr=False)
     _ended: bool = field(default=False, init=False, repr=False)  # close_session was called
@@ -186,6 +223,13 @@ class GatewaySession:
 
     def last_failure(self) -> AttemptRecord | None:
         return next((a for a in reversed(self.attempts) if a.kind is not FailureKind.NONE), None)
+
+    def model_wait_now(self) -> float:
+        """Seconds spent waiting on the model so far, a request outstanding now included; after
+        close_session, the frozen ``model_wait_s``."""
+        if self._ended:
+            return self.model_wait_s
+        return self._waited + (time.monotonic() - self._busy_since if self._pending else 0.0)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -196,7 +240,22 @@ class GatewaySession:
             "client_aborts": sum(a.client_aborted for a in self.attempts),
             "context_overflows": self._overflows,
             "closed_kind": self.closed_kind.value if self.closed_kind else None,
+            "probes": self._probes,
+            "probes_failed": self._probes_failed,
+            "model_wait_s": round(self.model_wait_now(), 3),
+            "stalled_at_close": self.stalled_at_close,
         }
+
+    def _begin(self, req: _Request) -> None:
+        if not self._pending:
+            self._busy_since = req.arrived
+        self._pending.add(req)
+
+    def _end(self, req: _Request) -> None:
+        if req in self._pending:
+            self._pending.discard(req)
+            if not self._pending:
+                self._waited += time.monotonic() - self._busy_since
 
     def _close(self, kind: FailureKind, message: str) -> None:
         if self.closed_kind is None:  # the first cause is the one that explains the row
@@ -216,6 +275,8 @@ class _Request:
     headers: list[tuple[str, str]]
     body: bytes
     sha256: str
+    arrived: float  # monotonic
+    last_byte: float  # monotonic: the arrival, then each upstream body byte of any attempt; not a retry
     capture_tokens: bool = False  # the body was rewritten to ask for token ids; parse the answer for them
     request_file: str | None = None
     request_truncated: bool = False
@@ -364,13 +425,18 @@ class _TokenCapture:
 
 class _UsageSniffer:
     """Token usage and finish reason from an answer as it passes: chat or Responses, SSE or one JSON.
-    With ``tokens``, the answer's token ids and logprobs too."""
+    With ``tokens``, the answer's token ids and logprobs too. And the first error the endpoint reported
+    inside it, from the objects it parses anyway: an SSE ``event: error``, an object with a top-level
+    ``error`` (a Chat chunk, a whole answer, a Responses object that failed or is incomplete with one),
+    ``type: error`` / ``object: error``, or a Responses object whose status is ``failed``."""
 
     def __init__(self, tokens: _TokenCapture | None = None) -> None:
         self.tokens = tokens
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
         self.finish_reason: str | None = None
+        self.error: tuple[str | int | None, str] | None = None  # (code, message), bounded
+        self._error_event = False  # the event line before this data line said "error"
         self._line_limit = _MAX_CAPTURE_LINE_BYTES if tokens else _MAX_SNIFF_LINE_BYTES
         # The unfinished line in parts, joined once its newline comes: a long line costs one copy.
         self._pending: list[bytes] = []
@@ -389,8 +455,12 @@ class _UsageSniffer:
             self._overlong = False
         self._hold(lines.pop())
         for line in lines:
-            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                self.feed_json(line[5:])
+            if line.startswith(b"data:"):
+                if line[5:].strip() != b"[DONE]":
+                    self.feed_json(line[5:])
+                self._error_event = False
+            elif line.startswith(b"event:"):
+                self._error_event = line[6:].strip() == b"error"
 
     def _hold(self, part: bytes) -> None:
         self._pending.append(part)
@@ -409,8 +479,16 @@ class _UsageSniffer:
             return
         if self.tokens is not None:
             self.tokens.take(obj)
+        if self._error_event or obj.get("type") == "error" or obj.get("object") == "error":
+            error = obj.get("error")
+            self._note_error(error if isinstance(error, dict) else obj)
+            return
         if isinstance(obj.get("response"), dict):  # a Responses event wraps the response object
             obj = obj["response"]
+        if obj.get("error"):  # null on a sound Responses object
+            self._note_error(obj["error"])
+        elif obj.get("status") == "failed" and obj.get("object") == "response":
+            self._note_error({"code": None, "message": "response.failed without an error object"})
         usage = obj.get("usage")
         if isinstance(usage, dict):
             given = usage.get("prompt_tokens", usage.get("input_tokens"))
@@ -426,6 +504,21 @@ class _UsageSniffer:
             details = obj.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
             self.finish_reason = reason if isinstance(reason, str) else obj["status"]
+
+    def _note_error(self, payload: Any) -> None:
+        if self.error is not None:  # the first error explains the answer; later ones follow from it
+            return
+        code: Any = None
+        message: Any = payload
+        if isinstance(payload, dict):
+            code = payload.get("code") if payload.get("code") is not None else payload.get("type")
+            message = payload.get("message")
+            if not isinstance(message, str):
+                message = json.dumps(payload, ensure_ascii=False)
+        if not isinstance(code, int | str) or isinstance(code, bool):
+            code = None
+        text = message if isinstance(message, str) and message else "an error inside the answer, no message"
+        self.error = (code[:200] if isinstance(code, str) else code, text[:_MAX_MESSAGE_CHARS])
 
 
 def _ask_for_tokens(body: bytes, path: str, top_logprobs: int | None) -> bytes | None:
@@ -464,6 +557,34 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+class _StallTimer:
+    """The time bounds of one upstream answer: its first body byte within ``first_byte_timeout_s`` of
+    sending (the wait for the headers included), then no gap longer than ``chunk_timeout_s``."""
+
+    __slots__ = ("_config", "_first_by", "req", "started")
+
+    def __init__(self, req: _Request, config: GatewayConfig) -> None:
+        self._config = config
+        self._first_by = time.monotonic() + config.first_byte_timeout_s
+        self.req = req  # its last_byte is stamped with each body byte
+        self.started = False  # a body byte came
+
+    def wait_s(self) -> float:
+        """How long the next read may wait."""
+        if self.started:
+            return self._config.chunk_timeout_s
+        return max(self._first_by - time.monotonic(), 0.0)
+
+    def byte(self) -> None:
+        self.started = True
+        self.req.last_byte = time.monotonic()
+
+    def message(self) -> str:
+        if self.started:
+            return f"stalled mid-answer: no byte for chunk_timeout_s={self._config.chunk_timeout_s:g}s"
+        return f"stalled: no first byte within first_byte_timeout_s={self._config.first_byte_timeout_s:g}s"
+
+
 class _Attempt:
     """One upstream attempt in flight; ``finish`` turns it into its record exactly once."""
 
@@ -472,6 +593,7 @@ class _Attempt:
         self.number = number
         self.started_at = time.time()
         self._t0 = time.monotonic()
+        self.timer = _StallTimer(req, config)
         self.status: int | None = None
         self.retry_after_s: float | None = None
         self.streamed = False
@@ -487,7 +609,7 @@ class _Attempt:
 
     def received(self, chunk: bytes) -> None:
         if self.ttfb_s is None:
-            self.ttfb_s = time.monotonic() - self._t0
+            self.ttfb_s = self.req.last_byte - self._t0  # stamped by the read that got this chunk
         self.response_bytes += len(chunk)
         if self.capture is not None:
             self.capture.feed(chunk)
@@ -499,7 +621,12 @@ class _Attempt:
     ) -> AttemptRecord:
         if self.record is not None:  # close_session may have recorded it first
             return self.record
-        if self.answer_delivered and (client_aborted or kind is FailureKind.CANCELLED):
+        failure = self.failure_inside()
+        if failure is not None:
+            # The endpoint's own report explains the attempt, whatever ended it afterwards.
+            then = f" (then: {message})" if message and message != failure[1] else ""
+            kind, message = failure[0], failure[1] + then
+        elif self.answer_delivered and (client_aborted or kind is FailureKind.CANCELLED):
             # A harness that has its answer hangs up, or exits and has its session closed, before the
             # upstream's last bytes (Codex on response.completed): the endpoint answered in full.
             kind, message, client_aborted = FailureKind.NONE, None, False
@@ -542,6 +669,13 @@ class _Attempt:
         session.attempts.append(self.record)
         return self.record
 
+    def failure_inside(self) -> tuple[FailureKind, str] | None:
+        """The error the endpoint reported inside its 200 answer, classified; None if it reported none."""
+        if self.usage.error is None:
+            return None
+        code, message = self.usage.error
+        return kind_for_stream_error(code, message), message
+
 
 class Gateway:
     """One per worker process. ``on_attempt`` is called with each record as it is made (live progress,
@@ -581,8 +715,10 @@ class Gateway:
         if self._runner is not None:
             raise RuntimeError("the gateway is already started")
         app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
-        for method in ("GET", "POST"):
-            app.router.add_route(method, "/s/{token}/v1/{rest:.*}", self._handle)
+        # Every method reaches the handler, which answers what it does not forward itself (a neutral
+        # JSON 404, not aiohttp's plain-text 405); so does any other path.
+        app.router.add_route("*", "/s/{token}/v1/{rest:.*}", self._handle)
+        app.router.add_route("*", "/{tail:.*}", _answer_not_served)
         # Cancelling the handler when the harness hangs up is what cancels its upstream request.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -597,10 +733,13 @@ class Gateway:
         cfg = self.config
         self._client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S),
-            # connect covers the wait for a pooled connection too; sock_read bounds every wait for a byte,
-            # the answer's headers included, so an upstream that stops reading our body is bounded too.
+            # connect covers the wait for a pooled connection too. The stall bounds (asyncio.timeout around
+            # each wait, _StallTimer) end a silent upstream first; sock_read is only the backstop behind
+            # them, so it is never the shorter one.
             timeout=aiohttp.ClientTimeout(
-                total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+                total=None,
+                connect=cfg.connect_timeout_s,
+                sock_read=max(cfg.read_timeout_s, cfg.first_byte_timeout_s, cfg.chunk_timeout_s),
             ),
             auto_decompress=False,  # relayed as received: the usage sniffer and the kept copy see those bytes
             # What the harness sent, and nothing of aiohttp's own in its place.
@@ -640,10 +779,19 @@ class Gateway:
         """
         if session._ended:
             return
+        now = time.monotonic()
+        stalled = self._stalled(session, now)
+        session.stalled_at_close = bool(stalled)
+        session.model_wait_s = session.model_wait_now()
         session._ended = True
         self._sessions.pop(session.token, None)
         for attempt in list(session._live):
-            self._finish(attempt, FailureKind.CANCELLED, "the session was closed while this attempt ran")
+            if attempt.req in stalled:  # so the record shows what the session's end cut short
+                waited = now - attempt.req.last_byte
+                message = f"the session was closed while this request had waited {waited:.1f}s for a byte"
+                self._finish(attempt, FailureKind.MODEL_TIMEOUT, message)
+            else:
+                self._finish(attempt, FailureKind.CANCELLED, "the session was closed while this attempt ran")
         for task in session._tasks:
             task.cancel()
         lines = "".join(record.model_dump_json() + "\n" for record in session.attempts)
@@ -651,45 +799,62 @@ class Gateway:
         with contextlib.suppress(OSError):
             (session.evidence_dir / "attempts.jsonl").write_text(lines)
 
+    def _stalled(self, session: GatewaySession, now: float) -> set[_Request]:
+        """The session's outstanding requests that have gone the stall bound without an upstream byte
+        (an answer the harness already had in full is not waiting on the model)."""
+        bound = min(self.config.first_byte_timeout_s, self.config.chunk_timeout_s)
+        answered = {attempt.req for attempt in session._live if attempt.answer_delivered}
+        return {r for r in session._pending if r not in answered and now - r.last_byte >= bound}
+
     # -- serving ----------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         session = self._sessions.get(request.match_info["token"])
         if session is None:
             return _closed()
-        if session.closed_kind is not None:
-            session._refused += 1
-            return _closed()
         rest = request.rel_url.raw_path.split("/", 4)[4]
         # A URL library resolves dot segments, which would let a harness reach paths outside /v1 with the
-        # real key.
-        if any(unquote(part) in (".", "..") for part in rest.split("/")):
+        # real key; encoded slashes too ("models/..%2Ffiles").
+        if any(part in (".", "..") for part in unquote(rest).split("/")):
+            return _closed()
+        route = _route(request.method, rest)
+        if route is None:
+            return _not_served()
+        if session.closed_kind is not None:
+            session._refused += 1
             return _closed()
         task = asyncio.current_task()
         assert task is not None
         session._tasks.add(task)
+        req: _Request | None = None
         try:
-            req = await self._new_request(session, request, rest, await request.read())
+            body = await request.read()
+            req = await self._new_request(session, request, rest, body, listing=route == "listing")
+            session._begin(req)
+            if route == "listing":
+                return await self._list_models(req, request)
             return await self._forward(req, request)
         finally:
             session._tasks.discard(task)
+            if req is not None:
+                session._end(req)
 
     async def _new_request(
-        self, session: GatewaySession, request: web.Request, rest: str, body: bytes
+        self, session: GatewaySession, request: web.Request, rest: str, body: bytes, *, listing: bool
     ) -> _Request:
-        index = session._requests
-        session._requests += 1
+        arrived = time.monotonic()
+        index = -1 if listing else session._requests  # a listing is no model call: no index, no record
+        session._requests += not listing
         query = request.rel_url.raw_query_string
         api_path = "/" + rest
-        model_call = request.method == "POST" and api_path in (_CHAT_PATH, _RESPONSES_PATH)
-        capture = self.config.capture_tokens and model_call
+        capture = self.config.capture_tokens and not listing
         if capture:
             # Rewritten once, here: every attempt sends these bytes, and request_sha256 is theirs.
             # Off the loop: a long agent history takes a while to parse and serialize.
             rewritten = await asyncio.to_thread(_ask_for_tokens, body, api_path, self.config.top_logprobs)
             capture, body = rewritten is not None, rewritten or body
         saving = None
-        if self.config.keep_bodies and body:
+        if self.config.keep_bodies and body and not listing:
             # One file per request, not per attempt: every attempt sends these same bytes. Beside the first
             # attempt, not before it, and in a thread once the body is large (a long agent history).
             name = f"req-{index}.json.gz"
@@ -704,6 +869,8 @@ class Gateway:
             headers=self._upstream_headers(request, session),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
+            arrived=arrived,
+            last_byte=arrived,
             capture_tokens=capture,
             saving=saving,
         )
@@ -770,16 +937,14 @@ class Gateway:
         req = att.req
         try:
             try:
-                upstream = await self._client.request(
-                    req.method,
-                    URL(req.url, encoded=True),  # sent as the harness wrote it, not re-quoted
-                    headers=req.headers,
-                    data=req.body or None,
-                    allow_redirects=False,
-                )
+                async with asyncio.timeout(att.timer.wait_s()):
+                    upstream = await self._send(req)
             except aiohttp.ClientError as exc:
                 await req.saved()
                 return self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(exc))
+            except TimeoutError:
+                await req.saved()
+                return self._finish(att, FailureKind.MODEL_TIMEOUT, att.timer.message())
             await req.saved()
             try:
                 att.status = upstream.status
@@ -792,20 +957,29 @@ class Gateway:
             self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             raise
 
+    async def _send(self, req: _Request) -> aiohttp.ClientResponse:
+        assert self._client is not None
+        return await self._client.request(
+            req.method,
+            URL(req.url, encoded=True),  # sent as the harness wrote it, not re-quoted
+            headers=req.headers,
+            data=req.body or None,
+            allow_redirects=False,
+        )
+
     async def _answer_error(
         self, att: _Attempt, upstream: aiohttp.ClientResponse
     ) -> web.StreamResponse | AttemptRecord:
         status, session = upstream.status, att.req.session
         body = bytearray()
         try:
-            while chunk := await _read_upstream(upstream):
+            while chunk := await _read_upstream(upstream, att.timer):
                 att.received(chunk)
                 body += chunk[: _MAX_ERROR_BODY_BYTES - len(body)]
                 if len(body) >= _MAX_ERROR_BODY_BYTES:
                     break
         except _UpstreamCut as cut:
-            message = f"HTTP {status}, then {_describe(cut.error)}"
-            return self._finish(att, FailureKind.TRANSPORT_ERROR, message)
+            return self._finish(att, cut.kind, f"HTTP {status}, then {cut.message}")
         kind = kind_for_http(status, bytes(body))
         att.retry_after_s = parse_retry_after(upstream.headers.get("retry-after"))
         record = self._finish(att, kind, error_message_of(bytes(body), _MAX_MESSAGE_CHARS))
@@ -835,7 +1009,7 @@ class Gateway:
         held_bytes = 0
         response: web.StreamResponse | None = None  # set once bytes go to the harness: no retry after
         try:
-            while chunk := await _read_upstream(upstream):
+            while chunk := await _read_upstream(upstream, att.timer):
                 att.received(chunk)
                 if response is None:
                     held.append(chunk)
@@ -849,15 +1023,13 @@ class Gateway:
                 # A harness that stops reading must not hold the upstream stream open forever.
                 async with asyncio.timeout(self.config.read_timeout_s):
                     await response.write(chunk)
-                att.answer_delivered = att.usage.finish_reason is not None
-        except _UpstreamCut as cut:
-            record = self._finish(att, FailureKind.TRANSPORT_ERROR, _describe(cut.error))
+                att.answer_delivered = att.usage.finish_reason is not None and att.usage.error is None
+        except _UpstreamCut as cut:  # broken off, or stalled
+            record = self._finish(att, cut.kind, cut.message)
             if response is None:
                 return record
             # Bytes already reached the harness: pass the cut on; its own reconnect is a new request.
-            why = self._spend(att.req.session)
-            if why:
-                att.req.session._close(record.kind, f"{why}; last: stream cut: {record.error_message}")
+            self._spend_on_answered(att.req.session, record, "cut")
             _abort(request)
             return response
         except (ConnectionError, TimeoutError):
@@ -873,6 +1045,9 @@ class Gateway:
             body = b"".join(held)
             if not att.streamed:
                 att.usage.feed_json(body)
+            failure = att.failure_inside()
+            if failure is not None and is_retryable(failure[0]):
+                return self._finish(att, *failure)  # held whole, so nothing reached the harness: retried
             headers = _relayed(upstream.headers)
             response = web.Response(status=upstream.status, body=body, headers=headers)
             with contextlib.suppress(ConnectionError):
@@ -884,8 +1059,47 @@ class Gateway:
         except ConnectionError:
             self._finish(att, FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             return response
-        self._finish(att, FailureKind.NONE)
+        record = self._finish(att, FailureKind.NONE)  # an error inside the answer makes it a failure
+        if is_retryable(record.kind):
+            # The error event went to the harness, which may reconnect: a new request, as after a cut.
+            self._spend_on_answered(att.req.session, record, "error inside the answer")
         return response
+
+    def _spend_on_answered(self, session: GatewaySession, record: AttemptRecord, what: str) -> None:
+        """A failure after bytes reached the harness counts against the session; closes it once spent."""
+        why = self._spend(session)
+        if why:
+            session._close(record.kind, f"{why}; last: {what}: {record.error_message or ''}")
+
+    async def _list_models(self, req: _Request, request: web.Request) -> web.Response:
+        """A model listing (Hermes looks up prices): forwarded once under the same time bounds, relayed
+        whole, and no model attempt of the session. A 2xx or a 404 (no such model) is relayed; anything
+        else gets a neutral 404, so that no status or words of a failing endpoint make a harness retry."""
+        session = req.session
+        session._probes += 1
+        try:
+            status, headers, body = await self._fetch_listing(req)
+        except (aiohttp.ClientError, TimeoutError, _UpstreamCut):
+            status, headers, body = None, None, None
+        if status is None or body is None or not (200 <= status < 300 or status == 404):
+            session._probes_failed += 1
+            return web.Response(status=404, body=NO_LISTING_BODY, content_type="application/json")
+        return web.Response(status=status, body=body, headers=headers)
+
+    async def _fetch_listing(self, req: _Request) -> tuple[int, CIMultiDict[str], bytes | None]:
+        """The listing's status, headers and body; no body when it is past _MAX_LISTING_BYTES."""
+        timer = _StallTimer(req, self.config)
+        async with asyncio.timeout(timer.wait_s()):
+            upstream = await self._send(req)
+        try:
+            body = bytearray()
+            while chunk := await _read_upstream(upstream, timer):
+                body += chunk
+                if len(body) > _MAX_LISTING_BYTES:
+                    return upstream.status, _relayed(upstream.headers), None
+            return upstream.status, _relayed(upstream.headers), bytes(body)
+        finally:
+            upstream.release()
 
     def _finish(
         self, att: _Attempt, kind: FailureKind, message: str | None = None, *, client_aborted: bool = False
@@ -901,25 +1115,51 @@ def _closed() -> web.Response:
     return web.Response(status=400, body=CLOSED_BODY, content_type="application/json")
 
 
+def _not_served() -> web.Response:
+    return web.Response(status=404, body=NOT_SERVED_BODY, content_type="application/json")
+
+
+async def _answer_not_served(request: web.Request) -> web.Response:
+    return _not_served()
+
+
+def _route(method: str, rest: str) -> str | None:
+    """What a request under /v1/ is: a model call, a model listing (GET models, GET models/<id>), or
+    neither (None: answered here, never forwarded)."""
+    if method == "POST" and rest in _MODEL_CALLS:
+        return "call"
+    if method == "GET" and (rest == "models" or (rest.startswith("models/") and len(rest) > len("models/"))):
+        return "listing"
+    return None
+
+
 def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_RELAYED)
 
 
 class _UpstreamCut(Exception):
-    """The upstream's answer broke off; kept apart from the harness's side, whose write errors are
-    ConnectionErrors too (aiohttp's ClientConnectionResetError is both)."""
+    """The upstream's answer broke off (TRANSPORT_ERROR) or stalled (MODEL_TIMEOUT); kept apart from the
+    harness's side, whose write errors are ConnectionErrors too (aiohttp's ClientConnectionResetError is
+    both) and whose stop in reading is a TimeoutError."""
 
-    def __init__(self, error: aiohttp.ClientError) -> None:
-        super().__init__(str(error))
-        self.error = error
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
 
 
-async def _read_upstream(upstream: aiohttp.ClientResponse) -> bytes:
-    """The next bytes of the answer as they arrive (b"" at its end)."""
+async def _read_upstream(upstream: aiohttp.ClientResponse, timer: _StallTimer) -> bytes:
+    """The next bytes of the answer as they arrive (b"" at its end), within the stall bounds."""
     try:
-        return await upstream.content.readany()
-    except aiohttp.ClientError as exc:
-        raise _UpstreamCut(exc) from exc
+        async with asyncio.timeout(timer.wait_s()):
+            chunk = await upstream.content.readany()
+    except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's own read timeout is both
+        raise _UpstreamCut(FailureKind.TRANSPORT_ERROR, _describe(exc)) from exc
+    except TimeoutError:
+        raise _UpstreamCut(FailureKind.MODEL_TIMEOUT, timer.message()) from None
+    if chunk:
+        timer.byte()
+    return chunk
 
 
 def _describe(exc: aiohttp.ClientError) -> str:

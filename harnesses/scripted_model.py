@@ -2,9 +2,10 @@
 
 Each session (keyed by the `x-rollout-session` header or a `/s/<key>/v1` URL prefix) plays its own list of
 steps: text answers, tool calls matched to whatever shell or write tool the client offers, HTTP errors, a
-stream cut mid-way, or a hang. It speaks Chat Completions (OpenCode, Pi, Hermes) and the Responses API
-(Codex) closely enough for those real clients to run against it. An outage window (``outage``) answers
-every request with one error for a while, whatever the scripts say, then lets them play on.
+stream cut mid-way, an error inside a 200 answer, or a hang (before the answer or in its middle). It
+speaks Chat Completions (OpenCode, Pi, Hermes) and the Responses API (Codex) closely enough for those real
+clients to run against it. An outage window (``outage``) answers every request with one error for a
+while, whatever the scripts say, then lets them play on.
 """
 
 from __future__ import annotations
@@ -96,12 +97,31 @@ class DropStep(_StepBase):
 
 
 class HangStep(_StepBase):
+    """Say nothing until ``max_s``, then cut the connection. With ``after_chunks`` the answer starts
+    first: a stream sends its preamble and that many text chunks (as ``drop`` does), a non-streamed answer
+    its headers and that many 16-byte pieces of its JSON (0: the headers alone)."""
+
     type: Literal["hang"]
     max_s: float = Field(default=600.0, gt=0)
+    after_chunks: int | None = Field(default=None, ge=0)
+
+
+class StreamErrorStep(_StepBase):
+    """A 200 answer that fails inside: a stream sends its preamble and ``after_chunks`` text chunks, then
+    the error in the API's own form, then ends cleanly. ``form``: ``native`` is a Chat chunk carrying
+    ``error`` / a Responses ``response.failed``; ``event`` is an SSE ``event: error``; ``incomplete`` is a
+    Responses ``response.incomplete`` carrying the error (Chat: as ``native``). A non-streamed request
+    gets a 200 JSON body with a top-level ``error``."""
+
+    type: Literal["stream_error"]
+    message: str = "The server had an error while processing your request."
+    code: str | int | None = "server_error"
+    after_chunks: int = Field(default=2, ge=0)
+    form: Literal["native", "event", "incomplete"] = "native"
 
 
 Step = Annotated[
-    TextStep | ShellStep | WriteStep | ToolStep | ErrorStep | DropStep | HangStep,
+    TextStep | ShellStep | WriteStep | ToolStep | ErrorStep | DropStep | HangStep | StreamErrorStep,
     Field(discriminator="type"),
 ]
 _STEP_ADAPTER: TypeAdapter[Step] = TypeAdapter(Step)
@@ -641,6 +661,23 @@ def _sse_event(event: dict[str, Any], sequence_number: int) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 
+def _chat_error_frame(step: StreamErrorStep, model: str, reply_id: str) -> bytes:
+    """A Chat stream's error: a chunk carrying ``error`` (as OpenRouter sends it), or an ``error`` event
+    whose data has no ``error`` key, so only the event line says what it is."""
+    error = {"message": step.message, "code": step.code}
+    if step.form == "event":
+        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+    chunk = {
+        "id": reply_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "error"}],
+        "error": error,
+    }
+    return _sse_chat(chunk)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors
 
@@ -726,6 +763,9 @@ class ScriptedModel:
         self._stopping: asyncio.Event | None = None
         self._base_url: str | None = None
         self._outage: _Outage | None = None
+        # Every (method, path) that reached the server, /_ctl/ aside: what a proxy in front let through.
+        self._seen: list[tuple[str, str]] = []
+        self._arrived: asyncio.Event | None = None  # set (and replaced) on each logged model request
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -741,6 +781,24 @@ class ScriptedModel:
         with self._lock:
             session = self._sessions.get(session_key)
             return list(session.log) if session else []
+
+    def requests_seen(self) -> list[tuple[str, str]]:
+        """(method, path) of every request that reached the server, any route, found or not."""
+        with self._lock:
+            return list(self._seen)
+
+    async def wait_requests(self, session_key: str, count: int, timeout_s: float = 30.0) -> list[RequestLog]:
+        """The session's log once it holds ``count`` model requests: a test's way to know an answer is
+        under way (a hang, say) without sleeping. Call it on the server's event loop."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                arrived = self._arrived
+                log = self.requests(session_key)
+                if len(log) >= count:
+                    return log
+                if arrived is None:
+                    raise RuntimeError("ScriptedModel is not started")
+                await arrived.wait()
 
     def outage(self, seconds: float, status: int = 429, headers: dict[str, str] | None = None) -> None:
         """Answer every request (control routes aside) with ``status`` for ``seconds``, then serve the
@@ -771,6 +829,7 @@ class ScriptedModel:
         if self._runner is not None:
             raise RuntimeError("ScriptedModel is already started")
         self._stopping = asyncio.Event()
+        self._arrived = asyncio.Event()
         app = web.Application(
             client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found, self._outage_gate]
         )
@@ -830,6 +889,8 @@ class ScriptedModel:
     async def _outage_gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         # Before any handler, so an outage answers /models as well and never consumes a script step.
         if not request.path.startswith("/_ctl/"):
+            with self._lock:
+                self._seen.append((request.method, request.path))
             error = self._outage_error()
             if error is not None:
                 return _error_response(error)
@@ -838,6 +899,9 @@ class ScriptedModel:
     def _record(self, key: str, entry: RequestLog) -> None:
         with self._lock:
             self._sessions.setdefault(key, _Session(steps=self._default_script)).log.append(entry)
+        if self._arrived is not None:  # wakes every waiter; each looks at the log again
+            self._arrived.set()
+            self._arrived = asyncio.Event()
 
     def _next_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):06d}"
@@ -907,11 +971,13 @@ class ScriptedModel:
 
         if isinstance(step, ErrorStep):
             return _error_response(step)
-        if isinstance(step, HangStep):
-            return await self._hang(request, step)
         model = str(body.get("model") or self._model_names[0])
+        if isinstance(step, HangStep):
+            return await self._hang(request, api, body, model, step)
         if isinstance(step, DropStep):
             return await self._drop(request, api, body, model, step)
+        if isinstance(step, StreamErrorStep):
+            return await self._stream_error(request, api, body, model, step)
         if aux:
             reply = _Reply(text=AUX_TEXT, usage=_usage(len(raw), AUX_TEXT))
         else:
@@ -956,6 +1022,21 @@ class ScriptedModel:
         await response.prepare(request)
         return response
 
+    def _partial_frames(
+        self, api: Literal["responses", "chat"], body: dict[str, Any], model: str, chunks: int
+    ) -> list[bytes]:
+        """The SSE frames that start a text answer: the preamble and ``chunks`` text deltas."""
+        text = ("partial answer " * (chunks + 1))[: chunks * _DELTA_CHARS]
+        reply = _Reply(text=text)
+        if api == "chat":
+            preamble = 1  # the role chunk
+            frames = [_sse_chat(c) for c in _chat_stream(reply, model, self._next_id("chatcmpl-"), False)]
+        else:
+            preamble = 4  # created, in_progress, output_item.added, content_part.added
+            events = _response_events(reply, body, model, self._next_id("resp_"), self._next_id("msg_"))
+            frames = [_sse_event(event, number) for number, event in enumerate(events)]
+        return frames[: preamble + chunks]
+
     async def _drop(
         self,
         request: web.Request,
@@ -965,28 +1046,86 @@ class ScriptedModel:
         step: DropStep,
     ) -> web.StreamResponse:
         """Stream the start of a text answer, then reset the connection mid-body."""
-        text = ("partial answer " * (step.after_chunks + 1))[: step.after_chunks * _DELTA_CHARS]
-        reply = _Reply(text=text)
-        if api == "chat":
-            preamble = 1  # the role chunk
-            frames = [_sse_chat(c) for c in _chat_stream(reply, model, self._next_id("chatcmpl-"), False)]
-        else:
-            preamble = 4  # created, in_progress, output_item.added, content_part.added
-            events = _response_events(reply, body, model, self._next_id("resp_"), self._next_id("msg_"))
-            frames = [_sse_event(event, number) for number, event in enumerate(events)]
         response = await self._open_sse(request)
-        for frame in frames[: preamble + step.after_chunks]:
+        for frame in self._partial_frames(api, body, model, step.after_chunks):
             await response.write(frame)
         _abort_connection(request)
         return response
 
-    async def _hang(self, request: web.Request, step: HangStep) -> web.StreamResponse:
-        # A client that gives up cancels this handler (handler_cancellation); stop() sets the event.
+    async def _hang(
+        self,
+        request: web.Request,
+        api: Literal["responses", "chat"],
+        body: dict[str, Any],
+        model: str,
+        step: HangStep,
+    ) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        if step.after_chunks is not None:
+            if body.get("stream"):
+                response = await self._open_sse(request)
+                frames = self._partial_frames(api, body, model, step.after_chunks)
+            else:
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                await response.prepare(request)
+                whole = json.dumps(self._whole_answer(api, body, model)).encode()
+                frames = [whole[i : i + _DELTA_CHARS] for i in range(0, len(whole), _DELTA_CHARS)]
+                frames = frames[: step.after_chunks]
+            for frame in frames:
+                await response.write(frame)
+        await self._wait_for_stop(step.max_s)
+        _abort_connection(request)
+        return response or web.Response(status=504)
+
+    def _whole_answer(
+        self, api: Literal["responses", "chat"], body: dict[str, Any], model: str
+    ) -> dict[str, Any]:
+        reply = _Reply(text="partial answer " * 8)
+        if api == "chat":
+            return _chat_completion(reply, model, self._next_id("chatcmpl-"))
+        return _response_object(reply, body, model, self._next_id("resp_"), self._next_id("msg_"), done=True)
+
+    async def _wait_for_stop(self, max_s: float) -> None:
+        # A client that gives up cancels the handler (handler_cancellation); stop() sets the event.
         assert self._stopping is not None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), step.max_s)
-        _abort_connection(request)
-        return web.Response(status=504)
+            await asyncio.wait_for(self._stopping.wait(), max_s)
+
+    async def _stream_error(
+        self,
+        request: web.Request,
+        api: Literal["responses", "chat"],
+        body: dict[str, Any],
+        model: str,
+        step: StreamErrorStep,
+    ) -> web.StreamResponse:
+        """A 200 answer that starts, then reports an error inside it and ends cleanly."""
+        error = {"message": step.message, "code": step.code}
+        if not body.get("stream"):
+            return web.json_response({"error": {**error, "type": "server_error"}})
+        frames = self._partial_frames(api, body, model, step.after_chunks)
+        if api == "chat":
+            frames.append(_chat_error_frame(step, model, self._next_id("chatcmpl-")))
+            frames.append(b"data: [DONE]\n\n")
+        else:
+            frames.append(self._responses_error_frame(step, body, model, len(frames)))
+        response = await self._open_sse(request)
+        for frame in frames:
+            await response.write(frame)
+        await response.write_eof()
+        return response
+
+    def _responses_error_frame(
+        self, step: StreamErrorStep, body: dict[str, Any], model: str, number: int
+    ) -> bytes:
+        error = {"code": step.code, "message": step.message}
+        if step.form == "event":
+            return _sse_event({"type": "error", **error, "param": None}, number)
+        final = _response_object(_Reply(), body, model, self._next_id("resp_"), "", done=False)
+        final.update(status="failed", error=error, output=[])
+        if step.form == "incomplete":
+            final.update(status="incomplete", incomplete_details={"reason": "error"})
+        return _sse_event({"type": f"response.{final['status']}", "response": final}, number)
 
     # -- models and control ----------------------------------------------------------------------------
 

@@ -58,6 +58,27 @@ def kind_for_http(status: int | None, body: str | bytes | None = None) -> Failur
     return FailureKind.ENDPOINT_CONFIG_ERROR
 
 
+# Words an endpoint uses for a rate limit inside an error event (a status digit alone is not trusted: a
+# message such as "(request 14290)" would match it).
+_RATE_LIMIT_MARKERS = ("rate_limit", "rate limit", "ratelimit", "too many requests", "throttl")
+_MAX_SCANNED_CHARS = 20_000
+
+
+def kind_for_stream_error(code: object, message: object) -> FailureKind:
+    """The failure kind of an error the endpoint reported inside a 200 answer (an SSE ``error`` event, a
+    chunk carrying ``error``, ``response.failed``). An endpoint failing mid-answer is the infrastructure's,
+    never the sample's: only an overflow (the agent's history) and a rate limit are told apart."""
+    if isinstance(code, bool):
+        code = None
+    text = f"{code if code is not None else ''} {message if message is not None else ''}"
+    text = text[:_MAX_SCANNED_CHARS].lower()
+    if any(marker in text for marker in _CONTEXT_MARKERS):
+        return FailureKind.MODEL_CONTEXT_LIMIT
+    if code == 429 or code == "429" or any(marker in text for marker in _RATE_LIMIT_MARKERS):
+        return FailureKind.RATE_LIMIT_EXCEEDED
+    return FailureKind.PROVIDER_UNAVAILABLE
+
+
 def is_retryable(kind: FailureKind) -> bool:
     return kind in RETRYABLE_KINDS
 

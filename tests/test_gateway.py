@@ -23,6 +23,8 @@ from aiohttp import web
 
 from harnesses.gateway import (
     CLOSED_BODY,
+    NO_LISTING_BODY,
+    NOT_SERVED_BODY,
     SESSION_HEADER,
     AttemptRecord,
     Gateway,
@@ -619,15 +621,109 @@ async def test_paths_outside_v1_are_refused(harness, tmp_path) -> None:
     assert calls == 0
 
 
-async def test_models_listing_passes_through(model, harness, tmp_path) -> None:
+async def test_models_listing_passes_through_and_is_no_model_attempt(model, harness, tmp_path) -> None:
+    """Hermes looks up prices with GET /models: forwarded, but not one of the session's model calls
+    (a session that only listed models made no model call)."""
+    script(model, "s1", TEXT)
     async with gateway_to(model.base_url) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        listing = await harness.get(session.base_url + "/models")
+        one = await harness.get(session.base_url + "/models/scripted-model")
+        missing = await harness.get(session.base_url + "/models/no-such-model")
+        assert session.attempts == []
+        call = await ask(harness, session)
+
+    assert listing.status_code == 200
+    assert [m["id"] for m in listing.json()["data"]] == ["scripted-model"]
+    assert (one.status_code, one.json()["id"]) == (200, "scripted-model")
+    assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]
+    assert ("GET", "/v1/models") in model.requests_seen()
+    assert ("GET", "/v1/models/scripted-model") in model.requests_seen()
+    assert call.status_code == 200
+    assert [(a.request_index, a.method, a.path, a.kind) for a in session.attempts] == [
+        (0, "POST", "/chat/completions", FailureKind.NONE)
+    ]
+    summary = session.summary()
+    assert (summary["probes"], summary["probes_failed"], summary["requests"]) == (3, 0, 1)
+    assert sorted(p.name for p in session.evidence_dir.iterdir() if p.name.startswith("req-")) == [
+        "req-0.json.gz"
+    ]
+
+
+async def test_a_listing_the_endpoint_does_not_give_is_a_neutral_404(harness, tmp_path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with gateway_to(f"http://127.0.0.1:{port}/v1") as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
         response = await harness.get(session.base_url + "/models")
 
-    assert response.status_code == 200
-    assert [m["id"] for m in response.json()["data"]] == ["scripted-model"]
-    assert [(a.method, a.path, a.kind) for a in session.attempts] == [("GET", "/models", FailureKind.NONE)]
-    assert session.attempts[0].request_file is None  # a GET has no body to keep
+    assert (response.status_code, response.content) == (404, NO_LISTING_BODY)
+    assert session.attempts == [] and session.closed_kind is None
+    assert (session.summary()["probes"], session.summary()["probes_failed"]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/files"),
+        ("GET", "/files"),
+        ("POST", "/fine_tuning/jobs"),
+        ("POST", "/batches"),
+        ("POST", "/load_lora_adapter"),
+        ("POST", "/unload_lora_adapter"),
+        ("DELETE", "/models/scripted-model"),
+        ("POST", "/models"),
+        ("GET", "/chat/completions"),
+        ("PUT", "/responses"),
+        ("DELETE", "/responses/resp_1"),
+        ("GET", "/responses/resp_1"),
+        ("POST", "/chat/completions/"),
+        ("POST", "/completions"),
+        ("POST", "/embeddings"),
+        ("GET", "/models/"),
+        ("PATCH", "/chat/completions"),
+    ],
+)
+async def test_other_routes_never_reach_the_endpoint(model, harness, tmp_path, method, path) -> None:
+    script(model, "s1", TEXT)
+    async with gateway_to(model.base_url) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        response = await harness.request(
+            method,
+            session.base_url + path,
+            content=json.dumps(CHAT).encode(),
+            headers={"Authorization": f"Bearer {session.token}", "Content-Type": "application/json"},
+        )
+        after = await ask(harness, session)  # the session goes on: a wrong path is no model failure
+
+    assert (response.status_code, response.content) == (404, NOT_SERVED_BODY)
+    assert model.requests_seen() == [("POST", "/v1/chat/completions")]  # only the model call that followed
+    assert after.status_code == 200
+    assert [(a.request_index, a.path) for a in session.attempts] == [(0, "/chat/completions")]
+    assert session.summary()["probes"] == 0 and session.closed_kind is None
+
+
+async def test_paths_beside_the_session_prefix_get_the_neutral_404(model, harness, tmp_path) -> None:
+    async with gateway_to(model.base_url) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        for url in (gateway.url + "/v1/chat/completions", session.base_url[: -len("/v1")] + "/v2/models"):
+            response = await harness.post(url, json=CHAT)
+            assert (response.status_code, response.content) == (404, NOT_SERVED_BODY)
+
+    assert model.requests_seen() == []
+
+
+def test_local_answers_are_neutral() -> None:
+    """What the gateway answers itself must not make a harness retry (harnesses.md §9)."""
+    for body in (NOT_SERVED_BODY, NO_LISTING_BODY):
+        text = body.decode().lower()
+        assert not any(d in text for d in ["429", "500", "502", "503", "504", "524"])
+        words = ["rate", "retry", "try again", "timeout", "timed out", "connection", "network", "server"]
+        words += ["overloaded", "capacity", "exhausted", "terminated", "context", "token", "fetch"]
+        words += ["unavailable", "limit", "too many", "socket"]
+        assert not any(w in text for w in words), text
+        assert len(json.loads(body)["error"]["message"]) >= 30
 
 
 # -- what the record says ---------------------------------------------------------------------------------

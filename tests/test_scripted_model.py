@@ -562,6 +562,108 @@ async def test_hang_ends_by_cutting_the_connection_after_max_s(
         await responses(client, "s", responses_body(True))
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_hang_after_chunks_streams_then_says_nothing(model: ScriptedModel, api: str) -> None:
+    model.set_script("s", parse_steps([{"type": "hang", "after_chunks": 2}]))
+    path, body = (
+        ("/chat/completions", chat_body(True)) if api == "chat" else ("/responses", responses_body(True))
+    )
+    lines: list[str] = []
+    async with httpx.AsyncClient(base_url=model.base_url, timeout=httpx.Timeout(10, read=0.5)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            async with http.stream("POST", path, json=body, headers={SESSION_HEADER: "s"}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    lines.append(line)
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert len(data) == (1 if api == "chat" else 4) + 2  # the preamble and two chunks, then silence
+
+
+async def test_hang_after_chunks_without_a_stream_sends_headers_and_part_of_the_json(
+    model: ScriptedModel,
+) -> None:
+    model.set_script(
+        "s", parse_steps([{"type": "hang", "after_chunks": 0}, {"type": "hang", "after_chunks": 1}])
+    )
+    async with httpx.AsyncClient(base_url=model.base_url, timeout=httpx.Timeout(10, read=0.5)) as http:
+        for expected in (b"", b'{"id": "chatcmpl'):
+            received = b""
+            with pytest.raises(httpx.ReadTimeout):
+                async with http.stream(
+                    "POST", "/chat/completions", json=chat_body(False), headers={SESSION_HEADER: "s"}
+                ) as response:
+                    assert response.status_code == 200
+                    async for chunk in response.aiter_raw():
+                        received += chunk
+            assert received == expected
+
+
+async def test_stream_error_in_chat_forms(model: ScriptedModel, client: httpx.AsyncClient) -> None:
+    steps = [
+        {"type": "stream_error", "message": "upstream broke", "code": "server_error", "after_chunks": 1},
+        {"type": "stream_error", "message": "slow down", "code": 429, "form": "event", "after_chunks": 0},
+    ]
+    model.set_script("s", parse_steps(steps))
+    native = (await chat(client, "s", chat_body(True))).text
+    chunks = chat_sse(native)
+    assert streamed_text(chunks) == "partial answer p"  # one 16-character delta
+    assert chunks[-1]["error"] == {"message": "upstream broke", "code": "server_error"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+
+    event = (await chat(client, "s", chat_body(True))).text
+    assert "event: error\ndata: " + json.dumps({"message": "slow down", "code": 429}) in event
+    assert chat_sse(event)[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("form", "last"),
+    [("native", "response.failed"), ("incomplete", "response.incomplete"), ("event", "error")],
+)
+async def test_stream_error_in_responses_forms(
+    model: ScriptedModel, client: httpx.AsyncClient, form: str, last: str
+) -> None:
+    step = {"type": "stream_error", "message": "it broke", "code": "server_error", "form": form}
+    model.set_script("s", parse_steps([step]))
+    response = await responses(client, "s", responses_body(True))
+    assert response.status_code == 200
+    events = responses_sse(response.text)
+    assert [e["type"] for e in events[-3:]] == ["response.output_text.delta"] * 2 + [last]
+    error = events[-1] if form == "event" else events[-1]["response"]["error"]
+    assert (error["code"], error["message"]) == ("server_error", "it broke")
+    if form == "incomplete":
+        assert events[-1]["response"]["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_stream_error_without_a_stream_is_a_200_with_an_error(
+    model: ScriptedModel, client: httpx.AsyncClient, api: str
+) -> None:
+    model.set_script("s", parse_steps([{"type": "stream_error", "message": "it broke"}]))
+    send = chat if api == "chat" else responses
+    response = await send(client, "s", chat_body(False) if api == "chat" else responses_body(False))
+    assert response.status_code == 200
+    assert response.json()["error"]["message"] == "it broke"
+
+
+async def test_every_route_reached_is_seen_and_arrivals_can_be_awaited(
+    model: ScriptedModel, client: httpx.AsyncClient
+) -> None:
+    model.set_script("s", parse_steps([{"type": "hang"}]))
+    call = asyncio.create_task(chat(client, "s", chat_body(True)))
+    [entry] = await model.wait_requests("s", 1)
+    assert entry.step_type == "hang"
+    call.cancel()
+    await client.get("/models")
+    await client.delete("/files/x")
+    assert model.requests_seen() == [
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("DELETE", "/v1/files/x"),
+    ]
+    with pytest.raises(TimeoutError):
+        await model.wait_requests("s", 2, timeout_s=0.05)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Script parsing, control endpoints, models
 
@@ -574,6 +676,8 @@ async def test_hang_ends_by_cutting_the_connection_after_max_s(
         ([{"text": "no type"}], "step 0: "),
         ([{"type": "text", "text": "a"}, {"type": "text", "text": "b", "colour": 1}], "step 1: colour"),
         ([{"type": "drop", "after_chunks": -1}], "step 0: after_chunks"),
+        ([{"type": "hang", "after_chunks": -1}], "step 0: after_chunks"),
+        ([{"type": "stream_error", "form": "shout"}], "step 0: form"),
         ([{"type": "text", "text": "a"}, "text"], "step 1: "),
         ([], "a script must have at least one step"),
         ({"steps": []}, "a script must be a list"),
@@ -586,12 +690,19 @@ def test_parse_steps_rejects_bad_scripts(data: Any, message: str) -> None:
 
 
 def test_parse_steps_fills_defaults() -> None:
-    text, error, drop, hang = parse_steps(
-        [{"type": "text", "text": "t"}, {"type": "error", "status": 429}, {"type": "drop"}, {"type": "hang"}]
+    text, error, drop, hang, failing = parse_steps(
+        [
+            {"type": "text", "text": "t"},
+            {"type": "error", "status": 429},
+            {"type": "drop"},
+            {"type": "hang"},
+            {"type": "stream_error"},
+        ]
     )
     assert (text.finish_reason, text.usage) == ("stop", True)
     assert (error.headers, error.body) == ({}, None)
-    assert drop.after_chunks == 2 and hang.max_s == 600
+    assert drop.after_chunks == 2 and (hang.max_s, hang.after_chunks) == (600, None)
+    assert (failing.after_chunks, failing.form, failing.code) == (2, "native", "server_error")
 
 
 async def test_ctl_script_round_trip(model: ScriptedModel) -> None:
