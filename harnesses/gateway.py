@@ -204,9 +204,10 @@ class GatewaySession:
     # chunk_timeout_s) without an upstream byte, counted from its arrival and reset by each byte of its
     # answer, not by a retry (classify: a deadline that falls then is model_timeout, not agent_timeout).
     stalled_at_close: bool = False
-    # Wall time with at least one of the session's requests outstanding at the gateway, from arrival to
-    # the end of its answer (retries and backoff included, overlaps counted once), frozen at close_session
-    # with a request still outstanding then counted up to that moment. model_wait_now() is the live value.
+    # Wall time with at least one of the session's requests (model calls and listings) outstanding at the
+    # gateway, from arrival to the end of its answer (retries and backoff included, overlaps counted once),
+    # frozen at close_session with a request still outstanding then counted up to that moment.
+    # model_wait_now() is the live value.
     model_wait_s: float = 0.0
     _requests: int = field(default=0, init=False, repr=False)  # model calls forwarded upstream
     _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded
@@ -989,15 +990,8 @@ class Gateway:
             # Codex retries a 403 five times; the neutral 400 stops it, and the driver stops the run.
             session._close(kind, f"upstream answered HTTP {status}: {record.error_message or ''}")
             return _closed()
-        if kind is FailureKind.MODEL_CONTEXT_LIMIT:
-            session._overflows += 1
-            if session._overflows > self.config.max_context_overflows:
-                session._close(
-                    kind,
-                    f"{session._overflows} context overflows in one session; last: "
-                    f"{record.error_message or ''}",
-                )
-                return _closed()
+        if kind is FailureKind.MODEL_CONTEXT_LIMIT and self._overflowed(session, record):
+            return _closed()
         # Passed on unchanged: a harness may compact on an overflow, and a plain 4xx is the model's to see.
         return web.Response(status=status, body=bytes(body), headers=_relayed(upstream.headers))
 
@@ -1063,7 +1057,18 @@ class Gateway:
         if is_retryable(record.kind):
             # The error event went to the harness, which may reconnect: a new request, as after a cut.
             self._spend_on_answered(att.req.session, record, "error inside the answer")
+        elif record.kind is FailureKind.MODEL_CONTEXT_LIMIT:
+            self._overflowed(att.req.session, record)  # its answer is gone; the cap ends the next one
         return response
+
+    def _overflowed(self, session: GatewaySession, record: AttemptRecord) -> bool:
+        """Count a context overflow; past the cap the session is closed (True)."""
+        session._overflows += 1
+        if session._overflows <= self.config.max_context_overflows:
+            return False
+        message = f"{session._overflows} context overflows in one session; last: {record.error_message or ''}"
+        session._close(FailureKind.MODEL_CONTEXT_LIMIT, message)
+        return True
 
     def _spend_on_answered(self, session: GatewaySession, record: AttemptRecord, what: str) -> None:
         """A failure after bytes reached the harness counts against the session; closes it once spent."""

@@ -13,11 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
-from harnesses.gateway import CLOSED_BODY, GatewayConfig, GatewaySession
+from harnesses.gateway import CLOSED_BODY, AttemptRecord, GatewayConfig, GatewaySession
 from harnesses.scripted_model import ScriptedModel
 from policy import FailureKind
-from tests.test_gateway import CHAT, RESPONSES, TEXT, ask, gateway_to, kinds, script
+from tests.test_gateway import CHAT, RESPONSES, TEXT, ask, gateway_to, kinds, never, script, upstream_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -281,3 +282,70 @@ def test_config_bounds_and_defaults() -> None:
     for bad in ({"first_byte_timeout_s": 0}, {"chunk_timeout_s": -1}):
         with pytest.raises(ValueError):
             GatewayConfig(**bad)
+
+
+async def test_a_harness_that_stops_reading_is_not_a_stalled_model(harness, tmp_path) -> None:
+    """The stall bounds time the upstream's reads only: while the gateway waits on a harness that
+    stopped reading, the upstream is not read either, and that is the harness's doing (read_timeout_s)."""
+    records: asyncio.Queue[AttemptRecord] = asyncio.Queue()
+    piece = b"data: " + b"x" * 65_536 + b"\n\n"
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        while True:  # ended by the gateway hanging up
+            await response.write(piece)
+
+    on_attempt = lambda _session, record: records.put_nowait(record)  # noqa: E731
+    config = {"chunk_timeout_s": 0.1, "read_timeout_s": STALL_S, "keep_bodies": False}
+    async with (
+        upstream_server(endless) as upstream,
+        gateway_to(upstream, on_attempt=on_attempt, **config) as gateway,
+    ):
+        session = gateway.open_session("s1", tmp_path / "s1")
+        headers = {"Authorization": f"Bearer {session.token}"}
+        async with harness.stream(
+            "POST", session.base_url + "/chat/completions", json={**CHAT, "stream": True}, headers=headers
+        ) as response:
+            chunks = response.aiter_raw()  # kept: a dropped generator would close the stream
+            await anext(chunks)  # then reads no more
+            record = await asyncio.wait_for(records.get(), 30)
+
+    assert (record.status, record.kind, record.client_aborted) == (200, FailureKind.TRANSPORT_ERROR, True)
+    assert record.error_message == "client disconnected or stopped reading"
+    assert session.closed_kind is None
+
+
+async def test_a_harness_pausing_its_reading_does_not_count_against_the_model(harness, tmp_path) -> None:
+    """The chunk bound times the wait for the upstream's next bytes, not the time spent handing them to
+    a harness that is busy: a pause longer than chunk_timeout_s (here, while a second session waits out
+    a first-byte stall, which takes longer than the chunk bound) leaves the answer flowing."""
+    piece = b"data: " + b"x" * 65_536 + b"\n\n"
+
+    async def upstream_app(request: web.Request) -> web.StreamResponse:
+        if request.path.endswith("/responses"):
+            await never()  # the second session's stall
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        while True:  # ended by the gateway hanging up
+            await response.write(piece)
+
+    config = {"chunk_timeout_s": 0.1, "first_byte_timeout_s": STALL_S, "max_attempts_per_request": 1}
+    async with upstream_server(upstream_app) as upstream, gateway_to(upstream, **config) as gateway:
+        flowing = gateway.open_session("flowing", tmp_path / "flowing")
+        stalled = gateway.open_session("stalled", tmp_path / "stalled")
+        headers = {"Authorization": f"Bearer {flowing.token}"}
+        async with harness.stream(
+            "POST", flowing.base_url + "/chat/completions", json={**CHAT, "stream": True}, headers=headers
+        ) as response:
+            chunks = response.aiter_raw()
+            await anext(chunks)
+            assert (await ask(harness, stalled, RESPONSES, "/responses")).content == CLOSED_BODY
+            received = 0
+            while received < 8 * 2**20:  # past every socket buffer between upstream and harness
+                received += len(await anext(chunks))
+            gateway.close_session(flowing)
+
+    assert kinds(stalled) == [(None, FailureKind.MODEL_TIMEOUT)]
+    assert kinds(flowing) == [(200, FailureKind.CANCELLED)]
+    assert not flowing.stalled_at_close

@@ -198,3 +198,18 @@ def test_the_scripted_error_forms_are_what_the_apis_send() -> None:
 )
 def test_kind_for_stream_error(code, message, kind) -> None:
     assert kind_for_stream_error(code, message) is kind
+
+
+async def test_overflows_inside_answers_count_towards_the_cap(model, harness, tmp_path) -> None:
+    """OpenCode compacts and asks again on an overflow, without end: one reported inside a 200 answer
+    counts towards max_context_overflows like a 400 does."""
+    script(model, "s1", stream_error(OVERFLOW))
+    async with gateway_to(model.base_url, max_context_overflows=2) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        answers = [await ask(harness, session, {**CHAT, "stream": True}) for _ in range(4)]
+
+    assert [a.status_code for a in answers] == [200, 200, 200, 400]
+    assert answers[3].content == CLOSED_BODY
+    assert kinds(session) == [(200, FailureKind.MODEL_CONTEXT_LIMIT)] * 3
+    assert session.closed_kind is FailureKind.MODEL_CONTEXT_LIMIT
+    assert "3 context overflows" in (session.closed_message or "")
