@@ -177,7 +177,8 @@ async def replay(
     replayed.update({name: values[0] for name, values in columns.items()})
     (out_dir / "row.json").write_text(json.dumps(replayed, default=str, indent=1))
     differences = [n for n in COMPARED if _value(row, n) != _value(replayed, n)]
-    return ReplayResult(row, replayed, out_dir / "evidence" / req.rollout_id, differences)
+    # The row names its launch's directory (``<rollout_id>.<tag>``): never rebuilt from the rollout id.
+    return ReplayResult(row, replayed, Path(replayed["evidence_dir"]), differences)
 
 
 def run_replay(run_dir: Path, rollout_id: str, overrides: dict[str, Any] | None = None) -> ReplayResult:

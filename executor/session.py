@@ -9,7 +9,9 @@ import asyncio
 import gzip
 import json
 import logging
+import math
 import secrets
+import signal
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.config import RunConfig
-from executor.tasks import Task
+from executor.tasks import Task, Verifier
 from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
 from harnesses.gateway import Gateway, GatewaySession
@@ -29,6 +31,7 @@ from sandboxes.base import (
     ExecResult,
     RunsBefore,
     Sandbox,
+    SandboxError,
     SandboxLostError,
     SandboxProvider,
     SandboxSpec,
@@ -40,6 +43,21 @@ log = logging.getLogger(__name__)
 
 EVIDENCE_COPY_LIMIT = 16 * 1024 * 1024
 MAX_DIFF_CHARS = 200_000
+# Launch directories of one rollout id: a fresh random tag each, so this many collisions never happen.
+EVIDENCE_DIR_TRIES = 16
+
+# The verifier's contract (README, "The verifier"): exit 0 is reward 1.0 and any other exit 0.0, except
+# the exits that say it could not grade. 125 is the one a verifier uses itself for "could not grade",
+# as git bisect reserves it for "skip this commit"; 126 and 127 are the shell's "found but not
+# executable" and "not found"; 129 up to 128 + SIGRTMAX are how a shell reports a command it ran
+# killed by a signal (an OOM kill of the test runner is no grade of the agent's work).
+VERIFIER_CANNOT_GRADE = 125
+VERIFIER_COULD_NOT_RUN = (126, 127)
+_SHELL_SIGNAL_EXITS = range(129, 129 + int(signal.SIGRTMAX))
+# The optional reward file: the verifier may write one number in [0, 1] to the path this variable
+# names (in the sandbox, outside the workspace, fresh for each run); when present it is the reward.
+REWARD_FILE_VAR = "ROLLOUT_REWARD_FILE"
+REWARD_FILE_LIMIT = 4096  # bytes read of it; a number needs a few dozen
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,22 @@ class SessionRequest:
 
 def rollout_id_of(task_id: str, sample_index: int, attempt: int) -> str:
     return f"{task_id}.s{sample_index}.a{attempt}"
+
+
+def launch_dir(evidence_root: Path, rollout_id: str) -> str:
+    """A new directory under ``evidence_root`` for one launch of ``rollout_id``, made here and named
+    ``<rollout_id>.<random tag>``; the name is returned (the sandbox's session id too). A resume reruns
+    an attempt whose row was never written: its launch gets a directory of its own, never the earlier
+    launch's, which may hold that launch's files. The row's ``evidence_dir`` names the one used."""
+    evidence_root.mkdir(parents=True, exist_ok=True)
+    for _ in range(EVIDENCE_DIR_TRIES):
+        name = f"{rollout_id}.{secrets.token_hex(3)}"
+        try:
+            (evidence_root / name).mkdir()
+        except FileExistsError:
+            continue
+        return name
+    raise FileExistsError(f"{evidence_root}: no free launch directory for {rollout_id}")
 
 
 @dataclass
@@ -100,10 +134,11 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
     cfg = ctx.config
     started = datetime.now(UTC)
     timer = _Timer()
-    evidence_dir = ctx.evidence_root / req.rollout_id
-    evidence_dir.mkdir(parents=True, exist_ok=True)
+    launch_id = launch_dir(ctx.evidence_root, req.rollout_id)
+    evidence_dir = ctx.evidence_root / launch_id
     deadline = req.task.deadline_s or cfg.limits.deadline_s
-    verify_timeout = req.task.verify.timeout_s if req.task.verify else 0.0
+    verify = req.task.verify
+    verify_timeout = verify.timeout_s * (verify.retries + 1) if verify else 0.0
     row: dict[str, Any] = {
         "run_id": req.run_id,
         "rollout_id": req.rollout_id,
@@ -124,7 +159,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         run_id=req.run_id,
         # Unique per launch, not per attempt: a resume reruns an attempt whose driver was killed before
         # its row was written, and that launch's sandbox directory may still be there.
-        session_id=f"{req.rollout_id}.{secrets.token_hex(3)}",
+        session_id=launch_id,
         ttl_s=cfg.limits.setup_timeout_s + deadline + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
     )
@@ -218,35 +253,98 @@ async def _record_diff(row: dict[str, Any], diff: Awaitable[str | None]) -> None
 
 
 async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, Any]) -> Outcome:
-    """The diff, then the verifier: the diff holds the agent's changes and nothing of the verifier's.
-    One exec where the sandbox can run a step before a command, else two."""
-    assert task.verify is not None
-    argv, timeout = ["bash", "-c", task.verify.command], task.verify.timeout_s
+    """The diff, then the verifier, re-run in the same sandbox while it could not grade, at most
+    ``retries`` more times. The diff is taken once, before the first run: it holds the agent's changes
+    and nothing of the verifier's. A sandbox lost meanwhile is SANDBOX_LOST (the agent runs again);
+    a verifier that never graded is VERIFIER_ERROR / VERIFIER_TIMEOUT (the session's status kept)."""
+    verify = task.verify
+    assert verify is not None
     one_exec = isinstance(sandbox, RunsBefore)
-    if one_exec:
-        verified = sandbox.exec(argv, timeout=timeout, name="verify", before=diff_step(sandbox.workdir))
-    else:
+    if not one_exec:
         await _record_diff(row, workspace_diff(sandbox))
-        verified = sandbox.exec(argv, timeout=timeout, name="verify")
-    try:
-        res = await verified
-    except Exception as exc:
-        if one_exec:
-            row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
-        return outcome.model_copy(
-            update={"failure_kind": FailureKind.VERIFIER_ERROR, "error_message": _err(exc)}
-        )
-    if one_exec:
+    failure: tuple[FailureKind, str] = (FailureKind.VERIFIER_ERROR, "the verifier did not run")
+    for run in range(1, verify.retries + 2):
+        row["verifier_runs"] = run
+        first_with_diff = one_exec and run == 1
+        try:
+            reward, failure_now = await _verify_once(sandbox, verify, row, with_diff=first_with_diff)
+        except SandboxLostError as exc:
+            return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {_err(exc)}")
+        except Exception as exc:
+            if first_with_diff:  # the diff step's result went with the exec; later runs never take it
+                row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
+            reward, failure_now = None, (FailureKind.VERIFIER_ERROR, _err(exc))
+        if failure_now is None:
+            row["verified"], row["reward"] = True, reward
+            return outcome
+        failure = failure_now
+    kind, message = failure
+    runs = verify.retries + 1
+    message = bound_text(f"{message} ({runs} verifier run{'s' if runs > 1 else ''})", 4000)
+    return outcome.model_copy(update={"failure_kind": kind, "error_message": message})
+
+
+async def _verify_once(
+    sandbox: Sandbox, verify: Verifier, row: dict[str, Any], *, with_diff: bool
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """One run of the verifier: its reward, or why it could not grade. ``with_diff``: the workspace's
+    diff is taken in the same exec, just before the verifier starts, and recorded on the row."""
+    argv = ["bash", "-c", verify.command]
+    # A fresh name per run, outside the workspace: an earlier run's file, or one the agent planted at a
+    # name it could guess, is never read as this run's reward.
+    reward_path = f"{sandbox.home.rstrip('/')}/.rollout-reward-{secrets.token_hex(8)}"
+    env = {REWARD_FILE_VAR: reward_path}
+    if with_diff:
+        before = diff_step(sandbox.workdir)
+        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify", before=before)
         await _record_diff(row, read_diff(sandbox, res.before))
+    else:
+        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify")
     row["verifier_exit_code"] = res.exit_code
+    cannot = _cannot_grade(res, verify)
+    if cannot is not None:
+        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
+    return await _reward_of(sandbox, res, reward_path)
+
+
+def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:
+    """Why this run of the verifier is no grade at all, or None when its exit code is one."""
+    stderr = res.stderr_tail.strip()[-500:]
+    said = f"; stderr: {stderr}" if stderr else ""
     if res.timed_out:
-        message = f"verifier ran past {task.verify.timeout_s}s"
-        return outcome.model_copy(
-            update={"failure_kind": FailureKind.VERIFIER_TIMEOUT, "error_message": message}
-        )
-    row["verified"] = True
-    row["reward"] = 1.0 if res.exit_code == 0 else 0.0
-    return outcome
+        return f"verifier ran past {verify.timeout_s}s"
+    if res.exit_code is None or res.signal:
+        return f"verifier killed by signal {res.signal}{said}"
+    if res.exit_code in _SHELL_SIGNAL_EXITS:
+        return f"verifier's command killed by signal {res.exit_code - 128} (exit {res.exit_code}){said}"
+    if res.exit_code in VERIFIER_COULD_NOT_RUN:
+        return f"verifier could not run (exit {res.exit_code}){said}"
+    if res.exit_code == VERIFIER_CANNOT_GRADE:
+        return f"verifier could not grade (exit {VERIFIER_CANNOT_GRADE}){said}"
+    return None
+
+
+async def _reward_of(
+    sandbox: Sandbox, res: ExecResult, reward_path: str
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """The reward file's number when the verifier wrote one, else 1.0 for exit 0 and 0.0 otherwise."""
+    try:
+        data = await sandbox.read_file(reward_path, REWARD_FILE_LIMIT)
+    except FileNotFoundError:
+        return (1.0 if res.exit_code == 0 else 0.0), None
+    except SandboxLostError:
+        raise
+    except SandboxError as exc:
+        return None, (FailureKind.VERIFIER_ERROR, f"reward file unreadable: {_err(exc)[:500]}")
+    text = data.decode("utf-8", errors="replace").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        shown = repr(text[:100]) + ("..." if len(text) > 100 else "")
+        return None, (FailureKind.VERIFIER_ERROR, f"reward file holds {shown}, not a number in [0, 1]")
+    return value, None
 
 
 def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport, gw: GatewaySession) -> None:

@@ -17,12 +17,16 @@ class InputError(Exception):
 
 
 class Verifier(BaseModel):
-    """A command run in the sandbox after the harness; exit 0 means reward 1.0."""
+    """A command run in the sandbox after the harness; exit 0 means reward 1.0 (the whole contract:
+    README, "The verifier")."""
 
     model_config = ConfigDict(extra="forbid")
 
     command: str
     timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Re-runs, in the same sandbox, of a verifier that could not grade (error or timeout) before the
+    # attempt is given up: the agent's work is not thrown away for the grader's hiccup.
+    retries: int = Field(default=1, ge=0, le=5)
 
 
 class Task(BaseModel):
