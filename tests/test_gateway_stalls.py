@@ -24,6 +24,9 @@ pytestmark = pytest.mark.timeout(60)
 
 HANG = {"type": "hang", "max_s": 60}
 STALL_S = 0.3  # a stall bound: the upstream's silence the gateway waits out before giving up on it
+# Where the test must act inside one bound (close while an attempt is still live, or soon after a byte),
+# a longer one, so that a loaded machine's slow wake-up does not pass it.
+WIDE_S = 1.0
 API = [("/chat/completions", CHAT), ("/responses", RESPONSES)]
 
 
@@ -172,9 +175,7 @@ async def test_closed_during_a_stall_is_stalled_at_close(model, harness, tmp_pat
     """The stall clock starts at the request's arrival and a retry does not reset it: once the second
     attempt has reached the endpoint, the request has gone a full first-byte bound without a byte."""
     script(model, "s1", HANG)
-    async with gateway_to(
-        model.base_url, first_byte_timeout_s=STALL_S, max_attempts_per_request=5
-    ) as gateway:
+    async with gateway_to(model.base_url, first_byte_timeout_s=WIDE_S, max_attempts_per_request=5) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
         started = time.monotonic()
         call = asyncio.create_task(ask(harness, session))
@@ -190,7 +191,7 @@ async def test_closed_during_a_stall_is_stalled_at_close(model, harness, tmp_pat
     assert "first_byte_timeout_s" in (session.attempts[0].error_message or "")
     assert "closed while this request had waited" in (session.attempts[1].error_message or "")
     # The request still outstanding at close is counted, up to the close.
-    assert STALL_S <= live <= session.model_wait_s <= elapsed
+    assert WIDE_S <= live <= session.model_wait_s <= elapsed
     assert session.model_wait_now() == session.model_wait_s  # frozen at close
     assert session.closed_kind is None  # the owner closed it; the gateway had not given up
 
@@ -199,7 +200,7 @@ async def test_closed_while_the_model_answers_is_not_stalled(model, harness, tmp
     """A request older than the stall bound whose answer is flowing is not stalled: each byte resets
     the clock. The first attempt stalls (so the request is old), the second streams, then the close."""
     script(model, "s1", HANG, {**HANG, "after_chunks": 1})
-    async with gateway_to(model.base_url, first_byte_timeout_s=STALL_S) as gateway:
+    async with gateway_to(model.base_url, first_byte_timeout_s=WIDE_S) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
         headers = {"Authorization": f"Bearer {session.token}"}
         body = {**CHAT, "stream": True}
@@ -215,7 +216,7 @@ async def test_closed_while_the_model_answers_is_not_stalled(model, harness, tmp
 
     assert not session.stalled_at_close
     assert kinds(session) == [(None, FailureKind.MODEL_TIMEOUT), (200, FailureKind.CANCELLED)]
-    assert session.model_wait_s >= STALL_S  # the stalled first attempt is model time all the same
+    assert session.model_wait_s >= WIDE_S  # the stalled first attempt is model time all the same
 
 
 async def test_closed_with_nothing_outstanding_is_not_stalled(model, harness, tmp_path) -> None:
@@ -247,8 +248,8 @@ async def test_overlapping_requests_are_counted_once(model, harness, tmp_path) -
     assert [a.status_code for a in answers] == [200, 200]
     assert Counter(kinds(session)) == {(None, FailureKind.MODEL_TIMEOUT): 2, (200, FailureKind.NONE): 2}
     each = [sum(a.latency_s for a in session.attempts if a.request_index == i) for i in (0, 1)]
-    assert min(each) >= STALL_S  # each request alone waited a bound: their sum is past the wall time
-    assert sum(each) > elapsed
+    assert min(each) >= STALL_S  # each request alone waited a bound
+    assert session.model_wait_s < sum(each)  # their union, not their sum
     assert STALL_S <= session.model_wait_s <= elapsed
     assert session.model_wait_s == open_value  # nothing outstanding between the last answer and close
     assert session.summary()["model_wait_s"] == round(session.model_wait_s, 3)
