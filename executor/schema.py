@@ -6,8 +6,8 @@ from typing import Any
 
 import pyarrow as pa
 
-# 2: token ids and logprobs in model_attempts; 3: verifier_runs. An older part file reads as this
-# version: a struct field or a column added since reads as null (store.iter_batches).
+# 2: token ids and logprobs in model_attempts; 3: verifier_runs, t_model_wait_s. An older part file reads
+# as this version: a struct field or a column added since reads as null (store.iter_batches).
 SCHEMA_VERSION = "3"
 
 _TOOL_CALL = pa.struct(
@@ -105,6 +105,7 @@ _FIELDS: list[tuple[str, pa.DataType]] = [
     ("started_at", pa.timestamp("ms", tz="UTC")),
     ("t_setup_s", pa.float64()),
     ("t_agent_s", pa.float64()),
+    ("t_model_wait_s", pa.float64()),  # of the agent phase: a model request outstanding (the gateway's)
     ("t_verify_s", pa.float64()),
     ("t_cleanup_s", pa.float64()),
     ("t_total_s", pa.float64()),

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 EVIDENCE_COPY_LIMIT = 16 * 1024 * 1024
 MAX_DIFF_CHARS = 200_000
+DEADLINE_STALL_SHARE = 0.25
 # Launch directories of one rollout id: a fresh random tag each, so this many collisions never happen.
 EVIDENCE_DIR_TRIES = 16
 
@@ -206,7 +207,9 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         except SandboxLostError as exc:
             timer.lap("agent")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
-        ctx.gateway.close_session(gw)
+        # A request the model has sat on for a quarter of the deadline when the deadline falls makes the
+        # end the model's: the gateway's own stall bounds (minutes) can be longer than a short deadline.
+        ctx.gateway.close_session(gw, stall_bound_s=deadline * DEADLINE_STALL_SHARE)
         report = await ctx.harness.parse(sandbox, result)
         timer.lap("agent")
         outcome = classify(result, report, gw)
@@ -362,6 +365,7 @@ def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport
         cached_input_tokens=usage.cached_input_tokens,
         reasoning_tokens=usage.reasoning_tokens,
         model_attempts=[_attempt_row(a) for a in gw.attempts],
+        t_model_wait_s=round(gw.model_wait_s, 4),
         stdout_tail=result.stdout_tail,
         stderr_tail=result.stderr_tail,
     )
@@ -372,8 +376,7 @@ def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport
 
 def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
     """Summed token counts of the answered attempts; unknown if any answered attempt lacked them."""
-    # Model calls only: a GET (Hermes lists /models to look up prices) never carries usage.
-    answered = [a for a in gw.attempts if a.kind is FailureKind.NONE and a.method != "GET"]
+    answered = [a for a in gw.attempts if a.kind is FailureKind.NONE]
     if not answered:
         return None, None
     ins = [a.input_tokens for a in answered]

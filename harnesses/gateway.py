@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import secrets
@@ -772,16 +773,17 @@ class Gateway:
         self._sessions[token] = session
         return session
 
-    def close_session(self, session: GatewaySession) -> None:
+    def close_session(self, session: GatewaySession, stall_bound_s: float | None = None) -> None:
         """Stop serving the session, cut its in-flight requests and write ``attempts.jsonl``. Idempotent.
 
         The session's requests from now on get CLOSED_BODY. ``closed_kind`` is left as it is: the owner
-        closing a session is not the endpoint failing.
+        closing a session is not the endpoint failing. ``stall_bound_s``: a tighter bound than the
+        gateway's own for ``stalled_at_close`` (the owner's share of a short deadline).
         """
         if session._ended:
             return
         now = time.monotonic()
-        stalled = self._stalled(session, now)
+        stalled = self._stalled(session, now, stall_bound_s)
         session.stalled_at_close = bool(stalled)
         session.model_wait_s = session.model_wait_now()
         session._ended = True
@@ -800,10 +802,10 @@ class Gateway:
         with contextlib.suppress(OSError):
             (session.evidence_dir / "attempts.jsonl").write_text(lines)
 
-    def _stalled(self, session: GatewaySession, now: float) -> set[_Request]:
+    def _stalled(self, session: GatewaySession, now: float, tighter_s: float | None) -> set[_Request]:
         """The session's outstanding requests that have gone the stall bound without an upstream byte
         (an answer the harness already had in full is not waiting on the model)."""
-        bound = min(self.config.first_byte_timeout_s, self.config.chunk_timeout_s)
+        bound = min(self.config.first_byte_timeout_s, self.config.chunk_timeout_s, tighter_s or math.inf)
         answered = {attempt.req for attempt in session._live if attempt.answer_delivered}
         return {r for r in session._pending if r not in answered and now - r.last_byte >= bound}
 

@@ -86,8 +86,15 @@ def _context_overflow(row: dict[str, Any]) -> None:
     assert len(row["model_attempts"]) <= 12  # the gateway's overflow cap ended any compaction loop
 
 
-def _agent_hang(row: dict[str, Any]) -> None:
-    assert (row["status"], row["failure_kind"]) == ("incomplete", "agent_timeout")
+def _model_stall_at_deadline(row: dict[str, Any]) -> None:
+    # The deadline fell while the model sat on a request: the time was not the agent's, so no grade.
+    assert (row["status"], row["failure_kind"]) == ("failed", "model_timeout"), row["error_message"]
+    assert row["timed_out"] is True and row["reward"] is None and not row.get("verified")
+
+
+def _agent_timeout(row: dict[str, Any]) -> None:
+    # The agent's own command ran past the deadline while the model answered promptly: graded.
+    assert (row["status"], row["failure_kind"]) == ("incomplete", "agent_timeout"), row["error_message"]
     assert row["timed_out"] is True and row["reward"] == 0.0
 
 
@@ -125,9 +132,16 @@ SCENARIOS: dict[str, Scenario] = {
         _context_overflow,
         "grep -qx partial part.txt",
     ),
-    "agent_hang": Scenario(
+    "model_stall_at_deadline": Scenario(
         [{"type": "hang", "max_s": 600}],
-        _agent_hang,
+        _model_stall_at_deadline,
+        "test -f hello.txt",
+        task={"deadline_s": 6},
+        config={"limits": {"grace_s": 2}},
+    ),
+    "agent_timeout": Scenario(
+        [{"type": "shell", "command": "sleep 600"}],
+        _agent_timeout,
         "test -f hello.txt",
         task={"deadline_s": 6},
         config={"limits": {"grace_s": 2}},

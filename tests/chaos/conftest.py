@@ -48,6 +48,7 @@ def write_config(tmp_path: Path, run_id: str, tasks: Path, **sections: Any) -> P
                     "rate_limit_exceeded",
                     "transport_error",
                     "provider_unavailable",
+                    "model_timeout",
                     "sandbox_start_failed",
                     "sandbox_lost",
                 )

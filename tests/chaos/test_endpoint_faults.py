@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -115,7 +117,7 @@ def test_reset_streams_complete_and_are_recorded_as_transport_errors(tmp_path):
     ]
 
 
-def test_an_endpoint_that_accepts_and_says_nothing_ends_every_session_by_its_deadline(tmp_path):
+def test_an_endpoint_that_accepts_and_says_nothing_is_never_graded_at_the_deadline(tmp_path):
     n, deadline, grace = 6, 4.0, 3.0
     tasks = write_tasks(
         tmp_path / "tasks.jsonl", n, lambda i: [{"type": "hang", "max_s": 600}], deadline_s=deadline
@@ -125,7 +127,8 @@ def test_an_endpoint_that_accepts_and_says_nothing_ends_every_session_by_its_dea
         "silent",
         tasks,
         limits={"deadline_s": 60, "grace_s": grace},
-        gateway={"read_timeout_s": 600},  # the session's deadline, not the gateway, must end it
+        # Stall bounds far past the deadline: the deadline, not the gateway's timer, ends each session.
+        gateway={"first_byte_timeout_s": 600, "chunk_timeout_s": 600},
     )
     proc = run(cfg)
     rows = rows_of(tmp_path, "silent")
@@ -138,8 +141,59 @@ def test_an_endpoint_that_accepts_and_says_nothing_ends_every_session_by_its_dea
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert fig == {"lost": 0, "dup": 0} and leaks == 0
     for r in rows:
-        assert (r["failure_kind"], r["decision"]) == ("agent_timeout", "accept")
+        assert r["failure_kind"] == "model_timeout" and r["timed_out"], r["error_message"]
+        assert r["reward"] is None and not r["verified"]
         assert r["t_agent_s"] <= deadline + grace + 5  # the bound the deadline promises, with slack for load
+    assert {r["decision"] for r in rows if r["final"]} == {"mask"}
+
+
+def test_a_third_of_sessions_stalling_forever_are_retried_masked_and_never_graded(tmp_path):
+    n, per_request, stall_s = 10, 2, 2.0
+    stalled = {1, 4, 7}  # 30%: every model request of these sessions is accepted and never answered
+    hang = [{"type": "hang", "max_s": 600}]
+    tasks = write_tasks(tmp_path / "tasks.jsonl", n, lambda i: hang if i in stalled else OK_SCRIPT)
+    cfg = write_config(
+        tmp_path,
+        "stall30",
+        tasks,
+        gateway={
+            "max_attempts_per_request": per_request,
+            "first_byte_timeout_s": stall_s,
+            "chunk_timeout_s": stall_s,
+        },
+    )
+    started = time.monotonic()
+    proc = run(cfg)
+    wall = time.monotonic() - started
+    rows = rows_of(tmp_path, "stall30")
+    fig = figures(rows, {(f"t{i:03d}", 0) for i in range(n)})
+    leaks = wait_no_leaks(str(tmp_path / "sandboxes"))
+    stalled_ids = {f"t{i:03d}" for i in stalled}
+    upstream = sum(len(r["model_attempts"]) for r in rows if r["task_id"] in stalled_ids)
+    kinds = Counter((r["failure_kind"], r["decision"]) for r in rows)
+    report(
+        "stall-30pct",
+        f"{n}tasks",
+        sum(r["final"] for r in rows),
+        fig["lost"],
+        fig["dup"],
+        leaks,
+        rows_by_kind_and_decision=dict(kinds),
+        stalled_upstream_attempts=upstream,
+        wall_s=round(wall, 1),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert fig == {"lost": 0, "dup": 0} and leaks == 0
+    for r in rows:
+        if r["task_id"] in stalled_ids:
+            assert r["failure_kind"] == "model_timeout", r["error_message"]
+            assert r["reward"] is None and not r["verified"]  # never graded, not even as a zero
+            assert len(r["model_attempts"]) <= per_request  # the gateway gave up on its first request
+        else:
+            assert (r["decision"], r["reward"]) == ("accept", 1.0), r["error_message"]
+    finals = {r["task_id"]: r["decision"] for r in rows if r["final"]}
+    assert {t for t, d in finals.items() if d == "mask"} == stalled_ids
+    assert len(rows) == n + len(stalled)  # each stalled sample retried once (max_attempts 2), then masked
 
 
 def test_the_run_retry_budget_holds_across_a_resume(tmp_path, outage_model):
