@@ -988,8 +988,9 @@ class Gateway:
         record = self._finish(att, kind, error_message_of(bytes(body), _MAX_MESSAGE_CHARS))
         if is_retryable(kind):
             return record
-        if kind is FailureKind.PROVIDER_AUTH_ERROR:
-            # Codex retries a 403 five times; the neutral 400 stops it, and the driver stops the run.
+        if kind in (FailureKind.PROVIDER_AUTH_ERROR, FailureKind.ENDPOINT_CONFIG_ERROR):
+            # Codex retries a 403 five times; the neutral 400 stops it, and the driver stops the run. A wrong
+            # model name, route or account fails every later request the same way.
             session._close(kind, f"upstream answered HTTP {status}: {record.error_message or ''}")
             return _closed()
         if kind is FailureKind.MODEL_CONTEXT_LIMIT and self._overflowed(session, record):

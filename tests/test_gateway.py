@@ -284,8 +284,18 @@ async def test_connection_refused_is_a_transport_error(harness, tmp_path) -> Non
 # -- answers that are not retried --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [401, 403])
-async def test_auth_error_closes_the_session_at_once(model, harness, tmp_path, status: int) -> None:
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (401, FailureKind.PROVIDER_AUTH_ERROR),
+        (403, FailureKind.PROVIDER_AUTH_ERROR),
+        (404, FailureKind.ENDPOINT_CONFIG_ERROR),  # the model does not exist
+        (402, FailureKind.ENDPOINT_CONFIG_ERROR),  # the account is out of credits
+    ],
+)
+async def test_a_configuration_error_closes_the_session_at_once(
+    model, harness, tmp_path, status: int, kind: FailureKind
+) -> None:
     script(model, "s1", {"type": "error", "status": status})
     async with gateway_to(model.base_url) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
@@ -294,9 +304,9 @@ async def test_auth_error_closes_the_session_at_once(model, harness, tmp_path, s
 
     assert (first.status_code, first.content) == (400, CLOSED_BODY)
     assert (second.status_code, second.content) == (400, CLOSED_BODY)
-    assert kinds(session) == [(status, FailureKind.PROVIDER_AUTH_ERROR)]
+    assert kinds(session) == [(status, kind)]
     assert len(model.requests("s1")) == 1
-    assert session.closed_kind is FailureKind.PROVIDER_AUTH_ERROR
+    assert session.closed_kind is kind
 
 
 async def test_context_overflow_is_passed_through_then_capped(model, harness, tmp_path) -> None:
