@@ -46,6 +46,9 @@ BASE_CONFIG: dict[str, Any] = {
             "rate_limit_exceeded": _FAST_RETRY,
             "provider_unavailable": _FAST_RETRY,
             "transport_error": _FAST_RETRY,
+            "model_timeout": _FAST_RETRY,
+            "agent_no_model_call": _FAST_RETRY,
+            "verifier_error": _FAST_RETRY,
         }
     },
     "limits": {"deadline_s": 180, "grace_s": 2},
