@@ -216,6 +216,8 @@ class GatewaySession:
     _probes_failed: int = field(default=0, init=False, repr=False)
     _pending: set[_Request] = field(default_factory=set, init=False, repr=False)  # outstanding requests
     _busy_since: float = field(default=0.0, init=False, repr=False)  # monotonic; valid while _pending
+    # The last request to end: how long it had gone without an upstream byte if the harness hung up on it.
+    _hung_up_silence: float | None = field(default=None, init=False, repr=False)
     _waited: float = field(default=0.0, init=False, repr=False)  # closed busy spells, summed
     _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session
     _overflows: int = field(default=0, init=False, repr=False)
@@ -253,11 +255,16 @@ class GatewaySession:
             self._busy_since = req.arrived
         self._pending.add(req)
 
-    def _end(self, req: _Request) -> None:
+    def _end(self, req: _Request, *, hung_up: bool = False) -> None:
         if req in self._pending:
+            now = time.monotonic()
             self._pending.discard(req)
             if not self._pending:
-                self._waited += time.monotonic() - self._busy_since
+                self._waited += now - self._busy_since
+            # A harness killed at its deadline hangs up first: the request it was waiting on is gone from
+            # _pending by the time the session closes, but how long it had waited still tells whose the
+            # time was.
+            self._hung_up_silence = now - req.last_byte if hung_up else None
 
     def _close(self, kind: FailureKind, message: str) -> None:
         if self.closed_kind is None:  # the first cause is the one that explains the row
@@ -783,8 +790,14 @@ class Gateway:
         if session._ended:
             return
         now = time.monotonic()
-        stalled = self._stalled(session, now, stall_bound_s)
-        session.stalled_at_close = bool(stalled)
+        bound = min(
+            self.config.first_byte_timeout_s,
+            self.config.chunk_timeout_s,
+            math.inf if stall_bound_s is None else stall_bound_s,
+        )
+        stalled = self._stalled(session, now, bound)
+        hung_up_waiting = not session._pending and (session._hung_up_silence or 0.0) >= bound
+        session.stalled_at_close = bool(stalled) or hung_up_waiting
         session.model_wait_s = session.model_wait_now()
         session._ended = True
         self._sessions.pop(session.token, None)
@@ -802,10 +815,10 @@ class Gateway:
         with contextlib.suppress(OSError):
             (session.evidence_dir / "attempts.jsonl").write_text(lines)
 
-    def _stalled(self, session: GatewaySession, now: float, tighter_s: float | None) -> set[_Request]:
+    @staticmethod
+    def _stalled(session: GatewaySession, now: float, bound: float) -> set[_Request]:
         """The session's outstanding requests that have gone the stall bound without an upstream byte
         (an answer the harness already had in full is not waiting on the model)."""
-        bound = min(self.config.first_byte_timeout_s, self.config.chunk_timeout_s, tighter_s or math.inf)
         answered = {attempt.req for attempt in session._live if attempt.answer_delivered}
         return {r for r in session._pending if r not in answered and now - r.last_byte >= bound}
 
@@ -837,6 +850,10 @@ class Gateway:
             if route == "listing":
                 return await self._list_models(req, request)
             return await self._forward(req, request)
+        except asyncio.CancelledError:
+            if req is not None:
+                session._end(req, hung_up=True)
+            raise
         finally:
             session._tasks.discard(task)
             if req is not None:

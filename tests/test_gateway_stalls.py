@@ -350,3 +350,35 @@ async def test_a_harness_pausing_its_reading_does_not_count_against_the_model(ha
     assert kinds(stalled) == [(None, FailureKind.MODEL_TIMEOUT)]
     assert kinds(flowing) == [(200, FailureKind.CANCELLED)]
     assert not flowing.stalled_at_close
+
+
+async def _hang_up_while_waiting(model: ScriptedModel, harness: httpx.AsyncClient, session: Any) -> float:
+    """The harness sends a request the model sits on, then hangs up (as a harness killed at its deadline
+    does); returns a lower bound of how long the request had waited without a byte."""
+    call = asyncio.create_task(ask(harness, session))
+    await model.wait_requests("s1", 1)  # the request arrived at the gateway before this returned
+    seen = time.monotonic()
+    waited_at_least = time.monotonic() - seen  # positive, and at most the wait the hang-up ends
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    deadline = time.monotonic() + 10
+    while session._pending and time.monotonic() < deadline:  # the gateway notices the hang-up
+        await asyncio.sleep(0.01)
+    assert not session._pending
+    return waited_at_least
+
+
+@pytest.mark.parametrize("past_the_bound", [True, False])
+async def test_a_harness_hanging_up_on_a_stalled_request_leaves_the_session_stalled(
+    model, harness, tmp_path, past_the_bound: bool
+) -> None:
+    """A harness killed at its deadline hangs up before the session closes: the request it waited on is
+    gone, but how long it had waited still decides whose the time was."""
+    script(model, "s1", HANG)
+    async with gateway_to(model.base_url, first_byte_timeout_s=WIDE_S) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        waited_at_least = await _hang_up_while_waiting(model, harness, session)
+        gateway.close_session(session, stall_bound_s=waited_at_least if past_the_bound else 3600.0)
+
+    assert session.stalled_at_close is past_the_bound

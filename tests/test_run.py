@@ -84,13 +84,14 @@ def test_demo_tasks_through_ray(tmp_path):
         "model_context_limit",
         True,
     )
-    hang = final["model-hangs"]
-    assert (hang["status"], hang["failure_kind"], hang["decision"]) == (
-        "incomplete",
-        "agent_timeout",
-        "accept",
-    )
-    assert hang["t_agent_s"] < 10 + 3 + 5
+    # A model that never answers: the deadline falls while it sits on the request, so the time was the
+    # model's: retried, then masked, never graded.
+    hangs = [r for r in rows if r["task_id"] == "model-hangs"]
+    assert [(r["failure_kind"], r["decision"], r["reward"]) for r in hangs] == [
+        ("model_timeout", "retry", None),
+        ("model_timeout", "mask", None),
+    ], [r["error_message"] for r in hangs]
+    assert all(r["t_agent_s"] < 10 + 3 + 5 for r in hangs)
 
     status = subprocess.run(
         _rollout("status", str(tmp_path / "out" / "demo")),
@@ -100,7 +101,7 @@ def test_demo_tasks_through_ray(tmp_path):
         cwd=REPO,
     )
     assert status.returncode == 0
-    assert "rate_limit_exceeded" in status.stdout and "agent_timeout" in status.stdout
+    assert "rate_limit_exceeded" in status.stdout and "model_timeout" in status.stdout
     assert not processes_under(str(tmp_path / "sandboxes"))
 
 

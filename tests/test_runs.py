@@ -63,7 +63,7 @@ def test_states_of_runs_in_an_output_root(tmp_path, demo_run, partial_run):
         "incomplete": "incomplete",
         "killed": "interrupted",
     }
-    assert states["complete"].final == 7 and states["complete"].by_decision["mask"] == 1
+    assert states["complete"].final == 7 and states["complete"].by_decision["mask"] == 2
     assert states["partial"].rows == 3 and states["partial"].pending is None
     assert states["incomplete"].pending == 3
 

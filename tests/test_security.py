@@ -102,7 +102,7 @@ async def test_no_credential_reaches_the_sandbox_environment_files_cmdlines_or_e
     assert list((tmp_path / "sandboxes").rglob("environs.txt")), "the in-sandbox dump never ran"
     assert list((tmp_path / "evidence").rglob("req-*.json.gz")), "the gateway recorded no request body"
     assert not any(s in repr(row) for s in SECRETS)
-    assert row["failure_kind"] == "agent_timeout"
+    assert row["failure_kind"] == "model_timeout"  # the script's last step stalls until the deadline
     shutil.rmtree(tmp_path / "sandboxes", ignore_errors=True)
 
 

@@ -97,10 +97,12 @@ async def test_context_overflow_is_incomplete_and_graded(tmp_path):
 async def test_hang_ends_at_the_deadline(tmp_path):
     task = _task(model_script=[{"type": "hang", "max_s": 600}], deadline_s=4, verify="test -f hello.txt")
     row = await _run(tmp_path, task, {**FAST_GATEWAY, "limits": {"grace_s": 2}})
-    assert (row["status"], row["failure_kind"]) == ("incomplete", "agent_timeout")
+    # The model sat on the request when the deadline fell: its time, not the agent's, so no grade.
+    assert (row["status"], row["failure_kind"]) == ("failed", "model_timeout"), row["error_message"]
     assert row["timed_out"] is True
     assert row["t_agent_s"] < 4 + 2 + 5  # the deadline, its grace, and the parse
-    assert row["reward"] == 0.0
+    assert row["reward"] is None and not row.get("verified")
+    assert row["t_model_wait_s"] > 1.0  # the request outstanding from its arrival to the deadline
     assert not processes_under(str(tmp_path / "sandboxes"))
 
 

@@ -164,7 +164,9 @@ def test_sigkill_of_a_worker_actor_leaves_no_slurm_job(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     with tasks.open("w") as fh:
         for i in range(3):
-            task = {"id": f"t{i}", "prompt": "wait", "model_script": [{"type": "hang", "max_s": 600}]}
+            # The agent's own command outlives the deadline: the session stays up until then.
+            script = [{"type": "shell", "command": "sleep 600"}]
+            task = {"id": f"t{i}", "prompt": "wait", "model_script": script}
             fh.write(json.dumps({**task, "deadline_s": 8, "verify": "true"}) + "\n")
     run_id = f"slurm-kill-{os.getpid()}"
     cfg = write_config(
