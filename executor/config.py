@@ -131,6 +131,16 @@ class LimitsConfig(BaseModel):
     deadline_s: float = Field(default=600.0, gt=0, le=86_400)  # harness end-to-end, per task unless set
     grace_s: float = Field(default=10.0, ge=0, le=600)
     setup_timeout_s: float = Field(default=900.0, gt=0)
+    # wall: the deadline is wall time. agent: time a model request was outstanding is not charged to the
+    # agent, so a slow shared endpoint does not eat the agent's time; the harness still ends at max_wall_s.
+    deadline_counts: Literal["wall", "agent"] = "wall"
+    max_wall_s: float | None = Field(default=None, gt=0, le=259_200)  # agent mode; default 3x the deadline
+
+    def wall_s(self, deadline_s: float) -> float:
+        """How long the harness may run, in wall time, for a session with this deadline."""
+        if self.deadline_counts == "wall":
+            return deadline_s
+        return max(self.max_wall_s or 3 * deadline_s, deadline_s)
 
 
 class ConcurrencyConfig(BaseModel):
@@ -160,6 +170,15 @@ class RunConfig(BaseModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     ray_address: str | None = None  # None: RAY_ADDRESS if set, else a local cluster
+
+    @model_validator(mode="after")
+    def _agent_time_needs_a_local_sandbox(self) -> RunConfig:
+        if self.limits.deadline_counts == "agent" and self.sandbox.provider != "local":
+            raise ValueError(
+                f"limits.deadline_counts: 'agent' needs sandbox.provider 'local' (not yet "
+                f"{self.sandbox.provider!r}); use 'wall'"
+            )
+        return self
 
     @property
     def in_flight_cap(self) -> int:

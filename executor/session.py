@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 EVIDENCE_COPY_LIMIT = 16 * 1024 * 1024
 MAX_DIFF_CHARS = 200_000
 DEADLINE_STALL_SHARE = 0.25
+AGENT_TIME_TICK_S = 0.05  # the shortest wait of the agent-time watch
 # Launch directories of one rollout id: a fresh random tag each, so this many collisions never happen.
 EVIDENCE_DIR_TRIES = 16
 
@@ -138,6 +139,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
     launch_id = launch_dir(ctx.evidence_root, req.rollout_id)
     evidence_dir = ctx.evidence_root / launch_id
     deadline = req.task.deadline_s or cfg.limits.deadline_s
+    wall = cfg.limits.wall_s(deadline)
     verify = req.task.verify
     verify_timeout = verify.timeout_s * (verify.retries + 1) if verify else 0.0
     row: dict[str, Any] = {
@@ -161,7 +163,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         # Unique per launch, not per attempt: a resume reruns an attempt whose driver was killed before
         # its row was written, and that launch's sandbox directory may still be there.
         session_id=launch_id,
-        ttl_s=cfg.limits.setup_timeout_s + deadline + verify_timeout + 2 * cfg.limits.grace_s,
+        ttl_s=cfg.limits.setup_timeout_s + wall + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
     )
     sandbox: Sandbox | None = None
@@ -200,10 +202,9 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
         timer.lap("setup")
 
+        expire = asyncio.Event() if wall > deadline else None  # limits.deadline_counts: agent
         try:
-            result = await sandbox.exec(
-                launch.argv, timeout=deadline, env=launch.env, stdin=launch.stdin, name="harness"
-            )
+            result = await _run_harness(sandbox, launch, deadline, wall, gw, expire)
         except SandboxLostError as exc:
             timer.lap("agent")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
@@ -213,6 +214,8 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         report = await ctx.harness.parse(sandbox, result)
         timer.lap("agent")
         outcome = classify(result, report, gw)
+        if expire is not None and result.timed_out and not expire.is_set():
+            outcome = _wall_cap_fell(outcome, wall, deadline, gw)
         _record_agent(row, result, report, gw)
         # The evidence copy reads the harness's files while the diff and the verifier use the workspace.
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
@@ -233,6 +236,52 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             row["cleanup_ok"] = await _stop(sandbox)
             row["t_cleanup_s"] = timer.since_lap()
             row["t_total_s"] = round(sum(timer.marks.values()) + row["t_cleanup_s"], 4)
+
+
+async def _run_harness(
+    sandbox: Sandbox,
+    launch: Launch,
+    deadline: float,
+    wall: float,
+    gw: GatewaySession,
+    expire: asyncio.Event | None,
+) -> ExecResult:
+    """The harness to its end. With ``expire`` (agent time), it may run ``wall`` seconds, and ends as
+    timed out once its own time, the wall time less the time a model request was outstanding, reaches
+    ``deadline``."""
+    if expire is None:
+        return await sandbox.exec(
+            launch.argv, timeout=deadline, env=launch.env, stdin=launch.stdin, name="harness"
+        )
+    watch = asyncio.ensure_future(_charge_agent_time(gw, deadline, expire))
+    try:
+        return await sandbox.exec(  # type: ignore[call-arg]  # local sandboxes only (config validator)
+            launch.argv, timeout=wall, env=launch.env, stdin=launch.stdin, name="harness", expire=expire
+        )
+    finally:
+        watch.cancel()
+
+
+async def _charge_agent_time(gw: GatewaySession, budget_s: float, expire: asyncio.Event) -> None:
+    """Set ``expire`` once the agent's own time reaches ``budget_s``. It wakes when the budget would run
+    out if no more model time came, so it never wakes late; the harness's exec cancels it at its end."""
+    started, waited = time.monotonic(), gw.model_wait_now()
+    while (left := budget_s - (time.monotonic() - started) + (gw.model_wait_now() - waited)) > 0:
+        await asyncio.sleep(max(left, AGENT_TIME_TICK_S))
+    expire.set()
+
+
+def _wall_cap_fell(outcome: Outcome, wall: float, deadline: float, gw: GatewaySession) -> Outcome:
+    """The wall cap, not the agent's own budget, ended the harness: the model's time did."""
+    if outcome.failure_kind is not FailureKind.AGENT_TIMEOUT:
+        return outcome
+    message = (
+        f"the wall cap of {wall:.0f}s fell before the agent used its {deadline:.0f}s: "
+        f"{gw.model_wait_s:.1f}s went waiting on the model"
+    )
+    return outcome.model_copy(
+        update={"status": Status.FAILED, "failure_kind": FailureKind.MODEL_TIMEOUT, "error_message": message}
+    )
 
 
 async def _gather_or_cancel(*steps: Awaitable[Any]) -> list[Any]:

@@ -479,13 +479,15 @@ class LocalSandbox:
         stdin: bytes | None = None,
         name: str = "exec",
         before: ExecStep | None = None,
+        expire: asyncio.Event | None = None,
     ) -> ExecResult:
         """Run ``argv`` (no shell) to its end, its timeout or the TTL; no process of it outlives this call.
 
         ``stdout_bytes``/``stderr_bytes`` count everything the command wrote; the files keep the first
         ``output_cap_bytes`` of it and the tails are the last bytes written, not of the file. Raises
         SandboxLostError when the sandbox is stopped or reaped while the command runs. ``before``: a step
-        run to its end first, under the same supervisor, its result in the result's ``before``.
+        run to its end first, under the same supervisor, its result in the result's ``before``. ``expire``:
+        once set, the command ends as if its timeout had passed (its result says timed out).
         """
         self._check_open()
         if time.time() >= self.ttl_deadline:
@@ -547,7 +549,7 @@ class LocalSandbox:
         try:
             if self._stopping:  # stop() ran while we were spawning and did not see this supervisor
                 self._signal(proc, signal.SIGTERM)
-            killed_from_outside = await self._wait_supervisor(proc, timeout)
+            killed_from_outside = await self._wait_supervisor(proc, timeout, expire)
         except asyncio.CancelledError:
             cleanup = asyncio.ensure_future(self._end_supervisor(proc))
             self._cleanups.add(cleanup)
@@ -567,12 +569,24 @@ class LocalSandbox:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
 
-    async def _wait_supervisor(self, proc: ServedExec, timeout: float) -> bool:
+    async def _wait_supervisor(self, proc: ServedExec, timeout: float, expire: asyncio.Event | None) -> bool:
         """Wait for the supervisor; past its own bound, kill its tree from here. True if we had to."""
         ttl_left = max(0.0, self.ttl_deadline - time.time())
         budget = min(timeout, ttl_left) + self._grace + self._slack
+        ended = asyncio.ensure_future(proc.wait())
+        if expire is not None:
+            expired = asyncio.ensure_future(expire.wait())
+            try:
+                await asyncio.wait({ended, expired}, timeout=budget, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                expired.cancel()
+            if not ended.done() and expire.is_set():
+                self._signal(proc, sup.EXPIRE_SIGNAL)
+                budget = self._grace + self._slack  # for the supervisor to end the command's tree
+            elif not ended.done():
+                budget = 0.0  # the bound above has passed already
         try:
-            await asyncio.wait_for(proc.wait(), budget)
+            await asyncio.wait_for(ended, budget)
             return False
         except TimeoutError:
             log.warning("sandbox %s: supervisor %d overran; killing its tree", self.id, proc.pid)

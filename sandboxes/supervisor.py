@@ -46,6 +46,12 @@ DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is go
 READ_CHUNK = 64 * 1024
 NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's processes
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# "Your timeout is now": the command ends as if its timeout had passed (timed out, not terminated). The
+# owner sends it when a budget other than wall time runs out (limits.deadline_counts: agent).
+EXPIRE_SIGNAL = signal.SIGUSR1
+# Blocked by the server across a fork until the supervisor's own handlers are in place, so that a signal
+# sent right after the fork is neither lost nor (SIGUSR1's default) fatal.
+_HANDLED_SIGNALS = (*STOP_SIGNALS, EXPIRE_SIGNAL)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -556,6 +562,7 @@ class Supervisor:
         self.env = env
         self.me = os.getpid()
         self.terminated_by: int | None = None
+        self.expired = False  # EXPIRE_SIGNAL came: the command's timeout is now
         self.child: subprocess.Popen[bytes] | _Forked | None = None
         self.status_pipe: int | None = None  # the namespace init's report of the command's wait status
         self.child_status: int | None = None
@@ -568,7 +575,11 @@ class Supervisor:
             if self.terminated_by is None:
                 self.terminated_by = signum
 
+        def on_expire(_signum: int, _frame: object) -> None:
+            self.expired = True
+
         _install_signals(on_stop)
+        signal.signal(EXPIRE_SIGNAL, on_expire)
 
     def bind_lifetime(self) -> None:
         # SIGTERM (not SIGKILL) when the worker thread that started us dies: the handler above still
@@ -636,7 +647,7 @@ class Supervisor:
             if self.child_status is not None:
                 return "exited"
             now = time.monotonic()
-            if now >= timeout_at:
+            if now >= timeout_at or self.expired:
                 return "timeout"
             if now >= ttl_at:
                 return "deadline"
@@ -766,7 +777,7 @@ def _supervise(
     started = time.monotonic()
     sup = Supervisor(params, env)
     sup.install_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across its fork
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED_SIGNALS)  # blocked by the server across its fork
     if previous is not None:  # read after our handlers took over: no signal falls in between
         sup.terminated_by = previous.terminated_by
     reason, error = "error", None
@@ -848,16 +859,16 @@ class _Server:
             return  # not from our worker; nothing to answer
         # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
         # one sent right after the fork is not lost.
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
         try:
             pid = os.fork()
         except OSError as exc:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED_SIGNALS)
             self.reply({"id": req_id, "error": f"fork failed: {exc}"})
             return
         if pid == 0:
             self._child(req)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED_SIGNALS)
         self.children[pid] = req_id
         self.reply({"id": req_id, "pid": pid})
 
