@@ -63,9 +63,10 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
         and not ended_on_failure
     ):
         return Outcome(status=Status.COMPLETED, error_detail=detail)
-    if not gateway.attempts and not report.final_text and not result.signal:
-        # Not one model request: the harness never started its loop (launch, environment, config).
-        message = f"the harness exited (code {result.exit_code}) without a single model request"
+    if not gateway.attempts and not report.final_text and result.exit_code == 0:
+        # Not one model request, and no error either: the harness never started its loop (launch,
+        # environment, config). A harness that died instead is a crash, below.
+        message = "the harness exited cleanly without a single model request"
         tail = result.stderr_tail[-2000:]
         return Outcome.of(
             FailureKind.AGENT_NO_MODEL_CALL, f"{message}; stderr: {tail}" if tail else message, **http

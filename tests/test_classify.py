@@ -47,7 +47,7 @@ def test_an_exit_without_a_single_model_request_is_no_model_call_not_no_result()
     assert (
         classify(_exited(0), HarnessReport(), _session(ANSWERED)).failure_kind is FailureKind.AGENT_NO_RESULT
     )
-    assert classify(_exited(3), HarnessReport(), _session()).failure_kind is FailureKind.AGENT_NO_MODEL_CALL
+    assert classify(_exited(3), HarnessReport(), _session()).failure_kind is FailureKind.AGENT_CRASH
 
 
 def test_a_harness_that_answers_without_the_model_still_completes():

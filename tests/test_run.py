@@ -29,6 +29,7 @@ gateway: {{max_attempts_per_request: 3, backoff_base_s: 0.1}}
 policy:
   rules:
     rate_limit_exceeded: {{retry: true, max_attempts: 2, backoff_base_s: 0.2, backoff_cap_s: 0.5}}
+    model_timeout: {{retry: true, max_attempts: 2, backoff_base_s: 0.2, backoff_cap_s: 0.5}}
 limits: {{deadline_s: 60, grace_s: 3}}
 concurrency: {{workers: 1, sessions_per_worker: 4}}
 """

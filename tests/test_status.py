@@ -48,13 +48,13 @@ def test_status_of_the_demo_run(demo_run):
     slow = [r["t_total_s"] for r in data["slowest"]]
     assert len(slow) == 3 and slow == sorted(slow, reverse=True)
     assert slow[0] == max(r["t_total_s"] for r in rows)
-    assert data["slowest"][0]["rollout_id"] == "model-hangs.s0.a1"
+    assert data["slowest"][0]["rollout_id"].startswith("model-hangs.s0.a")  # each attempt ran to its deadline
     kinds = {f["failure_kind"]: f for f in data["failures"]}
     assert kinds["rate_limit_exceeded"]["rows"] == 2 and "429" in kinds["rate_limit_exceeded"]["example"]
 
     human = _rollout("status", str(demo_run))
     assert human.returncode == 0
-    for text in ("by harness and provider", "slowest rollouts", "model-hangs.s0.a1", "rate_limit_exceeded"):
+    for text in ("by harness and provider", "slowest rollouts", "model-hangs.s0.a", "model_timeout"):
         assert text in human.stdout, text
 
 
