@@ -50,9 +50,9 @@ from policy import (
     error_message_of,
     is_retryable,
     kind_for_http,
+    kind_for_stream_error,
     parse_retry_after,
 )
-from policy.http_errors import kind_for_stream_error
 from sandboxes.inline import small_inline
 
 SESSION_HEADER = "x-rollout-session"  # the scripted model keys its scripts on it; a real endpoint ignores it

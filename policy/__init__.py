@@ -7,6 +7,7 @@ from policy.http_errors import (
     is_context_overflow,
     is_retryable,
     kind_for_http,
+    kind_for_stream_error,
     parse_retry_after,
 )
 from policy.outcome import (
@@ -49,6 +50,7 @@ __all__ = [
     "is_context_overflow",
     "is_retryable",
     "kind_for_http",
+    "kind_for_stream_error",
     "parse_retry_after",
     "status_for",
 ]
