@@ -7,7 +7,10 @@
     plain asyncio runner doing the same sessions (same sandboxes, same harness) without Ray, Arrow or policy;
 (c) driver memory: peak RSS of a driver process for N and 10*N rollouts (null workers, so the driver's
     loop, Ray transport, Arrow store and policy are what is measured);
-(d) the Arrow store: rows per second appended, and the time to resume-scan a large run.
+(d) the Arrow store: rows per second appended, and the time to resume-scan a large run;
+(e) a run's fixed costs: the real `rollout run` command, cold, in a fresh process each time, on a small
+    batch of one-tool Codex rollouts; when each phase (CLI imported, config read, Ray up, first worker
+    ready, first row, last row, summary, exit) fell, in seconds after the command was spawned.
 Figures are printed, never asserted: speed is measured here, not in tests.
 """
 
@@ -417,6 +420,76 @@ def store(rows: int, scratch: Path) -> dict[str, Any]:
     return {"rows": rows, "append_rows_per_s": rows / append_s, "resume_scan_s": scan_s}
 
 
+# (e) ------------------------------------------------------------------------------------------------
+
+# The phases in the order a run passes them; "spawned" is 0 by definition.
+PHASES = (
+    "cli",
+    "config",
+    "preflight",
+    "harness",
+    "ray_up",
+    "workers_created",
+    "first_worker_ready",
+    "first_row",
+    "last_row",
+    "summary",
+    "exit",
+)
+
+
+def _cold_run(config: Path, run_id: str, sandboxes: Path) -> dict[str, float]:
+    """One `rollout run` in a fresh process: each phase's time after the spawn, and what it left."""
+    from executor.store import read_table
+    from sandboxes.leaks import processes_under
+
+    argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
+    spawned = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    exited = time.monotonic()
+    run_dir = config.parent / "out" / run_id
+    if proc.returncode != 0:
+        raise RuntimeError(f"cold run {run_id} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    rows = read_table(run_dir, ["reward"]).to_pydict()["reward"]
+    if any(r != 1.0 for r in rows):
+        raise RuntimeError(f"cold run {run_id} did not solve every task: {rows}")
+    marks = json.loads((run_dir / "summary.json").read_text()).get("phases", {})
+    origin = marks.pop("origin_monotonic", None)
+    out = {name: origin + at - spawned for name, at in marks.items()} if origin is not None else {}
+    out["exit"] = exited - spawned
+    out["left_sandbox_processes"] = float(len(processes_under(str(sandboxes))))
+    return out
+
+
+def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> dict[str, Any]:
+    """``runs`` cold runs of ``rollouts`` one-tool Codex rollouts; the median of each phase's time."""
+    tasks = _write_tasks(scratch / "e.jsonl", rollouts, model_script=SCRIPT, verify=VERIFY)
+    extra = f"concurrency: {{workers: 1, sessions_per_worker: {concurrency}}}\n"
+    config = _write_config(scratch, "e", tasks, extra)
+    timings = [_cold_run(config, f"e{i}", scratch / "sb") for i in range(runs)]
+    medians = {
+        name: statistics.median(t[name] for t in timings)
+        for name in (*PHASES, "left_sandbox_processes")
+        if all(name in t for t in timings)
+    }
+    return {
+        "rollouts": rollouts,
+        "runs": runs,
+        "concurrency": concurrency,
+        "median_s": medians,
+        "all": timings,
+    }
+
+
+def _phase_line(e: dict[str, Any]) -> str:
+    marks = ", ".join(f"{n} {e['median_s'][n]:.2f}" for n in PHASES if n in e["median_s"])
+    return (
+        f"(e) fixed costs, {e['runs']} cold `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
+        f"concurrency {e['concurrency']}; median seconds after the spawn: {marks}; "
+        f"sandbox processes left {e['median_s'].get('left_sandbox_processes', 0):.0f}"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -428,6 +501,9 @@ def run_all(
     store_rows: int,
     echo: Callable[[str], None] = print,
     token_ids: int = 0,
+    cold_runs: int = 5,
+    cold_rollouts: int = 10,
+    cold_concurrency: int = 1,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -471,6 +547,9 @@ def run_all(
                 f"{c[1]['rollouts']:,} rollouts {c[1]['peak_rss_mb']:.0f} MB, "
                 f"ratio {c[1]['peak_rss_mb'] / c[0]['peak_rss_mb']:.2f}"
             )
+        if "e" in parts:
+            out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch)
+            echo(_phase_line(e))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out

@@ -51,7 +51,10 @@ def run(
     ] = 20.0,
 ) -> None:
     """Run (or resume) the rollouts a config describes."""
+    from executor import phases
     from executor.config import load_config
+
+    phases.mark("cli")
 
     overrides: dict[str, object] = {}
     for key, value in (
@@ -74,13 +77,16 @@ def run(
         _validate_tasks(Path(cfg.tasks))
     except InputError as exc:
         _fail_input(str(exc))
+    phases.mark("config")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from executor.driver import Driver
     from executor.runs import RunLockedError
 
     if not no_preflight:
         _preflight(cfg, preflight_timeout)
+    phases.mark("preflight")
     _ensure_harness(cfg)
+    phases.mark("harness")
     try:
         summary = Driver(cfg).run()
     except RunLockedError as exc:
@@ -352,7 +358,7 @@ def conformance(
 
 @app.command()
 def bench(
-    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d.")] = "abcd",
+    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e.")] = "abcd",
     runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
@@ -360,6 +366,11 @@ def bench(
     token_ids: Annotated[
         int, typer.Option(help="(c) token ids per model call in each row, as with gateway.capture_tokens.")
     ] = 0,
+    cold_runs: Annotated[
+        int, typer.Option(min=1, help="(e) cold `rollout run`s, each in a fresh process.")
+    ] = 5,
+    cold_rollouts: Annotated[int, typer.Option(min=1, help="(e) one-tool Codex rollouts per cold run.")] = 10,
+    cold_concurrency: Annotated[int, typer.Option(min=1, help="(e) sessions at once in a cold run.")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
@@ -367,12 +378,21 @@ def bench(
 
     from executor.bench import run_all
 
-    if not set(parts) <= set("abcd") or not parts:
-        _fail_input(f"--parts {parts!r}: use letters from 'abcd'")
+    if not set(parts) <= set("abcde") or not parts:
+        _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
     figures = run_all(
-        parts, runs, null_rollouts, memory_rollouts, store_rows, echo=console.print, token_ids=token_ids
+        parts,
+        runs,
+        null_rollouts,
+        memory_rollouts,
+        store_rows,
+        echo=console.print,
+        token_ids=token_ids,
+        cold_runs=cold_runs,
+        cold_rollouts=cold_rollouts,
+        cold_concurrency=cold_concurrency,
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

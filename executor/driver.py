@@ -26,6 +26,7 @@ from ray.exceptions import (
     TaskCancelledError,
 )
 
+from executor import phases
 from executor.admission import Admission
 from executor.config import RunConfig
 from executor.gc import collect_quietly
@@ -90,6 +91,8 @@ class RunSummary:
     # Training-facing statistics: final accepted rows with a reward only; masked rows never count.
     reward: dict[str, float | int | None] = field(default_factory=dict)
     breaker: dict[str, object] = field(default_factory=dict)
+    # When the run's fixed costs fell (executor/phases.py): seconds after the command started.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def connect_ray(cfg: RunConfig) -> None:
@@ -208,6 +211,7 @@ class Driver:
             default_cache_root()
         )
         connect_ray(cfg)
+        phases.mark("ray_up")
         workers = [
             self.worker_class.options(
                 num_cpus=0,
@@ -219,6 +223,7 @@ class Driver:
             ).remote(cfg.model_dump_json(), str(self.run_dir), i)
             for i in range(cfg.concurrency.workers)
         ]
+        phases.mark("workers_created")
         warm_up()  # while the workers start, not at the first row
         self._load = [0] * len(workers)
         exhausted = False
@@ -269,7 +274,22 @@ class Driver:
                 log.error("buffered rows not written: %s", exc)
                 self._stop(f"output: {exc}", "store")
             progress.close()
+        phases.mark("last_row")
+        self._note_worker_ready(workers)
         return self._summarize()
+
+    def _note_worker_ready(self, workers: list[Any]) -> None:
+        """Mark when the first worker actor was up, from its own clock: on this host's monotonic clock
+        only when the cluster is ours (a joined cluster's workers may be on other hosts)."""
+        if not workers or self.cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+            return
+        try:
+            infos = ray.get([w.info.remote() for w in workers], timeout=5.0)
+        except (RayError, TimeoutError, AttributeError):
+            return  # a null worker class, or a worker gone: the mark is only for the benchmark
+        ready = [i["ready_monotonic"] for i in infos if isinstance(i, dict) and "ready_monotonic" in i]
+        if ready:
+            phases.mark("first_worker_ready", min(ready))
 
     def _restore_breaker(self) -> str | None:
         """Feed the breaker the rows already written, newest first, reading back only as far as it needs."""
@@ -307,6 +327,7 @@ class Driver:
 
     def _settle(self, ref: ray.ObjectRef, budget: int, progress: Progress) -> int:
         req, index = self._inflight.pop(ref)
+        phases.mark("first_row")
         self._load[index] -= 1
         submitted_at = self._submitted_at.pop(ref, 0.0)
         try:
@@ -493,6 +514,8 @@ class Driver:
             reward=training_reward_stats(cols["decision"], cols["reward"], cols["final"]),
             breaker=self.breaker.report(),
         )
+        phases.mark("summary")
+        summary.phases = phases.report()
         tmp = self.run_dir / "summary.json.tmp"
         try:
             tmp.write_text(json.dumps(summary.__dict__, indent=2))

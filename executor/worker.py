@@ -7,6 +7,7 @@ import gc
 import os
 import secrets
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,6 +47,7 @@ class SandboxWorker:
         self._ctx: SessionContext | None = None
         self._start_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(self.cfg.concurrency.sessions_per_worker)
+        self._ready_monotonic = time.monotonic()  # this process imported, the actor constructed
 
     async def _context(self) -> SessionContext:
         async with self._start_lock:
@@ -94,7 +96,7 @@ class SandboxWorker:
         return batch_to_wire(rows_to_batch([row]))
 
     async def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "worker_id": self.worker_id}
+        return {"pid": os.getpid(), "worker_id": self.worker_id, "ready_monotonic": self._ready_monotonic}
 
     async def settle(self) -> None:
         """Wait for the work sessions leave behind (a local sandbox's directory being deleted): a
