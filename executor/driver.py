@@ -63,6 +63,7 @@ CANCEL_GRACE_S = 60.0
 # same attempt, after a pause; bounded, after which it is a sandbox_lost attempt like any other.
 UNAVAILABLE_PAUSE_S = 1.0
 UNAVAILABLE_RESENDS = 120
+CLOSE_S = 30.0  # for the workers to close what they hold before the cluster they run in stops
 
 
 @dataclass(order=True)
@@ -95,14 +96,16 @@ class RunSummary:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-def connect_ray(cfg: RunConfig) -> None:
+def connect_ray(cfg: RunConfig) -> bool:
+    """Connect to the cluster ``cfg`` names, else start a local one; True when this call started a
+    local cluster (then it is the caller's to stop), False when it joined one or was connected."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-        return
+        return False
     # A local cluster of our own: loopback only, no token to distribute, no dashboard to pay for.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -112,6 +115,32 @@ def connect_ray(cfg: RunConfig) -> None:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+    return True
+
+
+def stop_own_ray(workers: list[Any]) -> None:
+    """Stop the local cluster this process started, once the run's work is safe (rows durable,
+    sandboxes stopped, summary written): the workers close what they hold, then the cluster goes.
+
+    ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
+    (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
+    to 1 s. The autoscaler monitor takes all of that second: its SIGTERM handler reports its own
+    "failure" to the GCS, which has just been stopped, and waits on it until SIGKILL. On a local
+    cluster it scales nothing and holds nothing, so it is ended first, without that wait."""
+    # A worker class without close (a benchmark's null worker) holds nothing to close.
+    closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
+    try:
+        ray.get(closes, timeout=CLOSE_S)
+    except (RayError, TimeoutError) as exc:
+        # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
+        log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and hasattr(node, "kill_monitor"):
+        try:
+            node.kill_monitor(check_alive=False)
+        except Exception as exc:  # Ray's private API moved: its own shutdown still ends the monitor
+            log.debug("ending Ray's autoscaler monitor early failed: %s", exc)
+    ray.shutdown()
 
 
 def decide_row(
@@ -181,6 +210,8 @@ class Driver:
         self._load: list[int] = []
         self._stopped: str | None = None
         self._stopped_by: str | None = None
+        self._own_ray = False  # a local cluster this driver started: stopped when the run ends
+        self._workers: list[Any] = []
         self._submitted_at: dict[ray.ObjectRef, float] = {}
         self._worker_died_at: dict[int, float] = {}
         self._resends: dict[tuple[str, int], int] = {}
@@ -192,7 +223,12 @@ class Driver:
     def run(self) -> RunSummary:
         """Run (or resume) the run; RunLockedError, with nothing written, if another driver holds it."""
         with run_lock(self.run_dir):
-            return self._run_locked()
+            try:
+                return self._run_locked()
+            finally:
+                # Under the lock still: the next driver of this run starts once our sandboxes are gone.
+                if self._own_ray:
+                    stop_own_ray(self._workers)
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg
@@ -210,9 +246,9 @@ class Driver:
         make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
             default_cache_root()
         )
-        connect_ray(cfg)
+        self._own_ray = connect_ray(cfg)
         phases.mark("ray_up")
-        workers = [
+        self._workers = workers = [
             self.worker_class.options(
                 num_cpus=0,
                 max_restarts=-1,

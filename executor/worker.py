@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import secrets
 import tempfile
@@ -26,6 +27,8 @@ from harnesses.scripted_model import ScriptedModel
 from sandboxes.base import SandboxProvider
 from sandboxes.faults import FlakyStartProvider
 from sandboxes.prepared import PreparedWorkspaces
+
+log = logging.getLogger(__name__)
 
 
 def sandbox_root(cfg: RunConfig) -> Path:
@@ -97,6 +100,27 @@ class SandboxWorker:
 
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id, "ready_monotonic": self._ready_monotonic}
+
+    async def close(self) -> None:
+        """End what this worker holds, before its process goes with the cluster: the spare sandbox
+        server, the deletions of stopped sandboxes' directories, the prepared workspaces, the gateway
+        and the scripted model. Only called once no session runs; idempotent."""
+        async with self._start_lock:  # a context being built finishes first, then is closed
+            ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        closers = [getattr(ctx.provider, "aclose", None), ctx.gateway.stop]
+        if ctx.workspaces is not None:
+            closers.append(ctx.workspaces.aclose)
+        if ctx.scripted is not None:
+            closers.append(ctx.scripted.stop)
+        for close in closers:
+            if close is None:
+                continue
+            try:
+                await close()
+            except Exception as exc:  # one failing part must not keep the others open
+                log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
 
     async def settle(self) -> None:
         """Wait for the work sessions leave behind (a local sandbox's directory being deleted): a
