@@ -482,7 +482,9 @@ def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> di
 
 
 def _phase_line(e: dict[str, Any]) -> str:
-    marks = ", ".join(f"{n} {e['median_s'][n]:.2f}" for n in PHASES if n in e["median_s"])
+    # In the order they fell: phases that run side by side (the harness check, Ray's start) may swap.
+    order = sorted((n for n in PHASES if n in e["median_s"]), key=e["median_s"].__getitem__)
+    marks = ", ".join(f"{n} {e['median_s'][n]:.2f}" for n in order)
     return (
         f"(e) fixed costs, {e['runs']} cold `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
         f"concurrency {e['concurrency']}; median seconds after the spawn: {marks}; "

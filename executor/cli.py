@@ -80,14 +80,15 @@ def run(
     phases.mark("config")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from executor.driver import Driver
-    from executor.runs import RunLockedError
+    from executor.runs import RunLockedError, check_free
 
     if not no_preflight:
         _preflight(cfg, preflight_timeout)
     phases.mark("preflight")
-    _ensure_harness(cfg)
-    phases.mark("harness")
     try:
+        # Before Ray starts: a run another driver holds is refused at once, with nothing started.
+        check_free(Path(cfg.out) / (cfg.run_id or ""))
+        _start(cfg)
         summary = Driver(cfg).run()
     except RunLockedError as exc:
         from rich.markup import escape
@@ -103,6 +104,28 @@ def run(
         highlight=False,
     )
     raise typer.Exit(summary.exit_code)
+
+
+def _start(cfg: RunConfig) -> None:
+    """Start Ray (or join the configured cluster) while the harness install is checked: each can take
+    seconds cold, neither needs the other. Nothing of the run is written yet, so an install that fails
+    stops the cluster started for it and leaves nothing behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from executor import phases
+    from executor.driver import connect_ray, stop_own_ray
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-harness") as pool:
+        harness = pool.submit(_ensure_harness, cfg)
+        own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
+        phases.mark("ray_up")
+        try:
+            harness.result()
+        except typer.Exit:
+            if own:
+                stop_own_ray([])
+            raise
+    phases.mark("harness")
 
 
 def _preflight(cfg: RunConfig, timeout_s: float) -> None:

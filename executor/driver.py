@@ -11,6 +11,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,16 @@ class RunSummary:
     phases: dict[str, float] = field(default_factory=dict)
 
 
+# The GCS address of the local cluster this process started, while it runs: that one is ours to stop.
+_own_gcs: str | None = None
+
+
 def connect_ray(cfg: RunConfig) -> bool:
-    """Connect to the cluster ``cfg`` names, else start a local one; True when this call started a
-    local cluster (then it is the caller's to stop), False when it joined one or was connected."""
+    """Connect to the cluster ``cfg`` names, else start a local one. True when connected to a local
+    cluster this process started (then it is ours to stop, by ``stop_own_ray``), False when joined."""
+    global _own_gcs
     if ray.is_initialized():
-        return False
+        return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -115,6 +121,7 @@ def connect_ray(cfg: RunConfig) -> bool:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+    _own_gcs = ray.get_runtime_context().gcs_address
     return True
 
 
@@ -127,6 +134,7 @@ def stop_own_ray(workers: list[Any]) -> None:
     to 1 s. The autoscaler monitor takes all of that second: its SIGTERM handler reports its own
     "failure" to the GCS, which has just been stopped, and waits on it until SIGKILL. On a local
     cluster it scales nothing and holds nothing, so it is ended first, without that wait."""
+    global _own_gcs
     # A worker class without close (a benchmark's null worker) holds nothing to close.
     closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
     try:
@@ -141,6 +149,7 @@ def stop_own_ray(workers: list[Any]) -> None:
         except Exception as exc:  # Ray's private API moved: its own shutdown still ends the monitor
             log.debug("ending Ray's autoscaler monitor early failed: %s", exc)
     ray.shutdown()
+    _own_gcs = None
 
 
 def decide_row(
@@ -232,35 +241,24 @@ class Driver:
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg
-        state = self.store.resume_state()
-        if state.rows and self._restore_breaker():
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-plan") as pool:
+            # The run's own work before its first session (resume scan, config and task snapshot, task
+            # count, harness check) is disk and subprocess waits: it goes on beside Ray's start and the
+            # worker actors' (each a fresh process importing our modules), not before them.
+            planned = pool.submit(self._plan)
+            self._own_ray = connect_ray(cfg)
+            phases.mark("ray_up")
+            self._workers = workers = self._start_workers()
+            phases.mark("workers_created")
+            plan = planned.result()
+        if plan is None:
             # The run this resumes stopped at a bound that still holds: more sessions would only burn more.
             self._stop(self.breaker.tripped or "", "breaker")
             return self._summarize()
-        self._write_config()
+        state, total = plan
         budget = max(cfg.policy.retry_budget - state.retries_used, 0)
         source = self._requests(state)
-        total = self._count_pending(state)
         progress = Progress(cfg.run_id or "", total)
-        # Install once here so the first sessions don't all queue on the install lock.
-        make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
-            default_cache_root()
-        )
-        self._own_ray = connect_ray(cfg)
-        phases.mark("ray_up")
-        self._workers = workers = [
-            self.worker_class.options(
-                num_cpus=0,
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=cfg.concurrency.sessions_per_worker + 8,
-                resources=cfg.concurrency.worker_resources or None,
-                scheduling_strategy="SPREAD",
-            ).remote(cfg.model_dump_json(), str(self.run_dir), i)
-            for i in range(cfg.concurrency.workers)
-        ]
-        phases.mark("workers_created")
-        warm_up()  # while the workers start, not at the first row
         self._load = [0] * len(workers)
         exhausted = False
         try:
@@ -313,6 +311,37 @@ class Driver:
         phases.mark("last_row")
         self._note_worker_ready(workers)
         return self._summarize()
+
+    def _plan(self) -> tuple[ResumeState, int] | None:
+        """What is left to run and how much of it, with the config written; None when the run this
+        resumes stopped at a bound that still holds. Writes nothing before that check."""
+        cfg = self.cfg
+        state = self.store.resume_state()
+        if state.rows and self._restore_breaker():
+            return None
+        self._write_config()
+        total = self._count_pending(state)
+        # Install once here so the first sessions don't all queue on the install lock.
+        make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
+            default_cache_root()
+        )
+        warm_up()  # pyarrow's one-time costs, here rather than at the first row
+        return state, total
+
+    def _start_workers(self) -> list[Any]:
+        """The worker actors, created at once: each starts its process while the driver goes on."""
+        cfg = self.cfg
+        return [
+            self.worker_class.options(
+                num_cpus=0,
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=cfg.concurrency.sessions_per_worker + 8,
+                resources=cfg.concurrency.worker_resources or None,
+                scheduling_strategy="SPREAD",
+            ).remote(cfg.model_dump_json(), str(self.run_dir), i)
+            for i in range(cfg.concurrency.workers)
+        ]
 
     def _note_worker_ready(self, workers: list[Any]) -> None:
         """Mark when the first worker actor was up, from its own clock: on this host's monotonic clock

@@ -116,6 +116,14 @@ def run_lock(run_dir: Path) -> Iterator[dict[str, Any]]:
         _release(run_dir / MARKER, record["token"])
 
 
+def check_free(run_dir: Path) -> None:
+    """RunLockedError if a live driver holds ``run_dir`` now; reads only. For a look before costly
+    start-up (a Ray cluster): ``run_lock`` still decides, since the lock may be taken after this look."""
+    owner, inode = _read_lock(run_dir / MARKER)
+    if inode is not None and owner_alive(owner):
+        raise RunLockedError(describe_owner(run_dir, owner))
+
+
 def _acquire(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     path = run_dir / MARKER
     for _ in range(LOCK_TRIES):
