@@ -103,7 +103,29 @@ def run(
         f"rows: {summary.rows}  final: {summary.final}  pending: {summary.pending}  -> {summary.run_dir}",
         highlight=False,
     )
-    raise typer.Exit(summary.exit_code)
+    _exit_when_done(summary.exit_code)
+
+
+def _exit_when_done(code: int) -> None:
+    """Exit with ``code`` once the run is done: rows durable, sandboxes stopped, summary written and
+    printed, the cluster we started stopped. The exit handlers run as usual (logging, finalizers);
+    only the interpreter's teardown, ~0.2-0.4 s of freeing what the process's end frees anyway, is
+    skipped. A joined cluster (Ray still connected: its disconnect tells the cluster our job ended) or
+    a thread still going gets the ordinary exit."""
+    import atexit
+    import os
+    import threading
+
+    import ray
+
+    if ray.is_initialized() or threading.active_count() > 1:
+        raise typer.Exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _start(cfg: RunConfig) -> None:

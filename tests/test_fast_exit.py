@@ -86,6 +86,7 @@ def test_its_own_cluster_is_stopped_once_the_work_is_safe(tmp_path, ray_tmp):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = _run(config, {**env, "RAY_TMPDIR": str(ray_tmp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows: 3  final: 3  pending: 0" in proc.stdout, proc.stdout  # printed whole before the exit
 
     run_dir = tmp_path / "out" / "own"
     rows = read_table(run_dir).to_pylist()
