@@ -346,10 +346,10 @@ class Driver:
     def _note_worker_ready(self, workers: list[Any]) -> None:
         """Mark when the first worker actor was up, from its own clock: on this host's monotonic clock
         only when the cluster is ours (a joined cluster's workers may be on other hosts)."""
-        if not workers or self.cfg.ray_address or os.environ.get("RAY_ADDRESS"):
-            return
+        if not workers or self._stopped or not self._own_ray:
+            return  # a stopped run may have a worker dead or restarting: its exit must not wait on it
         try:
-            infos = ray.get([w.info.remote() for w in workers], timeout=5.0)
+            infos = ray.get([w.info.remote() for w in workers], timeout=2.0)
         except (RayError, TimeoutError, AttributeError):
             return  # a null worker class, or a worker gone: the mark is only for the benchmark
         ready = [i["ready_monotonic"] for i in infos if isinstance(i, dict) and "ready_monotonic" in i]
