@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,9 +15,22 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-
 from sandboxes.leaks import processes_under  # noqa: F401  (its home; tests import it from here)
+
+REPO = Path(__file__).parents[1]
+
+
+def rollout_run(config: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`rollout run CONFIG` in a fresh process of the real CLI, from the repository, with ``env`` as its
+    whole environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", "run", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="session")

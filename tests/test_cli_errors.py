@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import rollout_run
 
 REPO = Path(__file__).parents[1]
 TASKS = REPO / "examples" / "tasks.jsonl"
 
 
 def _run(config: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env={**os.environ, "COLUMNS": "300", **(env or {})},
-    )
+    return rollout_run(config, {**os.environ, "COLUMNS": "300", **(env or {})})
 
 
 def test_a_mistyped_key_lists_the_allowed_ones(tmp_path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,11 +16,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from executor.store import read_table
-from tests.conftest import processes_under
+from tests.conftest import processes_under, rollout_run
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).parents[1]
 SCRIPT = [
     {"type": "shell", "command": "cat greeting.txt > hello.txt"},
     {"type": "text", "text": "Copied it."},
@@ -56,17 +53,6 @@ def _tasks(tmp_path: Path, n: int) -> Path:
     return path
 
 
-def _run(config: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
-
-
 def _gone(marker: str, bound_s: float = 30.0) -> list[str]:
     """What is still running under ``marker`` once the processes on their way out had time to go."""
     deadline = time.monotonic() + bound_s
@@ -84,7 +70,7 @@ def test_its_own_cluster_is_stopped_once_the_work_is_safe(tmp_path, ray_tmp):
         f"sandbox: {{root: {sandboxes}}}\nconcurrency: {{workers: 1, sessions_per_worker: 2}}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = _run(config, {**env, "RAY_TMPDIR": str(ray_tmp)})
+    proc = rollout_run(config, {**env, "RAY_TMPDIR": str(ray_tmp)}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rows: 3  final: 3  pending: 0" in proc.stdout, proc.stdout  # printed whole before the exit
 
@@ -122,7 +108,7 @@ def test_a_cluster_it_joined_stays_up(tmp_path, joined_cluster):
         "harness: {name: command, command: 'cat greeting.txt > hello.txt; echo done'}\n"
         "concurrency: {workers: 1, sessions_per_worker: 2}\n"
     )
-    proc = _run(config, dict(os.environ))
+    proc = rollout_run(config, dict(os.environ), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_table(tmp_path / "out" / "joined").num_rows == 2
 

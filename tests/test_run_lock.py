@@ -16,6 +16,7 @@ import pytest
 from executor.runs import MARKER, RunLockedError, run_lock, run_state
 from executor.store import part_files
 from sandboxes.owner import boot_id, start_ticks
+from tests.conftest import rollout_run
 
 REPO = Path(__file__).parents[1]
 
@@ -171,14 +172,7 @@ def _config(tmp_path: Path) -> Path:
 
 
 def _rollout_run(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env={**os.environ, "COLUMNS": "80", "RAY_TMPDIR": "/tmp/rollout-ray-tests"},
-    )
+    return rollout_run(config, {**os.environ, "COLUMNS": "80", "RAY_TMPDIR": "/tmp/rollout-ray-tests"})
 
 
 def test_a_driver_refused_the_lock_writes_nothing(tmp_path):
