@@ -3,6 +3,7 @@ starts failing, the output disk filling up."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -145,31 +146,40 @@ def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_
 
 def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_run(tmp_path):
     n = 16
-    slow = {i for i in range(n) if i % 4 == 0}
-    tasks = write_tasks(
-        tmp_path / "tasks.jsonl",
-        n,
-        lambda i: [{"type": "shell", "command": "sleep 600"}] if i in slow else OK_SCRIPT,
-        deadline_s=4,
-    )
-    cfg = write_config(tmp_path, "driverkill", tasks)
+    slow = {0, 2}  # time out at their 4 s deadline: graded partial work, the same in every run
+    gates = [tmp_path / f"gate{g}" for g in range(4)]  # task i waits for gates[i // 4]; gate 0 is open
+
+    def script(i: int) -> list[dict]:
+        if i in slow:
+            return [{"type": "shell", "command": "sleep 600"}]
+        # Bounded by the task's deadline; the gate holds the run open until the test lets it progress.
+        hold = f"while [ ! -e {gates[i // 4]} ]; do sleep 0.2; done"
+        return [{"type": "shell", "command": hold}, *OK_SCRIPT]
+
+    tasks_path = tmp_path / "tasks.jsonl"
+    write_tasks(tasks_path, n, script, deadline_s=240)
+    tasks = [json.loads(line) for line in tasks_path.read_text().splitlines()]
+    for i in slow:
+        tasks[i]["deadline_s"] = 4
+    tasks_path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    gates[0].touch()
+    concurrency = {"workers": 1, "sessions_per_worker": n}
+    cfg = write_config(tmp_path, "driverkill", tasks_path, concurrency=concurrency)
     rows_dir = tmp_path / "out" / "driverkill" / "rows"
     rng = random.Random()
     kills = 0
     seen_parts = 0
-    for _ in range(3):
+    # Round k opens gate k: that group's rows are fresh progress, and the groups still gated keep the run
+    # from finishing, so every round ends in a kill at a random point after its progress.
+    for gate in gates[1:]:
         driver = _start(cfg)
         try:
-            # A random point after fresh progress: the next part file, then a random extra moment.
-            if (
-                not _wait(lambda seen=seen_parts: len(part_files(rows_dir)) > seen, 240, driver)
-                or driver.poll() is not None
-            ):
-                break
+            progressed = _wait(lambda seen=seen_parts: len(part_files(rows_dir)) > seen, 240, driver)
+            assert progressed and driver.poll() is None, _stderr_of(cfg)
             time.sleep(rng.uniform(0, 3))  # the fault point itself is random; nothing waits on it
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
-                kills += 1
+            assert driver.poll() is None, _stderr_of(cfg)
+            os.killpg(driver.pid, signal.SIGKILL)
+            kills += 1
         finally:
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
@@ -178,6 +188,7 @@ def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_
         assert wait_no_leaks(str(tmp_path / "sandboxes"), 180) == 0, processes_under(
             str(tmp_path / "sandboxes")
         )
+        gate.touch()
     final_run = run(cfg)
     assert final_run.returncode == 0, final_run.stderr[-2000:]
     rows = rows_of(tmp_path, "driverkill")  # reads every part whole: none is torn
@@ -187,7 +198,7 @@ def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_
     report(
         "driver-sigkill", f"{n}tasks", kills, fig["lost"], fig["dup"], leaks, parts=len(part_files(rows_dir))
     )
-    assert kills >= 2, "the run finished before it could be killed more than once"
+    assert kills == 3
     assert fig == {"lost": 0, "dup": 0} and leaks == 0
     # What an uninterrupted run yields, sample by sample: the script decides each outcome.
     final = {r["task_id"]: r for r in rows if r["final"]}
