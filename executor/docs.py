@@ -1,0 +1,90 @@
+"""The parts of ``docs/`` that are generated from the code's own tables, so a document cannot drift from
+the behaviour it describes. Each generated part sits between two markers in a hand-written page;
+``python -m executor.docs`` rewrites them and ``tests/test_docs.py`` fails while any is stale."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from policy.outcome import KIND_INFO, FailureKind
+from policy.rules import DEFAULT_RULES, FinalAs, Rule
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rule_text(rule: Rule) -> str:
+    final = "accepted" if rule.final is FinalAs.ACCEPT else "masked"
+    if rule.retry:
+        text = f"retried ({rule.max_attempts} attempts in all), then {final}"
+    else:
+        text = final
+    if rule.grade:
+        text = f"graded, {text}"
+    if rule.stop_run:
+        text += "; the run stops with one line"
+    return text
+
+
+def failure_kind_table() -> str:
+    """Every failure kind: the status it implies, whether it is the infrastructure's, the default rule."""
+    lines = [
+        "| kind | status | infrastructure | when | default |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in FailureKind:
+        info = KIND_INFO[kind]
+        status = info.status.value if info.status else "as the session's"
+        infra = "yes" if info.infrastructure else "no"
+        lines.append(
+            f"| `{kind.value}` | {status} | {infra} | {info.meaning} | {_rule_text(DEFAULT_RULES[kind])} |"
+        )
+    return "\n".join(lines)
+
+
+# (page, part name) -> the function that renders the part.
+GENERATED: dict[tuple[str, str], Callable[[], str]] = {
+    ("docs/failures.md", "failure-kinds"): failure_kind_table,
+}
+
+
+def _markers(part: str) -> re.Pattern[str]:
+    return re.compile(
+        rf"(<!-- generated: {re.escape(part)} .*?-->\n)(.*?)(<!-- end generated: {re.escape(part)} -->)",
+        re.DOTALL,
+    )
+
+
+def render(root: Path = REPO) -> dict[Path, tuple[str, str]]:
+    """Each page with generated parts: (its text now, its text with every part rendered afresh)."""
+    pages: dict[Path, tuple[str, str]] = {}
+    for (page, part), renderer in GENERATED.items():
+        path = root / page
+        current, fresh = pages.get(path) or (path.read_text(), path.read_text())
+        pattern = _markers(part)
+        if not pattern.search(fresh):
+            raise ValueError(
+                f"{page}: no '<!-- generated: {part} -->' ... '<!-- end generated: {part} -->' part"
+            )
+        fresh = pattern.sub(lambda m, r=renderer: m.group(1) + r() + "\n" + m.group(3), fresh, count=1)
+        pages[path] = (current, fresh)
+    return pages
+
+
+def stale(root: Path = REPO) -> list[str]:
+    """The pages whose generated parts differ from what the code renders now."""
+    return sorted(str(path.relative_to(root)) for path, (now, fresh) in render(root).items() if now != fresh)
+
+
+def main() -> int:
+    for path, (now, fresh) in render().items():
+        if now != fresh:
+            path.write_text(fresh)
+            print(f"rewrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
