@@ -453,7 +453,7 @@ def gc(
 ) -> None:
     """End the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left."""
     from executor.config import load_config
-    from executor.gc import collect
+    from executor.reaper import collect
 
     if everything and not run:
         _fail_input("--all needs --run RUN: it ends every sandbox of that run")

@@ -30,8 +30,8 @@ from ray.exceptions import (
 from executor import phases
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.config import RunConfig
-from executor.gc import collect_quietly
 from executor.progress import Progress
+from executor.reaper import collect_quietly
 from executor.runs import run_lock
 from executor.schema import attempt_fields, batch_from_wire, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import ray
 
 from executor.config import LocalSandboxConfig, RunConfig
-from executor.gc import collect_quietly
+from executor.reaper import collect_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.tasks import Task
