@@ -31,7 +31,7 @@ from executor import phases
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.config import RunConfig
 from executor.progress import Progress
-from executor.reaper import collect_quietly
+from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import attempt_fields, batch_from_wire, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
@@ -422,7 +422,7 @@ class Driver:
         except RayActorError as exc:
             self._note_death(index, submitted_at)
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
-            collect_quietly(self.cfg)  # its sandboxes (jobs, tasks, process trees) must not outlive it
+            reap_quietly(self.cfg.sandbox)  # its sandboxes (jobs, tasks, process trees) must not outlive it
         except RayTaskError as exc:
             batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
         except RayError as exc:

@@ -1,4 +1,4 @@
-"""Finding and ending what a dead worker or a crashed run left behind, on whichever provider it ran.
+"""Reaping: finding and ending what a dead worker or a crashed run left behind, on whichever provider it ran.
 
 Three callers: a worker at start-up and the driver when a worker actor dies (owners dead or TTL passed,
 any run), and ``rollout gc`` after a crash (``--run RUN --all``: everything of that run, alive owner or
@@ -9,32 +9,28 @@ from __future__ import annotations
 
 import logging
 
-from executor.config import RunConfig
+from executor.config import SandboxConfig
 from sandboxes.prepared import reap_prepared
 
 log = logging.getLogger(__name__)
 
 
-def collect(cfg: RunConfig, run_id: str | None = None, *, everything: bool = False) -> list[str]:
-    """End the sandboxes ``cfg.sandbox`` describes that are stale (``everything``: all of ``run_id``)."""
-    from executor.worker import sandbox_root  # the worker module imports Ray: only when needed
-
+def reap(sandbox: SandboxConfig, run_id: str | None = None, *, everything: bool = False) -> list[str]:
+    """End the sandboxes ``sandbox`` describes that are stale (``everything``: all of ``run_id``)."""
     if everything and not run_id:
         raise ValueError("ending every sandbox needs a run id")
-    root = sandbox_root(cfg)
+    root = sandbox.root_dir()
     reap_prepared(root)  # the laid-out workspaces of dead workers: disk, nothing running
-    return cfg.sandbox.reap(root, run_id, everything=everything)
+    return sandbox.reap(root, run_id, everything=everything)
 
 
-def collect_quietly(cfg: RunConfig) -> list[str]:
-    """``collect`` for callers in the middle of a run: a failing reaper is logged, never raised."""
+def reap_quietly(sandbox: SandboxConfig) -> list[str]:
+    """``reap`` for callers in the middle of a run: a failing reaper is logged, never raised."""
     try:
-        reaped = collect(cfg)
+        reaped = reap(sandbox)
     except Exception as exc:
-        log.warning("reaping %s sandboxes failed: %s", cfg.sandbox.provider, str(exc)[:1000])
+        log.warning("reaping %s sandboxes failed: %s", sandbox.provider, str(exc)[:1000])
         return []
     if reaped:
-        log.warning(
-            "reaped %d %s sandboxes of dead workers: %s", len(reaped), cfg.sandbox.provider, reaped[:20]
-        )
+        log.warning("reaped %d %s sandboxes of dead workers: %s", len(reaped), sandbox.provider, reaped[:20])
     return reaped
