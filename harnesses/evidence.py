@@ -14,7 +14,7 @@ from harnesses.base import Usage
 from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox, SandboxError
 
-# What a row keeps of a harness's evidence, the same for every adapter.
+# Bounds on what an adapter reads of a harness's evidence and keeps of it in the row, the same for all.
 MAX_EVENT_STREAM_BYTES = 64 * 1024 * 1024
 MAX_ARGUMENT_CHARS = 4_000
 MAX_TOOL_OUTPUT_CHARS = 4_000
