@@ -1,7 +1,8 @@
 """Admission that listens to the endpoint: the in-flight cap backs off when the endpoint pushes back.
 
 Additive increase, multiplicative decrease on the number of sessions outstanding. A session whose
-model calls met 429s is a signal the endpoint is overloaded; more sessions would only spend every
+model calls met rate limits (attempts the gateway classed ``rate_limit_exceeded``, from a 429 or an
+error event saying so) is a signal the endpoint is overloaded; more sessions would only spend every
 session's retry budget faster. The cap never drops below ``floor`` (the run keeps moving) and never
 rises above the configured cap. A Retry-After hint also holds new admissions until it has passed.
 """
@@ -13,6 +14,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from policy import FailureKind
+
+# What ``Admission.observe`` reads of each model attempt: the endpoint's push-back and its hint.
+OBSERVED_FIELDS = ("kind", "retry_after_s")
 
 
 class AdmissionConfig(BaseModel):
@@ -46,10 +52,11 @@ class Admission:
         return max(self.config.floor, min(self.ceiling, int(self._cap)))
 
     def observe(self, model_attempts: Iterable[dict[str, Any]] | None) -> None:
-        """Feed one finished session's model attempts (the row's ``model_attempts``)."""
+        """Feed one finished session's model attempts (the row's ``model_attempts``, at least the
+        ``OBSERVED_FIELDS`` of each)."""
         if not self.config.adaptive:
             return
-        pushed_back = [a for a in model_attempts or () if a.get("status") == 429]
+        pushed_back = [a for a in model_attempts or () if a.get("kind") == FailureKind.RATE_LIMIT_EXCEEDED]
         if not pushed_back:
             self._cap = min(float(self.ceiling), self._cap + self.config.increase / max(self._cap, 1.0))
             return

@@ -146,9 +146,17 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     from executor.driver import connect_ray
     from executor.schema import batch_from_wire
     from executor.tasks import load_tasks
-    from executor.worker import RemoteSandboxWorker
+    from executor.worker import SandboxWorker
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
+    from sandboxes.local import LocalSandboxProvider
+
+    class MeasuredWorker(SandboxWorker):
+        async def finish_removals(self) -> None:
+            """Wait for the last sandbox's deletion, which runs after its row: not during the next direct
+            run, which must not share the machine with it."""
+            assert isinstance(self.provider, LocalSandboxProvider)  # this part's config: local sandboxes
+            await self.provider.finish_removals()
 
     install = CodexHarness().ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
@@ -162,14 +170,17 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     connect_ray(cfg)
     model = _ModelThread()
     try:
-        # The actor the driver would start for this config; its row's t_total_s is the session's time.
-        worker = RemoteSandboxWorker.options(num_cpus=0, max_concurrency=4).remote(
-            cfg.model_dump_json(), str(scratch / "out" / "a"), 0
+        # The actor the driver would start for this config, able to wait for deletions; its row's
+        # t_total_s is the session's time.
+        worker = (
+            ray.remote(MeasuredWorker)
+            .options(num_cpus=0, max_concurrency=4)
+            .remote(cfg.model_dump_json(), str(scratch / "out" / "a"), 0)
         )
         for i, task in enumerate(load_tasks(tasks)):
             _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
             rows.extend(batch_from_wire(ray.get(worker.run.remote(task.model_dump_json(), 0, 1))).to_pylist())
-            ray.get(worker.settle.remote())  # its sandbox's deletion runs after the row, not during ours
+            ray.get(worker.finish_removals.remote())
     finally:
         model.stop()
         ray.shutdown()

@@ -451,9 +451,9 @@ def gc(
         bool, typer.Option("--all", help="With --run: end all of them, owners alive or not.")
     ] = False,
 ) -> None:
-    """End the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left."""
+    """Reap: end the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left."""
     from executor.config import load_config
-    from executor.gc import collect
+    from executor.reaper import reap
 
     if everything and not run:
         _fail_input("--all needs --run RUN: it ends every sandbox of that run")
@@ -462,7 +462,7 @@ def gc(
     except InputError as exc:
         _fail_input(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    reaped = collect(cfg, run, everything=everything)
+    reaped = reap(cfg.sandbox, run, everything=everything)
     for sandbox_id in reaped:
         console.print(f"ended {sandbox_id}", highlight=False)
     console.print(f"{cfg.sandbox.provider}: {len(reaped)} sandboxes ended", highlight=False)

@@ -14,9 +14,8 @@ from executor.tasks import InputError, location_of
 from harnesses.gateway import GatewayConfig
 from harnesses.registry import HARNESSES
 from policy import PolicyConfig
-from sandboxes.base import SandboxProvider
 from sandboxes.ecs import EcsSandboxConfig
-from sandboxes.provider_config import ProviderConfig
+from sandboxes.local import LocalSandboxConfig
 from sandboxes.slurm import SlurmSandboxConfig
 
 
@@ -62,53 +61,6 @@ class ModelConfig(BaseModel):
         return value
 
 
-class LocalSandboxConfig(ProviderConfig):
-    provider: Literal["local"] = "local"
-    # isolated: every command in a loopback-only network namespace of its own, which reaches the
-    # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
-    network: Literal["host", "isolated"] = "host"
-    # isolated: a PID namespace per sandbox, so /proc shows only the sandbox's own processes (not the
-    # worker's, whose environment holds the API key); auto: isolated when this host allows it.
-    pids: Literal["auto", "host", "isolated"] = "auto"
-    # readonly: each command under bubblewrap, the host read-only and only the session directory writable.
-    filesystem: Literal["host", "readonly"] = "host"
-
-    @model_validator(mode="after")
-    def _can_isolate(self) -> LocalSandboxConfig:
-        if self.network == "isolated":
-            from sandboxes.netns import IsolationUnavailable, check_available
-
-            try:
-                check_available()
-            except IsolationUnavailable as exc:
-                raise ValueError(str(exc)) from None
-        if self.filesystem == "readonly" and self.pids == "host":
-            raise ValueError("sandbox.filesystem 'readonly' always isolates pids; pids 'host' contradicts it")
-        if self.pids == "isolated" or self.filesystem == "readonly":
-            from sandboxes import isolation
-
-            try:
-                isolation.resolve_pids(self.pids, self.filesystem)
-            except isolation.IsolationUnavailable as exc:
-                raise ValueError(str(exc)) from None
-        return self
-
-    def build(self, root: Path, network_forward: tuple[int, str] | None = None) -> SandboxProvider:
-        from sandboxes.local import LocalSandboxProvider
-
-        if self.network == "isolated" and network_forward is None:
-            raise ValueError("sandbox.network 'isolated' needs the gateway's port and Unix socket")
-        return LocalSandboxProvider(
-            root, keep=self.keep, network_forward=network_forward, pids=self.pids, filesystem=self.filesystem
-        )
-
-    def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
-        # A local sandbox's owner is a process on this host: a crashed run's owners are all dead.
-        from sandboxes.local import reap_stale
-
-        return reap_stale(root, run_id)
-
-
 def _provider_of(value: Any) -> str | None:
     # A section without ``provider`` is local, as it was before there were other providers.
     if isinstance(value, dict):
@@ -116,7 +68,9 @@ def _provider_of(value: Any) -> str | None:
     return getattr(value, "provider", None)
 
 
-# One section per provider, told apart by ``provider``; each builds its provider and reaps its leftovers.
+# One section per provider, told apart by ``provider``, each next to its provider (sandboxes/<provider>.py,
+# on the shared base sandboxes/provider_config.py): each says where its sandboxes go, builds its provider
+# and reaps its leftovers.
 SandboxConfig = Annotated[
     Annotated[LocalSandboxConfig, Tag("local")]
     | Annotated[SlurmSandboxConfig, Tag("slurm")]

@@ -28,10 +28,10 @@ from ray.exceptions import (
 )
 
 from executor import phases
-from executor.admission import Admission
+from executor.admission import OBSERVED_FIELDS, Admission
 from executor.config import RunConfig
-from executor.gc import collect_quietly
 from executor.progress import Progress
+from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import attempt_fields, batch_from_wire, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
@@ -201,7 +201,6 @@ def training_reward_stats(
 
 # What the driver reads of a row to decide on it; the rest travels on to the store unconverted.
 _VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "error_message")
-_ADMISSION_FIELDS = ("status", "retry_after_s")  # of each model attempt: the endpoint's push-back
 
 
 class Driver:
@@ -423,13 +422,13 @@ class Driver:
         except RayActorError as exc:
             self._note_death(index, submitted_at)
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
-            collect_quietly(self.cfg)  # its sandboxes (jobs, tasks, process trees) must not outlive it
+            reap_quietly(self.cfg.sandbox)  # its sandboxes (jobs, tasks, process trees) must not outlive it
         except RayTaskError as exc:
             batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
         except RayError as exc:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
         row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
-        self.admission.observe(attempt_fields(batch, _ADMISSION_FIELDS))
+        self.admission.observe(attempt_fields(batch, OBSERVED_FIELDS))
         kind = FailureKind(row["failure_kind"])
         verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
         if self.breaker.record_attempt(KIND_INFO[kind].infrastructure, kind.value):

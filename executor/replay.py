@@ -33,7 +33,6 @@ from executor.export import task_file
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.store import iter_batches
 from executor.tasks import InputError, Task, load_tasks
-from executor.worker import sandbox_root
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
@@ -103,7 +102,7 @@ async def replay_context(
     try:
         yield SessionContext(
             config=cfg,
-            provider=LocalSandboxProvider(sandbox_root(cfg), keep=cfg.sandbox.keep, pids="auto"),
+            provider=LocalSandboxProvider(cfg.sandbox.root_dir(), keep=cfg.sandbox.keep, pids="auto"),
             harness=make_harness(
                 row["harness"] or cfg.harness.name, row["harness_version"], cfg.harness.command
             ),

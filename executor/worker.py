@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import ray
 
-from executor.config import LocalSandboxConfig, RunConfig
-from executor.gc import collect_quietly
+from executor.config import RunConfig
+from executor.reaper import reap_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.tasks import Task
@@ -29,10 +29,6 @@ from sandboxes.faults import FlakyStartProvider
 from sandboxes.prepared import PreparedWorkspaces
 
 log = logging.getLogger(__name__)
-
-
-def sandbox_root(cfg: RunConfig) -> Path:
-    return Path(cfg.sandbox.root) if cfg.sandbox.root else default_cache_root() / "sandboxes"
 
 
 def gateway_host(cfg: RunConfig) -> str:
@@ -66,9 +62,9 @@ class SandboxWorker:
                 upstream, key = cfg.model.base_url or "", cfg.model.api_key()
             gateway = Gateway(upstream, key, cfg.gateway)
             await gateway.start(host=gateway_host(cfg), unix_path=_gateway_socket(cfg))
-            root = sandbox_root(cfg)
+            root = cfg.sandbox.root_dir()
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
-            await asyncio.to_thread(collect_quietly, cfg)
+            await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
                 config=cfg,
                 provider=_provider(cfg, root, gateway),
@@ -98,6 +94,11 @@ class SandboxWorker:
             row = await run_session(req, ctx)
         return batch_to_wire(rows_to_batch([row]))
 
+    @property
+    def provider(self) -> SandboxProvider | None:
+        """The provider this worker's sessions run on; None until the first session has set it up."""
+        return self._ctx.provider if self._ctx is not None else None
+
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id, "ready_monotonic": self._ready_monotonic}
 
@@ -122,28 +123,18 @@ class SandboxWorker:
             except Exception as exc:  # one failing part must not keep the others open
                 log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
 
-    async def settle(self) -> None:
-        """Wait for the work sessions leave behind (a local sandbox's directory being deleted): a
-        benchmark's other side must not share the machine with it."""
-        settle = getattr(self._ctx.provider, "settle", None) if self._ctx is not None else None
-        if settle is not None:
-            await settle()
-
 
 def _gateway_socket(cfg: RunConfig) -> str | None:
     """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,
     since a socket path must fit in 108 bytes."""
-    if not isinstance(cfg.sandbox, LocalSandboxConfig) or cfg.sandbox.network != "isolated":
+    if not cfg.sandbox.needs_gateway_socket:
         return None
     return os.path.join(tempfile.gettempdir(), f"rollout-gw-{os.getpid()}-{secrets.token_hex(4)}.sock")
 
 
 def _provider(cfg: RunConfig, root: Path, gateway: Gateway) -> SandboxProvider:
-    provider: SandboxProvider
-    if isinstance(cfg.sandbox, LocalSandboxConfig) and gateway.unix_path:
-        provider = cfg.sandbox.build(root, (urlsplit(gateway.url).port or 0, gateway.unix_path))
-    else:
-        provider = cfg.sandbox.build(root)
+    forward = (urlsplit(gateway.url).port or 0, gateway.unix_path) if gateway.unix_path else None
+    provider: SandboxProvider = cfg.sandbox.build(root, forward)
     if cfg.sandbox.inject_start_failures:
         provider = FlakyStartProvider(provider, cfg.sandbox.inject_start_failures)
     return provider

@@ -36,11 +36,18 @@ from harnesses.base import (
 )
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
+    MAX_CLAIMED_MESSAGE_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_SCANNED_CHARS,
+    MAX_TOOL_OUTPUT_CHARS,
     add_usage,
     as_text,
     bound_middle,
+    failure_patterns,
+    first_match,
     int_or_none,
     json_lines,
+    note_unknown_type,
     read_event_stream,
     read_or_none,
 )
@@ -65,39 +72,31 @@ PROVIDER_ID = "rollout"
 
 MAX_TRANSCRIPT_BYTES = 64 * 1024 * 1024
 MAX_LAST_MESSAGE_BYTES = 1024 * 1024
-MAX_TOOL_OUTPUT_CHARS = 4_000
-MAX_MESSAGE_CHARS = 64_000
-MAX_CLAIMED_MESSAGE_CHARS = 4_000
-MAX_UNKNOWN_TYPES = 20
 # Linux refuses a single argv string over 128 KiB (MAX_ARG_STRLEN); longer prompts go through stdin.
 MAX_ARGV_PROMPT_BYTES = 100_000
 
 # A Codex error report -> the failure it claims. First match wins, so Codex's own phrasings and the
 # status it names come before words that may also occur inside an endpoint's error body (for a plain 400
 # Codex prints the raw body as the message).
-FAILURE_PATTERNS: tuple[tuple[re.Pattern[str], FailureKind], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), kind)
-    for pattern, kind in (
-        (r"ran out of room in the model's context window", FailureKind.MODEL_CONTEXT_LIMIT),
-        (r"^unexpected status 40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"^unexpected status 429\b|last status: 429\b", FailureKind.RATE_LIMIT_EXCEEDED),
-        (r"^unexpected status (408|5\d\d)\b|last status: (408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
-        (r"experiencing high demand", FailureKind.PROVIDER_UNAVAILABLE),  # what Codex makes of a 5xx
-        (r"^unexpected status 4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
-        (
-            r"^(stream disconnected before completion|connection failed)|transport error|network error",
-            FailureKind.TRANSPORT_ERROR,
-        ),
-        (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
-        (r"\bunauthorized\b|invalid_api_key", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"too many requests|rate_limit_exceeded", FailureKind.RATE_LIMIT_EXCEEDED),
-        (r"400 bad request|invalid_request_error", FailureKind.MODEL_REQUEST_ERROR),
-    )
+FAILURE_PATTERNS = failure_patterns(
+    (r"ran out of room in the model's context window", FailureKind.MODEL_CONTEXT_LIMIT),
+    (r"^unexpected status 40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"^unexpected status 429\b|last status: 429\b", FailureKind.RATE_LIMIT_EXCEEDED),
+    (r"^unexpected status (408|5\d\d)\b|last status: (408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
+    (r"experiencing high demand", FailureKind.PROVIDER_UNAVAILABLE),  # what Codex makes of a 5xx
+    (r"^unexpected status 4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
+    (
+        r"^(stream disconnected before completion|connection failed)|transport error|network error",
+        FailureKind.TRANSPORT_ERROR,
+    ),
+    (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
+    (r"\bunauthorized\b|invalid_api_key", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"too many requests|rate_limit_exceeded", FailureKind.RATE_LIMIT_EXCEEDED),
+    (r"400 bad request|invalid_request_error", FailureKind.MODEL_REQUEST_ERROR),
 )
 _RECONNECT_RE = re.compile(r"^Reconnecting\.\.\.")
 _NON_FATAL_ERROR_ITEMS = (re.compile(r"^Model metadata for `.*` not found"),)
 _THREAD_ID_RE = re.compile(r"[0-9a-fA-F-]{1,64}")
-_TYPE_NAME_RE = re.compile(r"[^A-Za-z0-9_.:-]")
 
 _KNOWN_EVENTS = frozenset(
     {"thread.started", "turn.started", "turn.completed", "turn.failed", "error"}
@@ -116,13 +115,7 @@ _TOOL_STATUS = {"completed": "completed", "failed": "failed", "declined": "faile
 
 def recognize_failure(message: str | None) -> FailureKind | None:
     """The failure kind a Codex error message claims, or None when no pattern knows it."""
-    if not message:
-        return None
-    text = message[:20_000]
-    for pattern, kind in FAILURE_PATTERNS:
-        if pattern.search(text):
-            return kind
-    return None
+    return first_match(FAILURE_PATTERNS, message[:MAX_SCANNED_CHARS]) if message else None
 
 
 def toml_string(value: str) -> str:
@@ -377,11 +370,7 @@ class _StreamState:
     unknown: set[str] = field(default_factory=set)
 
     def note_unknown(self, what: str, type_name: object) -> None:
-        name = _TYPE_NAME_RE.sub("_", str(type_name))[:64]
-        code = f"{what}:{name}"
-        if code not in self.unknown and len(self.unknown) < MAX_UNKNOWN_TYPES:
-            self.unknown.add(code)
-            self.gaps.append(code)
+        note_unknown_type(self.gaps, self.unknown, what, type_name)
 
 
 def _parse_events(data: bytes, state: _StreamState) -> None:
@@ -478,27 +467,27 @@ class _Transcript:
     user_texts: list[str] = field(default_factory=list)
     usage: Usage | None = None
     last_agent_message: str | None = None
+    # The record types it did not know, reported after the count of unparseable lines.
+    unknown_gaps: list[str] = field(default_factory=list)
+    unknown: set[str] = field(default_factory=set)
 
 
 def _parse_transcript(data: bytes, transcript: _Transcript, gaps: list[str]) -> None:
     records, bad = json_lines(data)
-    unknown: list[str] = []
     for record in records:
         try:
-            _apply_record(record, transcript, unknown)
+            _apply_record(record, transcript)
         except (RecursionError, TypeError, ValueError, AttributeError):
             bad += 1
     if bad:
         gaps.append(f"transcript_unparseable_lines:{bad}")
-    gaps.extend(unknown)
+    gaps.extend(transcript.unknown_gaps)
 
 
-def _apply_record(record: dict[str, Any], transcript: _Transcript, unknown: list[str]) -> None:
+def _apply_record(record: dict[str, Any], transcript: _Transcript) -> None:
     record_type = record.get("type")
     if record_type not in _KNOWN_RECORDS:
-        code = f"unknown_record_type:{_TYPE_NAME_RE.sub('_', str(record_type))[:64]}"
-        if code not in unknown and len(unknown) < MAX_UNKNOWN_TYPES:
-            unknown.append(code)
+        note_unknown_type(transcript.unknown_gaps, transcript.unknown, "unknown_record_type", record_type)
         return
     payload = record.get("payload")
     if record_type != "event_msg" or not isinstance(payload, dict):

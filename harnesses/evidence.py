@@ -7,13 +7,26 @@ helpers never raise on such input; they bound what they keep and leave the calle
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from harnesses.base import Usage
+from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox, SandboxError
 
+# Bounds on what an adapter reads of a harness's evidence and keeps of it in the row, the same for all.
 MAX_EVENT_STREAM_BYTES = 64 * 1024 * 1024
 MAX_ARGUMENT_CHARS = 4_000
+MAX_TOOL_OUTPUT_CHARS = 4_000
+MAX_MESSAGE_CHARS = 64_000
+MAX_CLAIMED_MESSAGE_CHARS = 4_000
+# Enough to show that a new harness version speaks of new things, too few for a hostile stream to flood.
+MAX_UNKNOWN_TYPES = 20
+MAX_SCANNED_CHARS = 20_000  # of an error message, matched against an adapter's failure patterns
+
+_TYPE_NAME_RE = re.compile(r"[^A-Za-z0-9_.:-]")
+
+FailurePatterns = tuple[tuple[re.Pattern[str], FailureKind], ...]
 
 
 async def read_or_none(sandbox: Sandbox, path: str, limit: int) -> bytes | None:
@@ -95,3 +108,25 @@ def bound_middle(text: str, limit: int) -> str:
     marker = f"\n... [{len(text) - keep} chars cut] ...\n"
     head = keep // 2
     return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
+def note_unknown_type(gaps: list[str], seen: set[str], what: str, type_name: object) -> None:
+    """Record an event, record or part type the adapter does not know as the gap ``<what>:<type>``, once
+    each and at most ``MAX_UNKNOWN_TYPES`` of them per ``seen``; the type is cleaned and cut, as it is the
+    harness's to choose."""
+    code = f"{what}:{_TYPE_NAME_RE.sub('_', str(type_name))[:64]}"
+    if code not in seen and len(seen) < MAX_UNKNOWN_TYPES:
+        seen.add(code)
+        gaps.append(code)
+
+
+def failure_patterns(*table: tuple[str, FailureKind]) -> FailurePatterns:
+    """An adapter's table of error phrasings -> the failure each claims, compiled case-insensitively, in
+    order: ``first_match`` takes the first that matches."""
+    return tuple((re.compile(pattern, re.IGNORECASE), kind) for pattern, kind in table)
+
+
+def first_match(patterns: FailurePatterns, text: str) -> FailureKind | None:
+    """The kind of the first pattern found in ``text``, or None. Tables put the harness's own phrasings and
+    the status it names before words an endpoint's error body (which harnesses quote) may also contain."""
+    return next((kind for pattern, kind in patterns if pattern.search(text)), None)

@@ -49,8 +49,14 @@ from harnesses.base import (
 )
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
+    MAX_CLAIMED_MESSAGE_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_SCANNED_CHARS,
+    MAX_TOOL_OUTPUT_CHARS,
     as_text,
     bound_middle,
+    failure_patterns,
+    first_match,
     int_or_none,
     read_or_none,
 )
@@ -78,9 +84,6 @@ MAX_DB_BYTES = 64 * 1024 * 1024
 MAX_USAGE_FILE_BYTES = 64 * 1024
 MAX_STDOUT_BYTES = 4 * 1024 * 1024
 MAX_DB_ROWS = 20_000
-MAX_TOOL_OUTPUT_CHARS = 4_000
-MAX_MESSAGE_CHARS = 64_000
-MAX_CLAIMED_MESSAGE_CHARS = 4_000
 # SQLite virtual-machine steps between progress checks, and how many checks a query may take: a crafted
 # database cannot keep the parser busy for long.
 _SQLITE_PROGRESS_STEPS = 10_000
@@ -100,26 +103,23 @@ _BOOTSTRAP = (
 # A Hermes error report -> the failure it claims. First match wins: Hermes's own phrasings and the HTTP
 # status it names come before words that may also occur inside an endpoint's error body, which Hermes
 # quotes after the status.
-FAILURE_PATTERNS: tuple[tuple[re.Pattern[str], FailureKind], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), kind)
-    for pattern, kind in (
-        (
-            r"^Context length exceeded|Cannot compress further|^Request payload too large",
-            FailureKind.MODEL_CONTEXT_LIMIT,
-        ),
-        (r"\bHTTP 40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"\bHTTP 429\b", FailureKind.RATE_LIMIT_EXCEEDED),
-        (r"\bHTTP (408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
-        (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
-        (r"\bHTTP 4\d\d\b|^Model generated invalid tool call", FailureKind.MODEL_REQUEST_ERROR),
-        (r"^Billing or credits exhausted", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"truncated due to output length", FailureKind.MODEL_OUTPUT_LIMIT),
-        # Hermes takes a cut stream for a truncated answer and asks for continuations until it gives up.
-        (r"remained truncated after", FailureKind.TRANSPORT_ERROR),
-        (r"connection (error|refused|reset)|\btimed out\b|APIConnectionError", FailureKind.TRANSPORT_ERROR),
-        (r"\bunauthorized\b|invalid_api_key", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"too many requests|rate_limit_exceeded|rate limit", FailureKind.RATE_LIMIT_EXCEEDED),
-    )
+FAILURE_PATTERNS = failure_patterns(
+    (
+        r"^Context length exceeded|Cannot compress further|^Request payload too large",
+        FailureKind.MODEL_CONTEXT_LIMIT,
+    ),
+    (r"\bHTTP 40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"\bHTTP 429\b", FailureKind.RATE_LIMIT_EXCEEDED),
+    (r"\bHTTP (408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
+    (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
+    (r"\bHTTP 4\d\d\b|^Model generated invalid tool call", FailureKind.MODEL_REQUEST_ERROR),
+    (r"^Billing or credits exhausted", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"truncated due to output length", FailureKind.MODEL_OUTPUT_LIMIT),
+    # Hermes takes a cut stream for a truncated answer and asks for continuations until it gives up.
+    (r"remained truncated after", FailureKind.TRANSPORT_ERROR),
+    (r"connection (error|refused|reset)|\btimed out\b|APIConnectionError", FailureKind.TRANSPORT_ERROR),
+    (r"\bunauthorized\b|invalid_api_key", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"too many requests|rate_limit_exceeded|rate limit", FailureKind.RATE_LIMIT_EXCEEDED),
 )
 # Exit code 2 with nothing printed: the turn failed or was cut without any text. Measured for a stream
 # dropped on every try (Hermes takes the cut answer for a truncated one and asks to continue it).
@@ -138,11 +138,7 @@ def recognize_failure(message: str | None) -> FailureKind | None:
         return None
     if message == NO_ANSWER_MESSAGE:
         return FailureKind.TRANSPORT_ERROR
-    text = message[:20_000]
-    for pattern, kind in FAILURE_PATTERNS:
-        if pattern.search(text):
-            return kind
-    return None
+    return first_match(FAILURE_PATTERNS, message[:MAX_SCANNED_CHARS])
 
 
 def render_config(model: str, base_url: str, api_key: str) -> str:

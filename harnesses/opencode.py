@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import posixpath
-import re
 import sqlite3
 import tempfile
 from dataclasses import dataclass, field
@@ -45,11 +44,18 @@ from harnesses.base import (
 )
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
+    MAX_CLAIMED_MESSAGE_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_SCANNED_CHARS,
+    MAX_TOOL_OUTPUT_CHARS,
     add_usage,
     as_text,
     bound_middle,
+    failure_patterns,
+    first_match,
     int_or_none,
     json_lines,
+    note_unknown_type,
     read_event_stream,
     read_or_none,
 )
@@ -71,10 +77,6 @@ CONTEXT_TOKENS = 200_000
 
 MAX_DB_BYTES = 256 * 1024 * 1024
 MAX_DB_ROWS = 100_000
-MAX_TOOL_OUTPUT_CHARS = 4_000
-MAX_MESSAGE_CHARS = 64_000
-MAX_CLAIMED_MESSAGE_CHARS = 4_000
-MAX_UNKNOWN_TYPES = 20
 
 # Switches that keep OpenCode from phoning home, fetching model lists, downloading language servers or
 # plugins, and reading configuration other than ours (a workspace may ship its own opencode.json).
@@ -93,23 +95,19 @@ QUIET_ENV = {
 # An OpenCode error report, flattened to "<name> status=<code> code=<errno> <message>" -> the failure it
 # claims. First match wins: its own error names and the HTTP status it names come before words that may
 # also occur inside an endpoint's error message.
-FAILURE_PATTERNS: tuple[tuple[re.Pattern[str], FailureKind], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), kind)
-    for pattern, kind in (
-        (r"^ContextOverflowError\b", FailureKind.MODEL_CONTEXT_LIMIT),
-        (r"^ProviderAuthError\b| status=40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
-        (r" status=429\b", FailureKind.RATE_LIMIT_EXCEEDED),
-        (r" status=(408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
-        (
-            r" code=(ECONNRESET|ECONNREFUSED|ETIMEDOUT|EPIPE|ECONNABORTED|UND_ERR_\w+)\b",
-            FailureKind.TRANSPORT_ERROR,
-        ),
-        (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
-        (r" status=4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
-        (r"connection reset|socket connection was closed|fetch failed", FailureKind.TRANSPORT_ERROR),
-    )
+FAILURE_PATTERNS = failure_patterns(
+    (r"^ContextOverflowError\b", FailureKind.MODEL_CONTEXT_LIMIT),
+    (r"^ProviderAuthError\b| status=40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
+    (r" status=429\b", FailureKind.RATE_LIMIT_EXCEEDED),
+    (r" status=(408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
+    (
+        r" code=(ECONNRESET|ECONNREFUSED|ETIMEDOUT|EPIPE|ECONNABORTED|UND_ERR_\w+)\b",
+        FailureKind.TRANSPORT_ERROR,
+    ),
+    (r"context_length_exceeded|maximum context length", FailureKind.MODEL_CONTEXT_LIMIT),
+    (r" status=4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
+    (r"connection reset|socket connection was closed|fetch failed", FailureKind.TRANSPORT_ERROR),
 )
-_TYPE_NAME_RE = re.compile(r"[^A-Za-z0-9_.:-]")
 _KNOWN_EVENTS = frozenset({"step_start", "text", "tool_use", "step_finish", "reasoning", "error"})
 _KNOWN_PARTS = frozenset(
     {"text", "tool", "step-start", "step-finish", "reasoning", "file", "patch", "snapshot", "agent"}
@@ -128,11 +126,8 @@ def recognize_failure(error: object) -> tuple[FailureKind | None, str | None]:
     status = int_or_none(data.get("statusCode"))
     metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     errno = as_text(metadata.get("code"))[:100]
-    signature = f"{name} status={status} code={errno} {message[:20_000]}"
-    for pattern, kind in FAILURE_PATTERNS:
-        if pattern.search(signature):
-            return kind, message
-    return None, message
+    signature = f"{name} status={status} code={errno} {message[:MAX_SCANNED_CHARS]}"
+    return first_match(FAILURE_PATTERNS, signature), message
 
 
 def render_config(model: str, base_url: str, max_output_tokens: int | None) -> str:
@@ -278,10 +273,7 @@ class _Parts:
     unknown: set[str] = field(default_factory=set)
 
     def note_unknown(self, what: str, type_name: object) -> None:
-        code = f"{what}:{_TYPE_NAME_RE.sub('_', str(type_name))[:64]}"
-        if code not in self.unknown and len(self.unknown) < MAX_UNKNOWN_TYPES:
-            self.unknown.add(code)
-            self.gaps.append(code)
+        note_unknown_type(self.gaps, self.unknown, what, type_name)
 
     def error(self, error: object) -> None:
         kind, message = recognize_failure(error)

@@ -42,11 +42,18 @@ from harnesses.base import (
 )
 from harnesses.evidence import (
     MAX_ARGUMENT_CHARS,
+    MAX_CLAIMED_MESSAGE_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_SCANNED_CHARS,
+    MAX_TOOL_OUTPUT_CHARS,
     add_usage,
     as_text,
     bound_middle,
+    failure_patterns,
+    first_match,
     int_or_none,
     json_lines,
+    note_unknown_type,
     read_event_stream,
     read_or_none,
 )
@@ -72,36 +79,28 @@ AGENT_MAX_RETRIES = 2
 AGENT_RETRY_BASE_DELAY_MS = 500
 
 MAX_TRANSCRIPT_BYTES = 64 * 1024 * 1024
-MAX_TOOL_OUTPUT_CHARS = 4_000
-MAX_MESSAGE_CHARS = 64_000
-MAX_CLAIMED_MESSAGE_CHARS = 4_000
-MAX_UNKNOWN_TYPES = 20
 
 # A Pi error message (the SDK's "<status> <message>", or its own words) -> the failure it claims. First
 # match wins: the status Pi leads with comes before words an endpoint's message may contain.
-FAILURE_PATTERNS: tuple[tuple[re.Pattern[str], FailureKind], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), kind)
-    for pattern, kind in (
-        (r"^40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
-        (r"^429\b", FailureKind.RATE_LIMIT_EXCEEDED),
-        (r"^(408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
-        (
-            r"context_length_exceeded|maximum context length|context window|prompt is too long",
-            FailureKind.MODEL_CONTEXT_LIMIT,
-        ),
-        (r"^4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
-        (
-            r"^(terminated|connection error|request timed out|fetch failed|socket hang up)"
-            r"|ECONNRESET|ECONNREFUSED|ETIMEDOUT",
-            FailureKind.TRANSPORT_ERROR,
-        ),
-        (r"rate.?limit|too many requests", FailureKind.RATE_LIMIT_EXCEEDED),
-    )
+FAILURE_PATTERNS = failure_patterns(
+    (r"^40[13]\b", FailureKind.PROVIDER_AUTH_ERROR),
+    (r"^429\b", FailureKind.RATE_LIMIT_EXCEEDED),
+    (r"^(408|5\d\d)\b", FailureKind.PROVIDER_UNAVAILABLE),
+    (
+        r"context_length_exceeded|maximum context length|context window|prompt is too long",
+        FailureKind.MODEL_CONTEXT_LIMIT,
+    ),
+    (r"^4\d\d\b", FailureKind.MODEL_REQUEST_ERROR),
+    (
+        r"^(terminated|connection error|request timed out|fetch failed|socket hang up)"
+        r"|ECONNRESET|ECONNREFUSED|ETIMEDOUT",
+        FailureKind.TRANSPORT_ERROR,
+    ),
+    (r"rate.?limit|too many requests", FailureKind.RATE_LIMIT_EXCEEDED),
 )
 _EXIT_TEXT_RE = re.compile(r"Command exited with code (\d{1,3})\s*$")
 _SESSION_ID_RE = re.compile(r"[0-9A-Za-z-]{1,64}")
 _TIMESTAMP_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,3})?Z")
-_TYPE_NAME_RE = re.compile(r"[^A-Za-z0-9_.:-]")
 _KNOWN_EVENTS = frozenset(
     {"session", "agent_start", "agent_end", "agent_settled", "turn_start", "turn_end", "message_start"}
     | {"message_update", "message_end", "tool_execution_start", "tool_execution_update"}
@@ -117,13 +116,7 @@ _FAILED_STOPS = frozenset({"error", "aborted"})
 
 def recognize_failure(message: str | None) -> FailureKind | None:
     """The failure kind a Pi error message claims, or None when no pattern knows it."""
-    if not message:
-        return None
-    text = message.strip()[:20_000]
-    for pattern, kind in FAILURE_PATTERNS:
-        if pattern.search(text):
-            return kind
-    return None
+    return first_match(FAILURE_PATTERNS, message.strip()[:MAX_SCANNED_CHARS]) if message else None
 
 
 def render_models(model: str, base_url: str, max_output_tokens: int | None) -> str:
@@ -288,10 +281,7 @@ class _State:
     overflow: bool = False
 
     def note_unknown(self, what: str, type_name: object) -> None:
-        code = f"{what}:{_TYPE_NAME_RE.sub('_', str(type_name))[:64]}"
-        if code not in self.unknown and len(self.unknown) < MAX_UNKNOWN_TYPES:
-            self.unknown.add(code)
-            self.gaps.append(code)
+        note_unknown_type(self.gaps, self.unknown, what, type_name)
 
     def session(self, record: dict[str, Any]) -> None:
         session_id, timestamp = record.get("id"), record.get("timestamp")

@@ -28,7 +28,7 @@ from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
 from sandboxes.owner import Owner
-from sandboxes.provider_config import ProviderConfig
+from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_health
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class EcsSandboxConfig(ProviderConfig):
     start_timeout_s: float = Field(default=600.0, gt=0)
     poll_s: float = Field(default=2.0, gt=0)
 
-    def build(self, root: Path) -> EcsSandboxProvider:
+    def build(self, root: Path, network_forward: NetworkForward | None = None) -> EcsSandboxProvider:
         return EcsSandboxProvider(self)
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:

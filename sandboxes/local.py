@@ -36,7 +36,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import model_validator
 
 from sandboxes import isolation
 from sandboxes import supervisor as sup
@@ -59,6 +61,7 @@ from sandboxes.environment import (
 from sandboxes.exec_server import ExecServer, ServedExec
 from sandboxes.inline import inline_if, small_inline, small_tree
 from sandboxes.owner import boot_id, start_ticks
+from sandboxes.provider_config import NetworkForward, ProviderConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,51 @@ DEFAULT_NOFILE_LIMIT = 65_536
 # that has passed too does the sandbox kill it from outside.
 SUPERVISOR_SLACK_S = 5.0 + sup.KILL_ROUNDS * sup.KILL_SETTLE_S + sup.DRAIN_S
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class LocalSandboxConfig(ProviderConfig):
+    provider: Literal["local"] = "local"
+    # isolated: every command in a loopback-only network namespace of its own, which reaches the
+    # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
+    network: Literal["host", "isolated"] = "host"
+    # isolated: a PID namespace per sandbox, so /proc shows only the sandbox's own processes (not the
+    # worker's, whose environment holds the API key); auto: isolated when this host allows it.
+    pids: Literal["auto", "host", "isolated"] = "auto"
+    # readonly: each command under bubblewrap, the host read-only and only the session directory writable.
+    filesystem: Literal["host", "readonly"] = "host"
+
+    @model_validator(mode="after")
+    def _can_isolate(self) -> LocalSandboxConfig:
+        if self.network == "isolated":
+            from sandboxes.netns import IsolationUnavailable, check_available
+
+            try:
+                check_available()
+            except IsolationUnavailable as exc:
+                raise ValueError(str(exc)) from None
+        if self.filesystem == "readonly" and self.pids == "host":
+            raise ValueError("sandbox.filesystem 'readonly' always isolates pids; pids 'host' contradicts it")
+        if self.pids == "isolated" or self.filesystem == "readonly":
+            try:
+                isolation.resolve_pids(self.pids, self.filesystem)
+            except isolation.IsolationUnavailable as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def needs_gateway_socket(self) -> bool:
+        return self.network == "isolated"
+
+    def build(self, root: Path, network_forward: NetworkForward | None = None) -> LocalSandboxProvider:
+        if self.network == "isolated" and network_forward is None:
+            raise ValueError("sandbox.network 'isolated' needs the gateway's port and Unix socket")
+        return LocalSandboxProvider(
+            root, keep=self.keep, network_forward=network_forward, pids=self.pids, filesystem=self.filesystem
+        )
+
+    def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
+        # A local sandbox's owner is a process on this host: a crashed run's owners are all dead.
+        return reap_stale(root, run_id)
 
 
 def _check_component(label: str, value: str) -> None:
@@ -151,7 +199,7 @@ class LocalSandboxProvider:
         nofile_limit: int = DEFAULT_NOFILE_LIMIT,
         path_prefixes: Sequence[str] = (),
         supervisor_slack_s: float = SUPERVISOR_SLACK_S,
-        network_forward: tuple[int, str] | None = None,
+        network_forward: NetworkForward | None = None,
         pids: isolation.PidsMode = "host",
         filesystem: isolation.FilesystemMode = "host",
     ) -> None:
@@ -264,9 +312,9 @@ class LocalSandboxProvider:
         if spare is not None and spare[0] is asyncio.get_running_loop():
             with contextlib.suppress(Exception):
                 await (await spare[1]).close(self.kill_grace_s)
-        await self.settle()
+        await self.finish_removals()
 
-    async def settle(self) -> None:
+    async def finish_removals(self) -> None:
         """Wait for the deletions of stopped sandboxes' directories begun so far."""
         await asyncio.gather(*self._removals, return_exceptions=True)
 

@@ -1,6 +1,6 @@
-"""What every provider's YAML section shares, and the two things each section must do: build its
-provider and reap what dead owners left. ``executor.config`` joins the sections into one union keyed by
-``provider``, so the caller never switches on the provider's name."""
+"""What every provider's YAML section shares, and the three things each section does: say where its
+sandboxes' directories go, build its provider and reap what dead owners left. ``executor.config`` joins the
+sections into one union keyed by ``provider``, so the caller never switches on the provider's name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from harnesses.install import default_cache_root
 from sandboxes.base import SandboxProvider
+
+# The gateway's port and Unix socket, for sandboxes whose commands run in network namespaces of their own
+# (sandboxes/netns.py): 127.0.0.1:port inside reaches the gateway through the socket.
+NetworkForward = tuple[int, str]
 
 
 class ProviderConfig(BaseModel):
@@ -23,7 +28,20 @@ class ProviderConfig(BaseModel):
     # ("node-ip": the address Ray knows the node by).
     gateway_host: str = "127.0.0.1"
 
-    def build(self, root: Path) -> SandboxProvider:
+    def root_dir(self) -> Path:
+        """Where the sessions' directories (and the prepared workspaces) go: ``root``, else
+        ``<cache>/sandboxes``. The worker builds its provider there and the reaper looks there."""
+        return Path(self.root) if self.root else default_cache_root() / "sandboxes"
+
+    @property
+    def needs_gateway_socket(self) -> bool:
+        """Whether sandboxes reach the gateway only through a Unix socket; ``build`` then gets the
+        gateway's ``NetworkForward``."""
+        return False
+
+    def build(self, root: Path, network_forward: NetworkForward | None = None) -> SandboxProvider:
+        """The provider, its sessions' directories under ``root``. ``network_forward`` is given when
+        ``needs_gateway_socket`` says so, and is None otherwise."""
         raise NotImplementedError
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:

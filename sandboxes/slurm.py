@@ -35,7 +35,7 @@ from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
 from sandboxes.owner import Owner
-from sandboxes.provider_config import ProviderConfig
+from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_files
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class SlurmSandboxConfig(ProviderConfig):
     agent_host: str = "127.0.0.1"  # the agent's bind address; not loopback: it advertises the node name
     start_timeout_s: float = 300.0  # queueing included
 
-    def build(self, root: Path) -> SlurmSandboxProvider:
+    def build(self, root: Path, network_forward: NetworkForward | None = None) -> SlurmSandboxProvider:
         return SlurmSandboxProvider(root, self)
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:

@@ -1,8 +1,8 @@
-from executor.admission import Admission, AdmissionConfig
+from executor.admission import OBSERVED_FIELDS, Admission, AdmissionConfig
 from executor.schema import attempt_fields, rows_to_batch
 
-OK = [{"status": 200}]
-PUSHED = [{"status": 429, "retry_after_s": None}, {"status": 200}]
+OK = [{"kind": "none"}]
+PUSHED = [{"kind": "rate_limit_exceeded", "retry_after_s": None}, {"kind": "none"}]
 
 
 def test_starts_at_the_ceiling_and_halves_on_push_back():
@@ -29,13 +29,13 @@ def test_never_below_the_floor_and_recovers_additively():
 
 def test_retry_after_holds_new_admissions():
     a = Admission(8)
-    a.observe([{"status": 429, "retry_after_s": 30.0}])
+    a.observe([{"kind": "rate_limit_exceeded", "retry_after_s": 30.0}])
     assert a.cap == 0
 
 
 def test_retry_after_hold_is_bounded():
     a = Admission(8, AdmissionConfig(max_hold_s=0, cooldown_s=0))
-    a.observe([{"status": 429, "retry_after_s": 3600.0}])
+    a.observe([{"kind": "rate_limit_exceeded", "retry_after_s": 3600.0}])
     assert a.cap == 4
 
 
@@ -55,11 +55,13 @@ def test_one_overload_seen_by_many_sessions_counts_once():
 def test_the_driver_reads_only_the_push_back_fields_of_a_row_with_token_ids():
     ids = list(range(5_000))
     call = {"prompt_token_ids": ids, "completion_token_ids": ids, "completion_logprobs": [-0.1] * 5_000}
-    batch = rows_to_batch(
-        [{"model_attempts": [dict(call, status=429, retry_after_s=2.0), dict(call, status=200)]}]
-    )
-    seen = attempt_fields(batch, ("status", "retry_after_s"))
-    assert seen == [{"status": 429, "retry_after_s": 2.0}, {"status": 200, "retry_after_s": None}]
+    pushed = dict(call, status=429, kind="rate_limit_exceeded", retry_after_s=2.0)
+    batch = rows_to_batch([{"model_attempts": [pushed, dict(call, status=200, kind="none")]}])
+    seen = attempt_fields(batch, OBSERVED_FIELDS)
+    assert seen == [
+        {"kind": "rate_limit_exceeded", "retry_after_s": 2.0},
+        {"kind": "none", "retry_after_s": None},
+    ]
     a = Admission(8, AdmissionConfig(cooldown_s=0))
     a.observe(seen)
     assert a.cap == 0  # held by the Retry-After hint

@@ -21,9 +21,6 @@ from harnesses.base import HarnessReport, LaunchContext
 from harnesses.codex import (
     FAILURE_PATTERNS,
     MAX_ARGV_PROMPT_BYTES,
-    MAX_MESSAGE_CHARS,
-    MAX_TOOL_OUTPUT_CHARS,
-    MAX_UNKNOWN_TYPES,
     REQUEST_MAX_RETRIES,
     STREAM_MAX_RETRIES,
     CodexHarness,
@@ -31,6 +28,7 @@ from harnesses.codex import (
     render_config,
     toml_string,
 )
+from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES
 from policy import FailureKind
 from sandboxes.base import ExecResult, SandboxError
 

@@ -1,4 +1,4 @@
-"""`rollout gc`: what a crashed run left, found and ended on each provider, idempotently."""
+"""`rollout gc`: what a crashed run left, found and reaped on each provider, idempotently."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "sandbox.slurm.partiton" in proc.stderr
 
 
-def test_local_sandbox_of_a_killed_owner_is_collected(tmp_path):
+def test_local_sandbox_of_a_killed_owner_is_reaped(tmp_path):
     root = tmp_path / "sb"
     cfg = _config(tmp_path, {"root": str(root)})
     # A stand-in worker that starts a sandbox, runs a long command in it, and is then SIGKILLed.
@@ -79,7 +79,7 @@ def _slurm_up() -> bool:
 
 @pytest.mark.integration
 @pytest.mark.skipif(not _slurm_up(), reason="no Slurm: run cluster/slurm/ci-start.sh (.ci/run does)")
-async def test_slurm_jobs_of_a_run_are_collected_with_all(tmp_path):
+async def test_slurm_jobs_of_a_run_are_reaped_with_all(tmp_path):
     from sandboxes.slurm import SlurmSandboxConfig, list_jobs
 
     run_id = f"gc-{os.getpid()}"

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from harnesses.base import HarnessReport, LaunchContext
+from harnesses.evidence import MAX_TOOL_OUTPUT_CHARS
 from harnesses.hermes import (
     API_MAX_RETRIES,
-    MAX_TOOL_OUTPUT_CHARS,
     NO_ANSWER_MESSAGE,
     TOOLSETS,
     HermesHarness,

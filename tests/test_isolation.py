@@ -20,12 +20,11 @@ from urllib.parse import urlsplit
 import pydantic
 import pytest
 
-from executor.config import LocalSandboxConfig
 from harnesses.gateway import Gateway
 from harnesses.scripted_model import ScriptedModel
 from sandboxes import isolation, netns
 from sandboxes.base import SandboxLostError, SandboxSpec
-from sandboxes.local import LocalSandboxProvider
+from sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
 from tests.conftest import processes_under
 from tests.test_local_sandbox import Fifo, live_with, new_mark, tree_script, wait_exit
 

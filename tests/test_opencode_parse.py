@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 
 from harnesses.base import HarnessReport, LaunchContext
+from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES
 from harnesses.opencode import (
-    MAX_MESSAGE_CHARS,
-    MAX_TOOL_OUTPUT_CHARS,
-    MAX_UNKNOWN_TYPES,
     QUIET_ENV,
     OpenCodeHarness,
     recognize_failure,

@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 
 from harnesses.base import HarnessReport, LaunchContext
+from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES
 from harnesses.install import node_runtime_binary
 from harnesses.pi import (
     AGENT_MAX_RETRIES,
-    MAX_MESSAGE_CHARS,
-    MAX_TOOL_OUTPUT_CHARS,
-    MAX_UNKNOWN_TYPES,
     NODE_VERSION,
     PiHarness,
     recognize_failure,

@@ -53,7 +53,7 @@ async def _measure(runs: int, pids: str, scratch: Path) -> None:
                     _direct_runs, range(i, i + 1), model, codex_js, scratch, direct, direct_codex
                 )
                 row = await run_session(SessionRequest("bench", task, 0, i + 1), ctx)
-                await provider.settle()  # the sandbox's deletion, off the row's path, not in the direct run's
+                await provider.finish_removals()  # the deletion, off the row's path, not in the direct run's
                 if row.get("reward") != 1.0:
                     raise RuntimeError(f"session {i} did not solve the task: {row.get('error_message')}")
                 for name in PHASES:

@@ -1,0 +1,36 @@
+"""Reaping: finding and ending what a dead worker or a crashed run left behind, on whichever provider it ran.
+
+Three callers: a worker at start-up and the driver when a worker actor dies (owners dead or TTL passed,
+any run), and ``rollout gc`` after a crash (``--run RUN --all``: everything of that run, alive owner or
+not, for when the run is known to be over). Every provider's reaper is idempotent and bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from executor.config import SandboxConfig
+from sandboxes.prepared import reap_prepared
+
+log = logging.getLogger(__name__)
+
+
+def reap(sandbox: SandboxConfig, run_id: str | None = None, *, everything: bool = False) -> list[str]:
+    """End the sandboxes ``sandbox`` describes that are stale (``everything``: all of ``run_id``)."""
+    if everything and not run_id:
+        raise ValueError("ending every sandbox needs a run id")
+    root = sandbox.root_dir()
+    reap_prepared(root)  # the laid-out workspaces of dead workers: disk, nothing running
+    return sandbox.reap(root, run_id, everything=everything)
+
+
+def reap_quietly(sandbox: SandboxConfig) -> list[str]:
+    """``reap`` for callers in the middle of a run: a failing reaper is logged, never raised."""
+    try:
+        reaped = reap(sandbox)
+    except Exception as exc:
+        log.warning("reaping %s sandboxes failed: %s", sandbox.provider, str(exc)[:1000])
+        return []
+    if reaped:
+        log.warning("reaped %d %s sandboxes of dead workers: %s", len(reaped), sandbox.provider, reaped[:20])
+    return reaped
