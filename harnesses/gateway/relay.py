@@ -86,7 +86,7 @@ class Relay:
 
     # -- the request that goes upstream -------------------------------------------------------------------
 
-    async def request(
+    async def upstream_request(
         self, session: GatewaySession, request: web.Request, rest: str, body: bytes, *, listing: bool
     ) -> Request:
         """What goes upstream for the harness's ``request`` to ``/v1/<rest>``, on every attempt."""

@@ -132,10 +132,10 @@ class Gateway:
         with session.serving(task):
             req: Request | None = None
             try:
-                body = await request.read()
-                req = await self._relay.request(session, request, rest, body, listing=kind == "listing")
+                body, listing = await request.read(), kind == "listing"
+                req = await self._relay.upstream_request(session, request, rest, body, listing=listing)
                 session.request_began(req)
-                if kind == "listing":
+                if listing:
                     return await self._relay.list_models(req)
                 return await self._relay.forward(req, request)
             except asyncio.CancelledError:
