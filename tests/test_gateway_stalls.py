@@ -363,9 +363,9 @@ async def _hang_up_while_waiting(model: ScriptedModel, harness: httpx.AsyncClien
     with pytest.raises(asyncio.CancelledError):
         await call
     deadline = time.monotonic() + 10
-    while session._pending and time.monotonic() < deadline:  # the gateway notices the hang-up
+    while session.outstanding() and time.monotonic() < deadline:  # the gateway notices the hang-up
         await asyncio.sleep(0.01)
-    assert not session._pending
+    assert not session.outstanding()
     return waited_at_least
 
 

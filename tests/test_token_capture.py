@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 
-import harnesses.gateway as gateway_module
+import harnesses.gateway.capture as capture_module
 from harnesses.gateway import AttemptRecord, Gateway, GatewayConfig, GatewaySession
 from harnesses.scripted_model import parse_steps
 
@@ -216,7 +216,7 @@ async def test_retries_send_the_same_rewritten_bytes(model, harness, tmp_path) -
 
 
 async def test_capture_is_bounded(model, harness, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(gateway_module, "_MAX_CAPTURED_TOKENS", 4)
+    monkeypatch.setattr(capture_module, "MAX_CAPTURED_TOKENS", 4)
     model.set_script("s1", parse_steps([{"type": "text", "text": TEXT}]))
     async with gateway_to(model.base_url, **CAPTURE) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")

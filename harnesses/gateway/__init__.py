@@ -1,0 +1,50 @@
+"""The model gateway: the one door between a sandboxed harness and the real model endpoint.
+
+One aiohttp server per worker; one unguessable URL prefix per session (``/s/<token>/v1/...``), so every
+request is attributed to its rollout and a sandbox never sees the real API key. The gateway retries
+429 / 5xx / 408 / transport failures upstream with the same body bytes while no byte of the answer has
+reached the harness, records every upstream attempt as the session's authoritative evidence, and once it
+gives up on a session answers every further request with the one neutral 400 that stops all four harnesses
+after a single request (``CLOSED_BODY``), so their own retry loops cannot multiply the load.
+
+Every upstream attempt is bounded in time: its first body byte within ``first_byte_timeout_s`` of sending,
+then no gap longer than ``chunk_timeout_s``; a stall is a ``model_timeout``, retried like a transport
+failure while nothing reached the harness. An error the endpoint reports inside a 200 answer is that
+attempt's failure. Only model calls and model listings reach the endpoint; any other path is answered
+here. Per session it keeps the time spent waiting on the model and, at close, whether a request had
+stalled (a deadline falling then is the model's fault, not the agent's).
+
+Everything runs on the worker's event loop: call ``open_session`` / ``close_session`` from that loop.
+
+The modules, each importing only those listed before it (no loop):
+- ``limits``: the configurable bounds (``GatewayConfig``) and the fixed ones, the routes and headers that
+  pass, the answers the gateway gives itself;
+- ``capture``: what is read from the passing bytes: kept bodies (gzip), usage and in-answer errors, token
+  ids and logprobs;
+- ``session``: ``AttemptRecord`` and ``GatewaySession``, whose state changes only through its methods
+  (the per-session budget, overflows, close, model-wait accounting, the owner's end);
+- ``attempt``: one harness request and each upstream attempt at it, up to its record;
+- ``relay``: the endpoint's side: the upstream request, the retry loop, the relay of an answer, listings;
+- ``server``: ``Gateway``: listening, sessions, routing.
+"""
+
+from harnesses.gateway.limits import (
+    CLOSED_BODY,
+    NO_LISTING_BODY,
+    NOT_SERVED_BODY,
+    SESSION_HEADER,
+    GatewayConfig,
+)
+from harnesses.gateway.server import Gateway
+from harnesses.gateway.session import AttemptRecord, GatewaySession
+
+__all__ = [
+    "CLOSED_BODY",
+    "NOT_SERVED_BODY",
+    "NO_LISTING_BODY",
+    "SESSION_HEADER",
+    "AttemptRecord",
+    "Gateway",
+    "GatewayConfig",
+    "GatewaySession",
+]
