@@ -22,7 +22,7 @@ import pytest
 
 from executor.config import LocalSandboxConfig
 from harnesses.gateway import Gateway
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import isolation, netns
 from sandboxes.base import SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxProvider
