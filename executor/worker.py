@@ -125,13 +125,6 @@ class SandboxWorker:
             except Exception as exc:  # one failing part must not keep the others open
                 log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
 
-    async def settle(self) -> None:
-        """Wait for the work sessions leave behind (a local sandbox's directory being deleted): a
-        benchmark's other side must not share the machine with it."""
-        settle = getattr(self._ctx.provider, "settle", None) if self._ctx is not None else None
-        if settle is not None:
-            await settle()
-
 
 def _gateway_socket(cfg: RunConfig) -> str | None:
     """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,

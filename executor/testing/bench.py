@@ -137,6 +137,23 @@ def _direct_runs(
             raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
 
 
+def _settling_worker_class() -> Any:
+    """The production worker actor with one method only a benchmark needs: ``settle`` waits for the work
+    sessions leave behind (a local sandbox's directory being deleted), which the other side of a
+    comparison must not share the machine with."""
+    import ray
+
+    from executor.worker import SandboxWorker
+
+    class SettlingWorker(SandboxWorker):
+        async def settle(self) -> None:
+            settle = getattr(self._ctx.provider, "settle", None) if self._ctx is not None else None
+            if settle is not None:
+                await settle()
+
+    return ray.remote(SettlingWorker)
+
+
 def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
     speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides."""
@@ -146,7 +163,6 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     from executor.driver import connect_ray
     from executor.schema import batch_from_wire
     from executor.tasks import load_tasks
-    from executor.worker import RemoteSandboxWorker
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
 
@@ -163,8 +179,10 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     model = _ModelThread()
     try:
         # The actor the driver would start for this config; its row's t_total_s is the session's time.
-        worker = RemoteSandboxWorker.options(num_cpus=0, max_concurrency=4).remote(
-            cfg.model_dump_json(), str(scratch / "out" / "a"), 0
+        worker = (
+            _settling_worker_class()
+            .options(num_cpus=0, max_concurrency=4)
+            .remote(cfg.model_dump_json(), str(scratch / "out" / "a"), 0)
         )
         for i, task in enumerate(load_tasks(tasks)):
             _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
