@@ -26,7 +26,7 @@ import time
 
 if __package__:
     from sandboxes import proctree
-else:  # run by path (-I leaves our directory off sys.path), or imported by the agent or server so run
+else:  # run by path, or imported by the agent or the server run so: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import proctree
 
@@ -193,6 +193,9 @@ def _network_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int)
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Without a network namespace: posix_spawn, or Popen where a memory limit needs a hook before exec
+
 # Signals Python ignores at start-up, which a command must get at their defaults (as Popen's
 # restore_signals does); handled ones revert by themselves at exec.
 _RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
@@ -280,6 +283,10 @@ def _reported_status(status_pipe: int, init_status: int) -> int:
     return int(report) if report.strip().isdigit() else init_status
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Signals, the server's too: a wake-up pipe that ends a select(), and the stop handlers
+
+
 def signal_wakeup(sel: selectors.BaseSelector) -> tuple[int, int]:
     """A pipe that every signal writes a byte to, registered with ``sel``: a select() ends on a signal."""
     wake_r, wake_w = os.pipe()
@@ -303,6 +310,10 @@ def handle_stop_signals(on_stop: Callable[[int, object], None]) -> None:
         signal.signal(sig, on_stop)
     # A handler (not SIG_DFL) so that SIGCHLD writes to the wakeup fd and ends a select().
     signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The supervisor proper
 
 
 class Supervisor:
