@@ -377,7 +377,7 @@ def conformance(
     """Every scenario against every harness through the real executor path; writes the matrix."""
     import asyncio
 
-    from executor.conformance import network_mode, parse_scenarios, parse_targets, run_matrix
+    from executor.testing.conformance import network_mode, parse_scenarios, parse_targets, run_matrix
 
     try:
         targets = parse_targets(harness, version or [])
@@ -421,7 +421,7 @@ def bench(
     """Measure what the executor itself costs, side by side with doing without it."""
     import json
 
-    from executor.bench import run_all
+    from executor.testing.bench import run_all
 
     if not set(parts) <= set("abcde") or not parts:
         _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
@@ -475,7 +475,7 @@ def model_serve(
     script: Annotated[Path | None, typer.Option(help="JSON list of steps played to every session.")] = None,
 ) -> None:
     """Serve the scripted OpenAI-compatible model (Chat Completions and Responses)."""
-    from harnesses.scripted_model import serve
+    from harnesses.testing.scripted_model import serve
 
     serve(host, port, str(script) if script else None)
 

@@ -85,7 +85,7 @@ def preflight(cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> Preflight
 
 
 async def _against_scripted(model: str, api: HarnessApi | None, timeout_s: float) -> PreflightResult:
-    from harnesses.scripted_model import ScriptedModel
+    from harnesses.testing.scripted_model import ScriptedModel
 
     server = ScriptedModel(model_names=(model,))
     await server.start()  # 127.0.0.1, a free port

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 import yaml
@@ -36,8 +36,10 @@ from executor.tasks import InputError, Task, load_tasks
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from harnesses.scripted_model import ScriptedModel
 from sandboxes.local import LocalSandboxProvider
+
+if TYPE_CHECKING:  # test machinery: loaded below only when the run used it
+    from harnesses.testing.scripted_model import ScriptedModel
 
 # What decides "the same": the outcome, the reward and what the agent did. Timings and token counts are
 # shown too, but they vary from run to run by nature.
@@ -92,6 +94,8 @@ async def replay_context(
     """What a worker would build for this row, but started and stopped around one session."""
     scripted: ScriptedModel | None = None
     if cfg.model.provider == "scripted":
+        from harnesses.testing.scripted_model import ScriptedModel
+
         scripted = ScriptedModel(model_names=(cfg.model.name,))
         await scripted.start()
         upstream, key = scripted.base_url, None

@@ -17,7 +17,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executor.config import RunConfig
 from executor.tasks import Task, Verifier
@@ -25,7 +25,6 @@ from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
 from harnesses.gateway import Gateway, GatewaySession
 from harnesses.install import InstallError
-from harnesses.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind, Outcome, Status, bound_text
 from sandboxes.base import (
     ExecResult,
@@ -38,6 +37,9 @@ from sandboxes.base import (
 )
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import diff_step, lay_out, read_diff, workspace_diff
+
+if TYPE_CHECKING:  # test machinery: only a run with the scripted provider has one
+    from harnesses.testing.scripted_model import ScriptedModel
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,8 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
             return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
         row["sandbox_id"] = sandbox.id
         if ctx.scripted is not None and req.task.model_script:
+            from harnesses.testing.scripted_model import parse_steps
+
             ctx.scripted.set_script(req.rollout_id, parse_steps(req.task.model_script))
         gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model")
 

@@ -10,7 +10,7 @@ import secrets
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import ray
@@ -23,10 +23,11 @@ from executor.tasks import Task
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from harnesses.scripted_model import ScriptedModel
 from sandboxes.base import SandboxProvider
-from sandboxes.faults import FlakyStartProvider
 from sandboxes.prepared import PreparedWorkspaces
+
+if TYPE_CHECKING:  # test machinery: loaded below only when a run asks for it
+    from harnesses.testing.scripted_model import ScriptedModel
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class SandboxWorker:
             cfg = self.cfg
             scripted: ScriptedModel | None = None
             if cfg.model.provider == "scripted":
+                from harnesses.testing.scripted_model import ScriptedModel
+
                 scripted = ScriptedModel(model_names=(cfg.model.name,))
                 await scripted.start()
                 upstream, key = scripted.base_url, None
@@ -136,6 +139,8 @@ def _provider(cfg: RunConfig, root: Path, gateway: Gateway) -> SandboxProvider:
     forward = (urlsplit(gateway.url).port or 0, gateway.unix_path) if gateway.unix_path else None
     provider: SandboxProvider = cfg.sandbox.build(root, forward)
     if cfg.sandbox.inject_start_failures:
+        from sandboxes.testing.faults import FlakyStartProvider
+
         provider = FlakyStartProvider(provider, cfg.sandbox.inject_start_failures)
     return provider
 

@@ -1,10 +1,10 @@
 """The in-sandbox agent: a token-authenticated HTTP server that runs commands and moves files in a sandbox.
 
 Standard library only, so it runs under whatever python3 an image or a compute node has; it ships next to
-``supervisor.py`` (copied beside it, or imported from the package) and runs every command under it, so an
-exec here gets what a local exec gets: its own session and process group, capped output files, the
-timeout and the TTL, and the whole tree killed before the answer. The supervisor needs python3 >= 3.11;
-this module itself keeps to python3 >= 3.8.
+``supervisor.py`` and ``proctree.py`` (copied beside it, or imported from the package) and runs every
+command under the supervisor, so an exec here gets what a local exec gets: its own session and process
+group, capped output files, the timeout and the TTL, and the whole tree killed before the answer. The
+supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
 
     python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
                      [--ttl-s N] [--rendezvous FILE] [--max-connections N]
@@ -52,8 +52,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 try:  # as part of the package
+    from sandboxes import proctree
     from sandboxes import supervisor as sup
-except ImportError:  # copied beside supervisor.py into a sandbox
+except ImportError:  # copied beside supervisor.py and proctree.py into a sandbox
+    import proctree  # type: ignore[no-redef]
     import supervisor as sup  # type: ignore[no-redef]
 
 SUPERVISOR_PATH = os.path.abspath(sup.__file__)
@@ -63,8 +65,7 @@ DEFAULT_MAX_UPLOAD = 256 * 1024 * 1024
 DEFAULT_OUTPUT_CAP = 64 * 1024 * 1024
 MAX_JSON_BYTES = 64 * 1024 * 1024  # an exec request carries argv, env and stdin
 MAX_DOWNLOAD = 1024 * 1024 * 1024
-# The supervisor's own worst case past the command's timeout; past that we kill its tree from here.
-SUPERVISOR_SLACK_S = 5.0 + sup.KILL_ROUNDS * sup.KILL_SETTLE_S + sup.DRAIN_S
+SUPERVISOR_SLACK_S = sup.SLACK_S  # past the command's timeout; past that we kill its tree from here
 STOP_GRACE_S = 1.0
 # Members are vetted above; where tarfile has extraction filters, say so rather than get a warning.
 _TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
@@ -302,17 +303,17 @@ class Agent:
         me = os.getpid()
 
         def find() -> set:
-            procs = sup.snapshot()
+            procs = proctree.snapshot()
             found = set()
             for root in roots:
                 if root in procs and procs[root].alive:
-                    found |= {root} | sup.descendants(procs, root)
+                    found |= {root} | proctree.descendants(procs, root)
             if marker is not None:
-                found |= {p for p, i in procs.items() if i.alive and sup.has_env_entry(p, marker)}
+                found |= {p for p, i in procs.items() if i.alive and proctree.has_env_entry(p, marker)}
             found.discard(me)
             return {p for p in found if p in procs and procs[p].alive}
 
-        return sup.kill_processes(find, grace_s=0, idle=time.sleep)
+        return proctree.kill_processes(find, grace_s=0, idle=time.sleep)
 
     def stop(self) -> bool:
         """Ask every supervisor to end its tree, then force whatever is left; idempotent."""

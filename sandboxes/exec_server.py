@@ -1,8 +1,8 @@
-"""The worker's side of a local sandbox's supervisor server (``supervisor.py --serve``).
+"""The worker's side of a local sandbox's supervisor server (``supervisor_server.py --serve``).
 
 One server process per sandbox forks a supervisor for each command, so a command costs a fork instead
 of an interpreter start-up and the supervisor's imports (tens of milliseconds, several times per
-rollout). The protocol is described beside the server in ``supervisor.py``.
+rollout). The protocol is described beside the server in ``supervisor_server.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sandboxes import supervisor as sup
+from sandboxes import proctree
 from sandboxes.base import SandboxError, SandboxLostError
 from sandboxes.environment import marker_entry
 
 log = logging.getLogger(__name__)
 
-SUPERVISOR_PATH = str(Path(sup.__file__).resolve())
+SERVER_PATH = str(Path(__file__).resolve().with_name("supervisor_server.py"))
 # How long a fork may take to be acknowledged: the server may still be starting on a loaded host.
 SPAWN_TIMEOUT_S = 120.0
 
@@ -49,7 +49,7 @@ class ServedExec:
     def send_signal(self, sig: int) -> None:
         # The server reaps the supervisor before we hear of it; the marker check keeps a signal from
         # reaching a process that took over the pid in between.
-        if not self._ended.done() and sup.has_env_entry(self.pid, self._marker):
+        if not self._ended.done() and proctree.has_env_entry(self.pid, self._marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -80,7 +80,7 @@ class ExecServer:
     ) -> ExecServer:
         """``env`` must carry the marker: /proc/PID/environ of the server and of every supervisor it
         forks shows it, which is how the sandbox finds its processes. ``pid_namespace``: every command
-        runs in one PID namespace, made by the server at its start (see supervisor.py)."""
+        runs in one PID namespace, made by the server at its start (see namespaces.py)."""
         # -I keeps PYTHON* variables of the sandbox's environment from steering the interpreter; -S skips
         # site start-up, which a standard-library-only script does not need.
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +89,7 @@ class ExecServer:
                 sys.executable,
                 "-I",
                 "-S",
-                SUPERVISOR_PATH,
+                SERVER_PATH,
                 "--serve",
                 str(os.getpid()),
                 *(["--pid-namespace"] if pid_namespace else []),

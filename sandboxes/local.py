@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from sandboxes import isolation
+from sandboxes import isolation, proctree
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -70,9 +70,7 @@ _REMOVING_SUFFIX = ".removing"  # a stopped sandbox's directory, moved aside unt
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024 * 1024
 DEFAULT_KILL_GRACE_S = 1.0
 DEFAULT_NOFILE_LIMIT = 65_536
-# A supervisor's own worst case past its timeout (start-up, every kill round, the pipe drain); only once
-# that has passed too does the sandbox kill it from outside.
-SUPERVISOR_SLACK_S = 5.0 + sup.KILL_ROUNDS * sup.KILL_SETTLE_S + sup.DRAIN_S
+SUPERVISOR_SLACK_S = sup.SLACK_S
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -142,24 +140,28 @@ def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: flo
     me = os.getpid()
 
     def ours(pid: int) -> bool:
-        return start_ticks(pid) is not None and sup.has_env_entry(pid, marker)
+        return start_ticks(pid) is not None and proctree.has_env_entry(pid, marker)
 
     if grace_s > 0 and (supervisors := {pid for pid in roots if ours(pid)}):
-        sup.send(supervisors, signal.SIGTERM)
-        sup.wait_gone(lambda: {pid for pid in supervisors if ours(pid)}, grace_s + sup.DRAIN_S, time.sleep)
+        proctree.send(supervisors, signal.SIGTERM)
+        proctree.wait_gone(
+            lambda: {pid for pid in supervisors if ours(pid)}, grace_s + sup.DRAIN_S, time.sleep
+        )
 
     def find() -> set[int]:
-        procs = sup.snapshot()
+        procs = proctree.snapshot()
         found: set[int] = set()
         for root in roots:
-            if root in procs and procs[root].alive and sup.has_env_entry(root, marker):
-                found |= {root} | sup.descendants(procs, root)
+            if root in procs and procs[root].alive and proctree.has_env_entry(root, marker):
+                found |= {root} | proctree.descendants(procs, root)
         if sweep:
-            found |= {pid for pid, info in procs.items() if info.alive and sup.has_env_entry(pid, marker)}
+            found |= {
+                pid for pid, info in procs.items() if info.alive and proctree.has_env_entry(pid, marker)
+            }
         found.discard(me)
         return {pid for pid in found if pid in procs and procs[pid].alive}
 
-    return sup.kill_processes(find, grace_s=grace_s, idle=time.sleep)
+    return proctree.kill_processes(find, grace_s=grace_s, idle=time.sleep)
 
 
 def _file_tail(path: Path) -> tuple[int, bytes]:

@@ -11,7 +11,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from sandboxes import supervisor as sup
+from sandboxes import proctree
 
 
 def boot_id() -> str:
@@ -23,7 +23,7 @@ def boot_id() -> str:
 
 
 def start_ticks(pid: int) -> int | None:
-    info = sup.read_proc(pid)
+    info = proctree.read_proc(pid)
     return info.start_ticks if info is not None and info.alive else None
 
 

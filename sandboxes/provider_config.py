@@ -21,7 +21,7 @@ class ProviderConfig(BaseModel):
 
     root: str | None = None  # default: <cache>/sandboxes; remote providers need it on a shared filesystem
     keep: bool = False  # keep each session's directory after the rollout
-    # Chaos testing only: this fraction of sandbox starts fails on purpose (sandboxes/faults.py).
+    # Chaos testing only: this fraction of sandbox starts fails on purpose (sandboxes/testing/faults.py).
     inject_start_failures: float = Field(default=0.0, ge=0, le=1)
     # The address the worker's model gateway binds, which sandboxes dial. 127.0.0.1 serves sandboxes on
     # the worker's own host; sandboxes on other machines need a routable address of the worker's node

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 AGENT_PATH = Path(__file__).with_name("agent.py")
 SUPERVISOR_PATH = Path(__file__).with_name("supervisor.py")
+PROCTREE_PATH = Path(__file__).with_name("proctree.py")  # the supervisor's one import of ours
 # What an exec may take past its own timeout before we stop waiting for the agent's answer: the
 # supervisor's kill rounds and drain, and the agent's own slack.
 EXEC_SLACK_S = 60.0
@@ -253,5 +254,6 @@ def _tar_of(src: Path, limit: int) -> bytes:
 
 
 def agent_files() -> list[Path]:
-    """The files a sandbox needs to run the agent: the agent and the supervisor it runs commands under."""
-    return [AGENT_PATH, SUPERVISOR_PATH]
+    """The files a sandbox needs to run the agent: the agent, the supervisor it runs commands under, and
+    the /proc helpers both use."""
+    return [AGENT_PATH, SUPERVISOR_PATH, PROCTREE_PATH]

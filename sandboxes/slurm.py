@@ -4,8 +4,8 @@ The session's directory sits on a filesystem the worker and the compute nodes sh
 
     <root>/<run_id>/<session_id>/
         work/ home/ tmp/ logs/ run/     the agent's sandbox tree (see sandboxes/agent.py)
-        control/                        0700: agent.py + supervisor.py, token (0600), job.sh,
-                                        ready.json (the agent's rendezvous), slurm-<job>.out
+        control/                        0700: agent.py, supervisor.py, proctree.py, token (0600),
+                                        job.sh, ready.json (the agent's rendezvous), slurm-<job>.out
 
 The token is written by the worker into ``control/token`` and read by the agent from there, so it never
 appears on a command line ``squeue`` or ``ps`` shows. The job is named ``rollout.<run_id>``, its comment

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from sandboxes.base import ExecResult, ExecStep, Sandbox, SandboxError, WorkspaceSpec
-
-if TYPE_CHECKING:
-    from sandboxes.prepared import PreparedWorkspaces
 
 BASELINE_REF = "refs/rollout/baseline"
 GIT_TIMEOUT_S = 300.0
@@ -62,6 +60,14 @@ class CopiesIn(Protocol):
     async def copy_in(self, src: Path, dest: str | None = None) -> None: ...
 
 
+class WorkspaceTemplates(Protocol):
+    """Workspaces laid out once on this host, baseline included, for sandboxes to copy in
+    (``sandboxes.prepared.PreparedWorkspaces``): ``use`` holds one for ``spec`` and its checked inline
+    ``files`` while the caller copies it, or gives None when the sandbox must lay out its own."""
+
+    def use(self, spec: WorkspaceSpec, files: dict[str, str]) -> AbstractAsyncContextManager[Path | None]: ...
+
+
 def checked_relative_path(path: str) -> str:
     """``path`` normalized, if it is relative and stays inside the workspace; else WorkspaceError."""
     pure = PurePosixPath(path)
@@ -70,7 +76,7 @@ def checked_relative_path(path: str) -> str:
     return str(pure)
 
 
-async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: PreparedWorkspaces | None = None) -> None:
+async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: WorkspaceTemplates | None = None) -> None:
     """``copy_from`` first, then the inline ``files`` over it, then the git baseline. With ``prepared``,
     a sandbox that can copy a directory in gets the workspace as this host laid it out once, baseline
     included, and runs no git of its own."""

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +36,16 @@ class AgentProcess:
                 self.proc.wait(5)
 
 
-def start_agent(root: Path, token: str, *extra: str, wait_s: float = 20.0) -> AgentProcess:
-    """Start the agent with ``token`` in a 0600 file; return once its rendezvous file says it listens."""
+def start_agent(
+    root: Path,
+    token: str,
+    *extra: str,
+    wait_s: float = 20.0,
+    agent: Path = AGENT_PATH,
+    python_flags: Sequence[str] = (),
+) -> AgentProcess:
+    """Start the agent with ``token`` in a 0600 file; return once its rendezvous file says it listens.
+    ``agent`` and ``python_flags``: which copy of agent.py, under which interpreter options."""
     root.mkdir(parents=True, exist_ok=True)
     control = root.parent / f"{root.name}.control"
     control.mkdir(exist_ok=True)
@@ -44,7 +53,7 @@ def start_agent(root: Path, token: str, *extra: str, wait_s: float = 20.0) -> Ag
     token_file.write_text(token)
     os.chmod(token_file, 0o600)
     ready = control / "ready.json"
-    argv = [sys.executable, str(AGENT_PATH), "--root", str(root), "--token-file", str(token_file)]
+    argv = [sys.executable, *python_flags, str(agent), "--root", str(root), "--token-file", str(token_file)]
     proc = subprocess.Popen([*argv, "--rendezvous", str(ready), *extra], stderr=subprocess.PIPE)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from sandboxes.leaks import processes_under  # noqa: F401  (its home; tests import it from here)
+from sandboxes.testing.leaks import processes_under  # noqa: F401  (its home; tests import it from here)
 
 REPO = Path(__file__).parents[1]
 
@@ -83,7 +83,7 @@ async def session_context(
     from harnesses.codex import CodexHarness
     from harnesses.gateway import Gateway
     from harnesses.install import default_cache_root
-    from harnesses.scripted_model import ScriptedModel
+    from harnesses.testing.scripted_model import ScriptedModel
     from sandboxes.local import LocalSandboxProvider
     from sandboxes.prepared import PreparedWorkspaces
 
@@ -113,7 +113,7 @@ async def session_context(
 @pytest.fixture
 async def model() -> AsyncIterator[Any]:
     """The scripted model, serving in this test's event loop."""
-    from harnesses.scripted_model import ScriptedModel
+    from harnesses.testing.scripted_model import ScriptedModel
 
     scripted = ScriptedModel()
     await scripted.start()

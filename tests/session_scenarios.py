@@ -15,7 +15,7 @@ from typing import Any
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.base import HarnessReport, LaunchContext
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 from sandboxes.base import ExecResult
 from sandboxes.local import LocalSandbox
 from tests.conftest import processes_under, session_context

@@ -7,6 +7,7 @@ import io
 import os
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from sandboxes.agent import DEFAULT_MAX_CONNECTIONS
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, WorkspaceSpec
-from sandboxes.remote import AGENT_PATH, RemoteSandbox
+from sandboxes.remote import AGENT_PATH, RemoteSandbox, agent_files
 from sandboxes.workspace import lay_out, workspace_diff
 from tests.agent_process import AgentProcess, start_agent
 
@@ -176,6 +177,25 @@ async def test_exec_files_and_workspace_like_a_local_sandbox(agent, tmp_path):
     assert (agent.root / "work" / "a.txt").stat().st_mode & 0o777 == 0o600
     diff = await workspace_diff(sandbox)
     assert diff is not None and "-one" in diff and "+two" in diff and "pkg/mod.py" not in diff
+
+
+async def test_the_agent_runs_from_the_files_a_sandbox_is_given(tmp_path):
+    """Copied alone into a directory, as into a Slurm job's control directory or the ECS image, with
+    nothing of the package importable: ``agent_files()`` is all the agent and its supervisor need."""
+    shipped = tmp_path / "control"
+    shipped.mkdir()
+    for src in agent_files():
+        shutil.copy2(src, shipped / src.name)
+    # -E -S: neither PYTHONPATH nor site-packages, so no `sandboxes` package to fall back on.
+    alone = start_agent(tmp_path / "sb", TOKEN, agent=shipped / "agent.py", python_flags=("-E", "-S"))
+    try:
+        sandbox = _remote(alone)
+        marker = sandbox.base_env["ROLLOUT_SANDBOX"]
+        result = await sandbox.exec(["bash", "-c", "(setsid sleep 300 &); echo hi; exit 3"], timeout=30)
+        assert result.exit_code == 3 and result.stdout_tail == "hi\n"
+        assert _marked(marker) == []  # the supervisor, run from the copy, ended what the command left
+    finally:
+        alone.kill()
 
 
 async def test_stop_ends_running_commands_and_the_agent(agent):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from executor.bench import _end_to_end_rate, _steady_rate
+from executor.testing.bench import _end_to_end_rate, _steady_rate
 
 
 def test_the_steady_rate_leaves_out_the_first_ramp_and_the_drain():
@@ -22,7 +22,7 @@ def test_too_few_ends_have_no_rate():
 @pytest.mark.integration
 @pytest.mark.usefixtures("codex_installed")
 def test_the_fixed_costs_part_times_every_phase_of_a_real_cold_run(tmp_path):
-    from executor.bench import PHASES, _phase_line, fixed_costs
+    from executor.testing.bench import PHASES, _phase_line, fixed_costs
 
     e = fixed_costs(rollouts=2, runs=1, concurrency=1, scratch=tmp_path)
     (run,) = e["all"]

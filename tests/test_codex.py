@@ -17,7 +17,7 @@ import pytest
 
 from harnesses.base import HarnessReport, LaunchContext
 from harnesses.codex import STREAM_MAX_RETRIES, CodexHarness
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind
 from sandboxes.base import ExecResult
 from sandboxes.local import LocalSandbox

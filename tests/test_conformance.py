@@ -12,9 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from executor.conformance import Target, parse_scenarios, parse_targets, render_markdown, run_cell, run_matrix
 from executor.tasks import InputError
-from harnesses.conformance import (
+from executor.testing.conformance import (
+    Target,
+    parse_scenarios,
+    parse_targets,
+    render_markdown,
+    run_cell,
+    run_matrix,
+)
+from harnesses.gateway import GatewayConfig
+from harnesses.install import default_cache_root
+from harnesses.registry import HARNESSES
+from harnesses.testing.conformance import (
     MAX_REASON_CHARS,
     NEMO_GYM_VERSIONS,
     SCENARIOS,
@@ -23,9 +33,6 @@ from harnesses.conformance import (
     agent_harnesses,
     check_cell,
 )
-from harnesses.gateway import GatewayConfig
-from harnesses.install import default_cache_root
-from harnesses.registry import HARNESSES
 from policy import PolicyConfig
 from tests.conftest import processes_under
 
@@ -89,7 +96,7 @@ async def test_a_wrong_expectation_fails_its_cell_with_the_reason(tmp_path):
 
 
 def _one_cell_matrix(cell):
-    from executor.conformance import Matrix
+    from executor.testing.conformance import Matrix
 
     return Matrix(targets=[cell.harness], scenarios=[cell.scenario], cells=[cell])
 

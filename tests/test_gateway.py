@@ -31,8 +31,8 @@ from harnesses.gateway import (
     GatewayConfig,
     GatewaySession,
 )
-from harnesses.scripted_model import SESSION_HEADER as SCRIPTED_SESSION_HEADER
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import SESSION_HEADER as SCRIPTED_SESSION_HEADER
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 from policy import FailureKind
 
 FAST = {"backoff_base_s": 0.01, "backoff_cap_s": 0.05}

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from harnesses.gateway import CLOSED_BODY, AttemptRecord, GatewayConfig, GatewaySession
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from policy import FailureKind
 from tests.test_gateway import CHAT, RESPONSES, TEXT, ask, gateway_to, kinds, never, script, upstream_server
 

@@ -21,7 +21,7 @@ import pydantic
 import pytest
 
 from harnesses.gateway import Gateway
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import isolation, netns
 from sandboxes.base import SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxConfig, LocalSandboxProvider

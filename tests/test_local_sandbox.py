@@ -28,7 +28,7 @@ from sandboxes.base import (
 )
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
-from sandboxes.supervisor import read_proc
+from sandboxes.proctree import read_proc
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # safety bound on waiting for an event; never a timing assertion

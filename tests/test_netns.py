@@ -17,7 +17,7 @@ import pytest
 
 from executor.store import read_table
 from harnesses.gateway import Gateway
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import netns
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider

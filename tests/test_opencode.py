@@ -13,7 +13,7 @@ import pytest
 
 from harnesses.install import default_cache_root
 from harnesses.opencode import OpenCodeHarness
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes.local import LocalSandbox
 from tests.session_scenarios import MODEL, PROMPT_CASES, SCENARIOS, run_direct, run_scenario, user_texts
 

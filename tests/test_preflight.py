@@ -18,7 +18,7 @@ from aiohttp import web
 from executor.config import load_config
 from executor.preflight import PreflightError, check_endpoint, preflight
 from executor.store import read_table
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 
 REPO = Path(__file__).parents[1]
 TASKS = REPO / "examples" / "tasks.jsonl"

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harnesses.scripted_model import SESSION_HEADER, ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import SESSION_HEADER, ScriptedModel, parse_steps
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -23,7 +23,7 @@ from aiohttp import web
 
 import harnesses.gateway.capture as capture_module
 from harnesses.gateway import AttemptRecord, Gateway, GatewayConfig, GatewaySession
-from harnesses.scripted_model import parse_steps
+from harnesses.testing.scripted_model import parse_steps
 
 REPO = Path(__file__).parents[1]
 CHAT_PATH, RESPONSES_PATH = "/chat/completions", "/responses"

@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from executor.bench import PROMPT, SCRIPT, VERIFY, _direct_runs, _ModelThread  # noqa: E402
 from executor.session import SessionRequest, run_session  # noqa: E402
 from executor.tasks import Task  # noqa: E402
+from executor.testing.bench import PROMPT, SCRIPT, VERIFY, _direct_runs, _ModelThread  # noqa: E402
 from harnesses.codex import CodexHarness  # noqa: E402
 from harnesses.install import default_cache_root  # noqa: E402
 from sandboxes.local import LocalSandboxProvider  # noqa: E402

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 from tests.chaos.conftest import (
     FAST_INFRA_RETRY,
     OK_SCRIPT,

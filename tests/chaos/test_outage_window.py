@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harnesses.scripted_model import ScriptedModel, parse_steps
+from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 from tests.chaos.conftest import (
     OK_SCRIPT,
     REPO,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from executor.store import part_files
-from sandboxes.faults import failures_in
+from sandboxes.testing.faults import failures_in
 from tests.chaos.conftest import (
     OK_SCRIPT,
     REPO,

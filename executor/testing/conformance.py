@@ -31,7 +31,10 @@ from executor.session import SessionContext, SessionRequest, run_session
 from executor.store import RunStore, read_table
 from executor.tasks import InputError, Task
 from harnesses.base import Harness, Launch, LaunchContext
-from harnesses.conformance import (
+from harnesses.gateway import Gateway
+from harnesses.install import default_cache_root
+from harnesses.registry import HARNESSES, make_harness
+from harnesses.testing.conformance import (
     NEMO_GYM_VERSIONS,
     PROMPT,
     SCENARIOS,
@@ -43,15 +46,12 @@ from harnesses.conformance import (
     check_cell,
     merged_config,
 )
-from harnesses.gateway import Gateway
-from harnesses.install import default_cache_root
-from harnesses.registry import HARNESSES, make_harness
-from harnesses.scripted_model import ScriptedModel
+from harnesses.testing.scripted_model import ScriptedModel
 from policy import Decision
 from sandboxes import netns
 from sandboxes.base import Sandbox
-from sandboxes.leaks import processes_under
 from sandboxes.local import LocalSandboxProvider
+from sandboxes.testing.leaks import processes_under
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,7 @@ class _ModelThread:
     """The scripted model on its own event loop thread, for runs that are not asyncio themselves."""
 
     def __init__(self) -> None:
-        from harnesses.scripted_model import ScriptedModel, parse_steps
+        from harnesses.testing.scripted_model import ScriptedModel, parse_steps
 
         self.loop = asyncio.new_event_loop()
         self.model = ScriptedModel(default_script=parse_steps(SCRIPT))
@@ -222,7 +222,7 @@ async def _plain_runner(n: int, concurrency: int, scratch: Path) -> tuple[float,
     from harnesses.command import CommandHarness
     from harnesses.gateway import Gateway
     from harnesses.install import default_cache_root
-    from harnesses.scripted_model import ScriptedModel
+    from harnesses.testing.scripted_model import ScriptedModel
     from sandboxes.local import LocalSandboxProvider
 
     tasks_path = _write_tasks(scratch / f"plain-{concurrency}.jsonl", n)
@@ -377,7 +377,15 @@ def driver_memory(n: int, scratch: Path, token_ids: int = 0) -> list[dict[str, A
     results = []
     for size in (n, 10 * n):
         out = subprocess.run(
-            [sys.executable, "-m", "executor.bench", "memory-child", str(size), str(scratch), str(token_ids)],
+            [
+                sys.executable,
+                "-m",
+                "executor.testing.bench",
+                "memory-child",
+                str(size),
+                str(scratch),
+                str(token_ids),
+            ],
             capture_output=True,
             text=True,
             timeout=7200,
@@ -452,7 +460,7 @@ PHASES = (
 def _cold_run(config: Path, run_id: str, sandboxes: Path) -> dict[str, float]:
     """One `rollout run` in a fresh process: each phase's time after the spawn, and what it left."""
     from executor.store import read_table
-    from sandboxes.leaks import processes_under
+    from sandboxes.testing.leaks import processes_under
 
     argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
     spawned = time.monotonic()

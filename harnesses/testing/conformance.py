@@ -2,9 +2,9 @@
 
 Each scenario is a script for the scripted model, a verifier, and what the rows of the session's attempts
 must show: status, failure kind, the driver's decisions attempt by attempt, reward, the gateway's attempt
-records and the evidence kept on disk. The runner (``executor/conformance.py``) plays a scenario through
-the real executor path and hands the stored rows to ``check_cell``; a failed check names itself and says
-what it saw, in a bounded line.
+records and the evidence kept on disk. The runner (``executor/testing/conformance.py``) plays a scenario
+through the real executor path and hands the stored rows to ``check_cell``; a failed check names itself
+and says what it saw, in a bounded line.
 """
 
 from __future__ import annotations

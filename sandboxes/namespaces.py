@@ -1,0 +1,116 @@
+"""A sandbox's PID namespace: a /proc of its own, made once, by the sandbox's supervisor server.
+
+The server (``supervisor_server.py --serve ... --pid-namespace``) unshares it, forks the namespace's init
+(which mounts the fresh /proc in a mount namespace of its own and then only reaps orphans), and each
+supervisor it forks after that is born inside, then joins the init's mount namespace. The server stays
+outside, so the pids it reports are the host's, and an isolated command costs what a host one does::
+
+    server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
+            └ supervisor ── command       (one per command, each inside the namespace)
+
+A command's loopback-only network namespace is the supervisor's own business (supervisor.py); the layers
+bubblewrap adds, and which layers a sandbox gets, are in isolation.py. Standard library only: the server
+imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+if __package__:
+    from sandboxes import proctree
+else:  # imported by the server run by path, with its directory on sys.path
+    import proctree
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
+PR_CAPBSET_DROP = 24
+CAP_SYS_ADMIN = 21
+NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's processes
+
+
+class PidNamespace:
+    """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
+
+    def __init__(self) -> None:
+        # Takes effect for our children only: the first is the namespace's pid 1, every later one is
+        # born inside it too.
+        proctree.libc_call("unshare", CLONE_NEWPID)
+        ready_r, ready_w = os.pipe()
+        hold_r, self.hold = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(ready_r)
+                os.close(self.hold)
+                code = _pid_namespace_init(ready_w, hold_r)
+            except BaseException as exc:  # a forked child must never return into the server
+                os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(hold_r)
+        self.init_pid = pid
+        self.init_reaped = False
+        try:
+            ready = os.read(ready_r, 1)  # bounded: the init writes it, or dies and the pipe ends
+        finally:
+            os.close(ready_r)
+        if ready != b"1":
+            raise OSError(f"the PID namespace's init (pid {pid}) failed to start")
+        self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+    def end(self, timeout: float) -> bool:
+        """Close our end, which ends the init and with it the namespace; True once the init is reaped,
+        which the kernel allows only when every other process of the namespace is gone."""
+        os.close(self.hold)
+        if self.init_reaped:
+            return True
+        exited = os.pidfd_open(self.init_pid)  # our unreaped child: its pid is still its own
+        try:
+            select.select([exited], [], [], timeout)
+        finally:
+            os.close(exited)
+        pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
+        return pid == self.init_pid
+
+    def enter(self) -> None:
+        """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and
+        keep CAP_SYS_ADMIN from every program started after this, or root inside could unmount that /proc
+        and see the host's again."""
+        os.close(self.hold)  # the init ends with the server, not with us
+        proctree.libc_call("setns", self.mount_ns, CLONE_NEWNS)
+        os.close(self.mount_ns)
+        proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+
+
+def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)  # the server's request pipe is not ours to hold open
+    os.dup2(null, 1)
+    os.close(null)
+    # A mount namespace of its own (the server's /proc must stay the host's), private so that nothing
+    # mounted here reaches the host.
+    proctree.libc_call("unshare", CLONE_NEWNS)
+    proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+    proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+    # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
+    signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
+    os.write(ready_w, b"1")
+    os.close(ready_w)
+    # Until the server closes its end, by exiting or dying. Our exit ends the namespace: the kernel kills
+    # whatever is left in it.
+    while os.read(hold_r, 64):
+        pass
+    return 0
+
+
+def _reap_all() -> None:
+    for _pid, _status in proctree.exited_children():
+        pass

@@ -1,0 +1,171 @@
+"""A sandbox's processes as /proc shows them, and how to end them: a process's record, the tree under
+a process, signals to many at once, a tree killed in bounded rounds, children reaped; and the libc calls
+(prctl among them) a process makes on itself.
+
+Shared by the per-command supervisor, its server and the in-sandbox agent, which run as standard-library
+scripts (so this module is standard library only too, and ships beside them), and by the local sandbox
+on the worker's side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+# No `typing` at start-up: the supervisor's server imports this module (see supervisor_server.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+POLL_S = 0.02
+KILL_ROUNDS = 20  # bounds on every kill loop: a fork bomb must not keep us here forever
+FREEZE_ROUNDS = 50
+KILL_SETTLE_S = 0.5  # how long one SIGKILL round waits for the kernel to tear processes down
+
+
+class ProcInfo:
+    __slots__ = ("pgid", "pid", "ppid", "sid", "start_ticks", "state")
+
+    def __init__(self, pid: int, ppid: int, pgid: int, sid: int, state: str, start_ticks: int) -> None:
+        self.pid = pid
+        self.ppid = ppid
+        self.pgid = pgid
+        self.sid = sid
+        self.state = state
+        self.start_ticks = start_ticks
+
+    @property
+    def alive(self) -> bool:
+        # A zombie has already died; it only waits for its parent to collect its status.
+        return self.state not in ("Z", "X")
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; the fields after its last ")" are fixed.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return ProcInfo(
+        pid=pid,
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        state=fields[0].decode(),
+        start_ticks=int(fields[19]),
+    )
+
+
+def snapshot() -> dict[int, ProcInfo]:
+    procs: dict[int, ProcInfo] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_proc(int(name))
+            if info is not None:
+                procs[info.pid] = info
+    return procs
+
+
+def descendants(procs: dict[int, ProcInfo], root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for info in procs.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def has_env_entry(pid: int, entry: bytes) -> bool:
+    """Whether the process was started with ``entry`` (``NAME=value``) in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return entry in data.split(b"\0")
+
+
+def send(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_processes(find: Callable[[], set[int]], *, grace_s: float, idle: Callable[[float], None]) -> bool:
+    """End every process ``find`` reports: SIGTERM and ``grace_s`` to exit, then freeze and SIGKILL.
+
+    ``find`` is re-evaluated every round so children forked meanwhile are caught too; ``idle(seconds)``
+    waits (and may reap or pump meanwhile). Returns whether nothing was left. Every loop is bounded.
+    """
+    if grace_s > 0 and (pids := find()):
+        send(pids, signal.SIGTERM)
+        send(pids, signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
+        wait_gone(find, grace_s, idle)
+    for _ in range(KILL_ROUNDS):
+        pids = find()
+        if not pids:
+            return True
+        send(_freeze(find, pids), signal.SIGKILL)
+        wait_gone(find, KILL_SETTLE_S, idle)
+    return not find()
+
+
+def _freeze(find: Callable[[], set[int]], pids: set[int]) -> set[int]:
+    # SIGSTOP first, until no new pid shows up: a stopped process cannot fork, so the SIGKILL that
+    # follows leaves no child to be reparented out of reach between two walks.
+    stopped: set[int] = set()
+    for _ in range(FREEZE_ROUNDS):
+        new = pids - stopped
+        if not new:
+            break
+        send(new, signal.SIGSTOP)
+        stopped |= new
+        pids = find()
+    return stopped | pids
+
+
+def wait_gone(find: Callable[[], set[int]], timeout: float, idle: Callable[[float], None]) -> bool:
+    deadline = time.monotonic() + timeout
+    while find():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        idle(min(POLL_S, remaining))
+    return True
+
+
+def exited_children() -> Iterator[tuple[int, int]]:
+    """(pid, wait status) of each child that has exited, collected without waiting."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
+
+
+def libc_call(name: str, *args: object) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}{args[:1]} failed: {os.strerror(err)}")
+
+
+def prctl(option: int, value: int) -> None:
+    libc_call("prctl", option, value, 0, 0, 0)

@@ -1,0 +1,183 @@
+"""A sandbox's supervisor server: one process per sandbox that forks a supervisor for each command.
+
+Starting an interpreter and importing the supervisor costs tens of milliseconds, paid once per sandbox
+instead of once per command. The local sandbox starts it (through sandboxes/exec_server.py) as
+
+    python3 -I -S supervisor_server.py --serve PARENT_PID [--pid-namespace]
+
+With ``--pid-namespace``, every command of the sandbox runs in one PID namespace the server makes at its
+start (namespaces.py).
+
+Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
+supervisor.run() plus "log_path" (the forked supervisor's stderr). Out (stdout): {"id": N, "pid": P} once
+the supervisor is forked, {"id": N, "error": "..."} if it could not be, and {"id": N, "status": S} (a
+wait status) when it has ended. End of stdin: no more commands; the server exits when its supervisors
+have. The environment travels through the pipe, never through a file.
+
+Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import sys
+
+if __package__:
+    from sandboxes import namespaces, proctree, supervisor
+else:  # run by path: -I leaves our directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import namespaces
+    import proctree
+    import supervisor
+
+# Neither `typing` nor `subprocess` at start-up (here or in the modules above): every sandbox starts a
+# server, and those two imports were a third of its ~60 ms of CPU, spent while the previous sandbox's
+# harness runs.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
+
+
+class _Server:
+    def __init__(self, parent_pid: int, pid_namespace: namespaces.PidNamespace | None) -> None:
+        self.parent_pid = parent_pid
+        self.me = os.getpid()
+        self.pid_namespace = pid_namespace
+        self.children: dict[int, int] = {}  # supervisor pid -> request id
+        self.stop_signal: int | None = None
+        self.stdin_open = True
+        self.buf = bytearray()
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
+        os.set_blocking(0, False)
+        self.sel.register(0, selectors.EVENT_READ)
+
+    def install_signals(self) -> None:
+        def on_stop(signum: int, _frame: object) -> None:
+            if self.stop_signal is None:
+                self.stop_signal = signum
+
+        supervisor.handle_stop_signals(on_stop)
+        # SIGTERM when the worker that started us dies; each supervisor is bound to us the same way.
+        proctree.prctl(proctree.PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != self.parent_pid:
+            self.stop_signal = signal.SIGTERM
+
+    def reply(self, message: dict[str, Any]) -> None:
+        # stdout is a blocking pipe that our worker always reads; a line is far below its capacity.
+        data = memoryview((json.dumps(message) + "\n").encode())
+        while data:
+            data = data[os.write(1, data) :]
+
+    def handle(self, line: bytes) -> None:
+        try:
+            req = json.loads(line)
+            req_id = int(req["id"])
+        except (ValueError, KeyError, TypeError):
+            return  # not from our worker; nothing to answer
+        # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
+        # one sent right after the fork is not lost.
+        signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
+            self.reply({"id": req_id, "error": f"fork failed: {exc}"})
+            return
+        if pid == 0:
+            self._child(req)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
+        self.children[pid] = req_id
+        self.reply({"id": req_id, "pid": pid})
+
+    def _child(self, req: dict[str, Any]) -> None:
+        code = 1
+        try:
+            params = req["params"]
+            # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
+            params["parent_pid"] = self.me
+            if self.pid_namespace is not None:
+                self.pid_namespace.enter()
+                params["parent_pid"] = 0
+            for fd in (self.wake_r, self.wake_w):
+                os.close(fd)
+            self.sel.close()
+            null = os.open(os.devnull, os.O_RDWR)
+            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            os.dup2(log, 2)
+            os.close(null)
+            os.close(log)
+            os.chdir(params["cwd"])
+            code = supervisor.run(params, req.get("env"))
+        except BaseException as exc:  # a forked child must never return into the server
+            with open(2, "w", closefd=False) as err:
+                err.write(f"supervisor: {type(exc).__name__}: {exc}\n")
+        finally:
+            os._exit(code)
+
+    def read_requests(self) -> None:
+        try:
+            chunk = os.read(0, supervisor.READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.stdin_open = False
+            self.sel.unregister(0)
+            return
+        self.buf += chunk
+        while (end := self.buf.find(b"\n")) >= 0:
+            line = bytes(self.buf[:end])
+            del self.buf[: end + 1]
+            self.handle(line)
+        if len(self.buf) > MAX_REQUEST_BYTES:
+            self.buf.clear()
+            self.stdin_open = False  # our worker never writes this much: stop taking requests
+            self.sel.unregister(0)
+
+    def reap(self) -> None:
+        for pid, status in proctree.exited_children():
+            req_id = self.children.pop(pid, None)
+            if req_id is not None:
+                self.reply({"id": req_id, "status": status})
+            elif self.pid_namespace is not None and pid == self.pid_namespace.init_pid:
+                self.pid_namespace.init_reaped = True  # its pid is free for reuse from here on
+
+    def serve(self) -> int:
+        # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
+        # its command's timeout and the sandbox's TTL.
+        while self.stdin_open or self.children:
+            if self.stop_signal is not None:
+                proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
+                return 0
+            for key, _events in self.sel.select(1.0):
+                if key.fd == self.wake_r:
+                    supervisor.drain_wakeup(self.wake_r)
+                elif key.fd == 0:
+                    self.read_requests()
+            self.reap()
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (3, 4) or argv[1] != "--serve":
+        print("usage: supervisor_server.py --serve PARENT_PID [--pid-namespace]", file=sys.stderr)
+        return 2
+    pid_namespace = namespaces.PidNamespace() if argv[3:] == ["--pid-namespace"] else None
+    server = _Server(int(argv[2]), pid_namespace)
+    server.install_signals()
+    code = server.serve()
+    # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
+    if pid_namespace is not None and not pid_namespace.end(namespaces.NAMESPACE_END_S):
+        code = 1
+    os._exit(code)  # nothing to flush or finalize: the sandbox's stop() waits for this exit
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,54 @@
+"""The product imports none of its test machinery: every module of executor/, harnesses/, sandboxes/ and
+policy/ outside a ``testing`` subpackage loads without one ``*.testing`` module coming along. Only the
+commands and settings that need them (``rollout conformance``, ``rollout bench``, ``rollout model
+serve``, the ``scripted`` provider, injected start failures) load them, inside the function that does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A fresh interpreter: this test process has long since imported the test machinery itself.
+_IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+
+def product_modules(package):
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        if info.name.rsplit(".", 1)[1] == "testing":
+            continue
+        module = importlib.import_module(info.name)
+        yield info.name
+        if info.ispkg:
+            yield from product_modules(module)
+
+imported = []
+for top in ("executor", "harnesses", "sandboxes", "policy"):
+    imported.append(top)
+    imported.extend(product_modules(importlib.import_module(top)))
+testing = sorted(name for name in sys.modules if ".testing" in name or name.startswith("tests"))
+print(json.dumps({"imported": imported, "testing": testing}))
+"""
+
+
+def test_no_product_module_imports_test_machinery() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    found = json.loads(out.stdout.splitlines()[-1])
+    # The run path is among what was imported: the CLI, the driver, the worker and what a session loads.
+    for module in (
+        "executor.cli",
+        "executor.driver",
+        "executor.worker",
+        "executor.session",
+        "harnesses.gateway",
+        "harnesses.registry",
+        "sandboxes.local",
+        "sandboxes.slurm",
+    ):
+        assert module in found["imported"]
+    assert found["testing"] == []
