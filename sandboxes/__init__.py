@@ -1,33 +1,3 @@
-"""Where a session's processes run: the protocol, the local provider, workspace lay-out."""
-
-from sandboxes.base import (
-    TAIL_BYTES,
-    ExecResult,
-    Sandbox,
-    SandboxError,
-    SandboxLostError,
-    SandboxProvider,
-    SandboxSpec,
-    SandboxStartError,
-    WorkspaceSpec,
-)
-from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
-from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
-
-__all__ = [
-    "TAIL_BYTES",
-    "ExecResult",
-    "LocalSandbox",
-    "LocalSandboxProvider",
-    "Sandbox",
-    "SandboxError",
-    "SandboxLostError",
-    "SandboxProvider",
-    "SandboxSpec",
-    "SandboxStartError",
-    "WorkspaceError",
-    "WorkspaceSpec",
-    "lay_out",
-    "reap_stale",
-    "workspace_diff",
-]
+"""Where a session's processes run: the protocol (``sandboxes.base``), the providers (``local``, ``slurm``,
+``ecs``), the in-sandbox agent and supervisor, workspace lay-out. Nothing is imported here: the supervisor
+and the agent import their neighbours by name inside a sandbox, and a caller pays only for what it uses."""
