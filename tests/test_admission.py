@@ -1,5 +1,5 @@
 from executor.admission import Admission, AdmissionConfig
-from executor.schema import attempt_fields, rows_to_batch
+from executor.schema import model_call_fields, rows_to_batch
 
 OK = [{"status": 200}]
 PUSHED = [{"status": 429, "retry_after_s": None}, {"status": 200}]
@@ -56,9 +56,9 @@ def test_the_driver_reads_only_the_push_back_fields_of_a_row_with_token_ids():
     ids = list(range(5_000))
     call = {"prompt_token_ids": ids, "completion_token_ids": ids, "completion_logprobs": [-0.1] * 5_000}
     batch = rows_to_batch(
-        [{"model_attempts": [dict(call, status=429, retry_after_s=2.0), dict(call, status=200)]}]
+        [{"model_calls": [dict(call, status=429, retry_after_s=2.0), dict(call, status=200)]}]
     )
-    seen = attempt_fields(batch, ("status", "retry_after_s"))
+    seen = model_call_fields(batch, ("status", "retry_after_s"))
     assert seen == [{"status": 429, "retry_after_s": 2.0}, {"status": 200, "retry_after_s": None}]
     a = Admission(8, AdmissionConfig(cooldown_s=0))
     a.observe(seen)
