@@ -242,7 +242,7 @@ def test_a_part_file_of_the_previous_schema_reads_verifier_runs_as_null(tmp_path
 
 
 def test_a_part_file_of_version_3_reads_its_model_attempts_as_model_calls(tmp_path):
-    call = {"request_index": 0, "attempt": 1, "status": 429, "kind": "rate_limit_exceeded", "retry_after_s": 2.0}
+    call = {"request_index": 0, "status": 429, "kind": "rate_limit_exceeded", "retry_after_s": 2.0}
     store = RunStore(tmp_path / "run")
     store.append(rows_to_batch([_row(task="new", model_calls=[call])]))
     store.flush()
