@@ -46,14 +46,16 @@ class Column:
     arrow: str
     doc: str
     views: frozenset[str]
+    record: type | None  # the nested record of a ``list<Record>`` column
 
 
 @cache
 def columns_of(record: type) -> tuple[Column, ...]:
     """The declared columns of a row or of a nested record, in order."""
     return tuple(
-        Column(f.name, f.metadata["arrow"], f.metadata["doc"], f.metadata["views"])
+        Column(f.name, arrow, f.metadata["doc"], f.metadata["views"], RECORDS.get(arrow[len("list<") : -1]))
         for f in dataclasses.fields(record)
+        for arrow in [f.metadata["arrow"]]
     )
 
 
@@ -97,7 +99,9 @@ class ModelCall(_Record):
     retry_after_s: float | None = col("double", "the usable Retry-After hint; null when absent or unusable")
     streamed: bool | None = col("bool", "the answer was an event stream")
     response_bytes: int | None = col("int64", "bytes of the answer's body")
-    request_sha256: str | None = col("string", "SHA-256 of the request body (the body is in evidence_dir)")
+    request_sha256: str | None = col(
+        "string", "SHA-256 of the request body (the bodies are under evidence_dir/model/)"
+    )
     input_tokens: int | None = col("int64", "input tokens the answer reported; null when it reported none")
     output_tokens: int | None = col("int64", "output tokens the answer reported; null when it reported none")
     finish_reason: str | None = col("string", 'the API\'s own word: "stop", "length", "completed", ...')
@@ -134,7 +138,6 @@ class Message(_Record):
 
 
 RECORDS: dict[str, type[_Record]] = {"ModelCall": ModelCall, "ToolCall": ToolCall, "Message": Message}
-_NESTED = {"messages", "tool_calls", "model_calls"}
 
 
 @dataclass(slots=True)
@@ -243,6 +246,7 @@ class Row:
 
 
 COLUMNS = names_of(Row)
+_NESTED = tuple(c.name for c in columns_of(Row) if c.record is not None)
 
 
 def columns(view: View) -> tuple[str, ...]:
@@ -278,10 +282,16 @@ def schema_markdown() -> str:
         "",
         *_table(columns_of(Row), with_export=True),
     ]
-    parent = {c.arrow[len("list<") : -1]: c.name for c in columns_of(Row) if c.arrow.startswith("list<")}
-    for name, record in RECORDS.items():
-        lines += ["", f"## {name}: `{parent[name]}[]`", "", record.__doc__ or "", ""]
-        lines += _table(columns_of(record), with_export=False)
+    for column in columns_of(Row):
+        if column.record is not None:
+            lines += [
+                "",
+                f"## {column.record.__name__}: `{column.name}[]`",
+                "",
+                column.record.__doc__ or "",
+                "",
+            ]
+            lines += _table(columns_of(column.record), with_export=False)
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from executor.row import COLUMNS, RECORDS, SCHEMA_VERSION, Row, columns_of
+from executor.row import COLUMNS, SCHEMA_VERSION, Column, Row, columns_of
 
 # Columns renamed since an earlier version: the name in an older part file -> today's (version 4).
 RENAMED = {"model_attempts": "model_calls"}
@@ -26,19 +26,18 @@ _SCALARS = {
 }
 
 
-def _arrow(spec: str) -> pa.DataType:
-    """The Arrow type a column of ``executor.row`` declares: a scalar by pyarrow's name for it, or
-    ``list<...>`` of a scalar or of a nested record (a struct of that record's columns)."""
-    if spec.startswith("list<") and spec.endswith(">"):
-        inner = spec[len("list<") : -1]
-        if inner in RECORDS:
-            return pa.list_(pa.struct([(c.name, _arrow(c.arrow)) for c in columns_of(RECORDS[inner])]))
-        return pa.list_(_arrow(inner))
-    return _SCALARS[spec]
+def _arrow(column: Column) -> pa.DataType:
+    """The Arrow type ``column`` declares: a scalar by pyarrow's name for it, a ``list<scalar>``, or a
+    list of a nested record (a struct of that record's columns)."""
+    if column.record is not None:
+        return pa.list_(pa.struct([(c.name, _arrow(c)) for c in columns_of(column.record)]))
+    if column.arrow.startswith("list<"):
+        return pa.list_(_SCALARS[column.arrow[len("list<") : -1]])
+    return _SCALARS[column.arrow]
 
 
 ROW_SCHEMA = pa.schema(
-    [(c.name, _arrow(c.arrow)) for c in columns_of(Row)], metadata={"rollout_executor_schema": SCHEMA_VERSION}
+    [(c.name, _arrow(c)) for c in columns_of(Row)], metadata={"rollout_executor_schema": SCHEMA_VERSION}
 )
 
 
