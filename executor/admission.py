@@ -51,12 +51,12 @@ class Admission:
             return 0
         return max(self.config.floor, min(self.ceiling, int(self._cap)))
 
-    def observe(self, model_attempts: Iterable[dict[str, Any]] | None) -> None:
-        """Feed one finished session's model attempts (the row's ``model_attempts``, at least the
+    def observe(self, model_calls: Iterable[dict[str, Any]] | None) -> None:
+        """Feed one finished session's model calls (the row's ``model_calls``, at least the
         ``OBSERVED_FIELDS`` of each)."""
         if not self.config.adaptive:
             return
-        pushed_back = [a for a in model_attempts or () if a.get("kind") == FailureKind.RATE_LIMIT_EXCEEDED]
+        pushed_back = [a for a in model_calls or () if a.get("kind") == FailureKind.RATE_LIMIT_EXCEEDED]
         if not pushed_back:
             self._cap = min(float(self.ceiling), self._cap + self.config.increase / max(self._cap, 1.0))
             return

@@ -1,5 +1,6 @@
 """The parts of ``docs/`` that are generated from the code's own tables, so a document cannot drift from
-the behaviour it describes. Each generated part sits between two markers in a hand-written page;
+the behaviour it describes: whole pages (the row's schema) and parts between two markers in a hand-written
+page (the failure kinds);
 ``python -m executor.docs`` rewrites them and ``tests/test_docs.py`` fails while any is stale."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from executor.row import schema_markdown
 from policy.outcome import KIND_INFO, FailureKind
 from policy.rules import DEFAULT_RULES, FinalAs, Rule
 
@@ -44,9 +46,10 @@ def failure_kind_table() -> str:
     return "\n".join(lines)
 
 
-# (page, part name) -> the function that renders the part.
-GENERATED: dict[tuple[str, str], Callable[[], str]] = {
+# (page, part name) -> the function that renders the part; no part name: the renderer writes the whole page.
+GENERATED: dict[tuple[str, str | None], Callable[[], str]] = {
     ("docs/failures.md", "failure-kinds"): failure_kind_table,
+    ("docs/schema.md", None): schema_markdown,
 }
 
 
@@ -72,7 +75,7 @@ def render(root: Path = REPO) -> dict[Path, tuple[str, str]]:
     for (page, part), renderer in GENERATED.items():
         path = root / page
         current, fresh = pages.get(path) or (path.read_text(), path.read_text())
-        fresh = replace_part(fresh, part, renderer(), page)
+        fresh = renderer() if part is None else replace_part(fresh, part, renderer(), page)
         pages[path] = (current, fresh)
     return pages
 

@@ -33,7 +33,7 @@ from executor.config import RunConfig
 from executor.progress import Progress
 from executor.reaper import reap_quietly
 from executor.runs import run_lock
-from executor.schema import attempt_fields, batch_from_wire, rows_to_batch, warm_up, with_decisions
+from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
@@ -428,7 +428,7 @@ class Driver:
         except RayError as exc:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
         row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
-        self.admission.observe(attempt_fields(batch, OBSERVED_FIELDS))
+        self.admission.observe(model_call_fields(batch, OBSERVED_FIELDS))
         kind = FailureKind(row["failure_kind"])
         verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
         if self.breaker.record_attempt(KIND_INFO[kind].infrastructure, kind.value):

@@ -3,7 +3,8 @@
 ``--train`` (the default selection) keeps only rows that are final, unmasked and accepted: the rows a
 trainer may learn from. ``--all`` keeps every attempt and adds the decision columns. The schema is
 ``TRAIN_SCHEMA`` below (version ``TRAIN_SCHEMA_VERSION``, stored in the Parquet metadata under
-``rollout_executor_train_schema`` and as the ``schema_version`` column); the README documents each column.
+``rollout_executor_train_schema`` and as the ``schema_version`` column); docs/schema.md documents each
+column, and ``executor/row.py`` says which it keeps.
 Part files are read one batch at a time and the output is written whole, then renamed into place.
 """
 
@@ -20,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
+from executor.row import columns
 from executor.schema import ROW_SCHEMA, upgrade
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
@@ -27,46 +29,23 @@ from executor.tasks import InputError, load_tasks
 TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls
 Format = Literal["parquet", "jsonl"]
 
-# Columns taken from the row as they are (their types live in executor/schema.py, one home).
-_ROW_COLUMNS = (
-    "run_id",
-    "rollout_id",
-    "task_id",
-    "sample_index",
-    "attempt",
-    "harness",
-    "harness_version",
-    "status",
-    "failure_kind",
-    "final_text",
-    "messages",
-    "tool_calls",
-    "model_attempts",
-    "input_tokens",
-    "output_tokens",
-    "reward",
-    "verified",
-    "evidence_dir",
-    "started_at",
-)
-_DECISION_COLUMNS = ("decision", "decision_reason", "masked", "final", "http_status", "error_message")
-
-
-def _field(name: str, out_name: str | None = None) -> pa.Field:
-    return pa.field(out_name or name, ROW_SCHEMA.field(name).type)
+_TRAIN_COLUMNS = columns("train")
+_ALL_COLUMNS = columns("all")
+# The export's own columns, after the row's identity and placement: the task and the model asked.
+_TASK_AT = _TRAIN_COLUMNS.index("status")
 
 
 def _schema(with_decisions: bool) -> pa.Schema:
     fields = [
         pa.field("schema_version", pa.string()),
-        *(_field(n, "model_calls" if n == "model_attempts" else None) for n in _ROW_COLUMNS[:7]),
+        *(ROW_SCHEMA.field(n) for n in _TRAIN_COLUMNS[:_TASK_AT]),
         pa.field("model", pa.string()),
         pa.field("prompt", pa.large_string()),
         pa.field("task_metadata", pa.large_string()),
-        *(_field(n, "model_calls" if n == "model_attempts" else None) for n in _ROW_COLUMNS[7:]),
+        *(ROW_SCHEMA.field(n) for n in _TRAIN_COLUMNS[_TASK_AT:]),
     ]
     if with_decisions:
-        fields += [_field(n) for n in _DECISION_COLUMNS]
+        fields += [ROW_SCHEMA.field(n) for n in _ALL_COLUMNS]
     return pa.schema(fields, metadata={"rollout_executor_train_schema": TRAIN_SCHEMA_VERSION})
 
 
@@ -112,8 +91,7 @@ def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.Reco
     schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
     tasks = task_index(run_dir)
     model = (run_config(run_dir).get("model") or {}).get("name")
-    wanted = list(_ROW_COLUMNS) + list(_DECISION_COLUMNS)
-    for batch in iter_batches(run_dir / "rows", wanted):
+    for batch in iter_batches(run_dir / "rows", [*_TRAIN_COLUMNS, *_ALL_COLUMNS]):
         batch = upgrade(batch)  # a run resumed across a schema change has older part files too
         if not include_all:
             batch = batch.filter(trainable(batch))
@@ -127,10 +105,7 @@ def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.Reco
             "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
             "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
         }
-        arrays = []
-        for f in schema:
-            source = "model_attempts" if f.name == "model_calls" else f.name
-            arrays.append(extra[f.name] if f.name in extra else batch.column(source))
+        arrays = [extra[f.name] if f.name in extra else batch.column(f.name) for f in schema]
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 

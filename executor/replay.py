@@ -131,7 +131,7 @@ def _value(row: dict[str, Any], name: str) -> Any:
     if name == "tool_calls":
         return _tool_calls(row)
     if name == "model_calls":
-        return len(row.get("model_attempts") or [])
+        return len(row.get("model_calls") or [])
     return row.get(name)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.export import run_config
+from executor.row import columns
 from executor.status import status_data
 from executor.store import read_table
 from executor.tasks import InputError
@@ -43,27 +44,7 @@ PALETTE = (
     "#ffb482",
     "#d0bbff",
 )
-_COLUMNS = [
-    "rollout_id",
-    "task_id",
-    "sample_index",
-    "attempt",
-    "harness",
-    "sandbox_provider",
-    "status",
-    "failure_kind",
-    "decision",
-    "final",
-    "reward",
-    "input_tokens",
-    "output_tokens",
-    "model_attempts",
-    "t_setup_s",
-    "t_agent_s",
-    "t_verify_s",
-    "t_cleanup_s",
-    "t_total_s",
-]
+_COLUMNS = list(columns("report"))
 
 Fmt = Callable[[float], str]
 
@@ -330,10 +311,10 @@ def attempts_plot(rows: list[dict[str, Any]]) -> Plot:
 
 
 def latency_plot(rows: list[dict[str, Any]]) -> Plot:
-    lat = [a["latency_s"] for r in rows for a in r["model_attempts"] or [] if a["latency_s"] is not None]
-    ttfb = [a["ttfb_s"] for r in rows for a in r["model_attempts"] or [] if a["ttfb_s"] is not None]
+    lat = [c["latency_s"] for r in rows for c in r["model_calls"] or [] if c["latency_s"] is not None]
+    ttfb = [c["ttfb_s"] for r in rows for c in r["model_calls"] or [] if c["ttfb_s"] is not None]
     if not lat:
-        return _empty("latency", "Model latency and time to first byte", "no model attempts recorded")
+        return _empty("latency", "Model latency and time to first byte", "no model calls recorded")
     lo = max(min(lat + ttfb), 1e-4)
     hi = max(lat + ttfb) * 1.0001
     bins = 18

@@ -6,113 +6,39 @@ from typing import Any
 
 import pyarrow as pa
 
-# 2: token ids and logprobs in model_attempts; 3: verifier_runs, t_model_wait_s. An older part file reads
-# as this version: a struct field or a column added since reads as null (store.iter_batches).
-SCHEMA_VERSION = "3"
+from executor.row import COLUMNS, SCHEMA_VERSION, Column, Row, columns_of
 
-_TOOL_CALL = pa.struct(
-    [
-        ("name", pa.string()),
-        ("call_id", pa.string()),
-        ("arguments", pa.large_string()),
-        ("status", pa.string()),
-        ("exit_code", pa.int32()),
-        ("output", pa.large_string()),
-    ]
+# Columns renamed since an earlier version: the name in an older part file -> today's (version 4).
+RENAMED = {"model_attempts": "model_calls"}
+
+_SCALARS = {
+    str(t): t
+    for t in (
+        pa.string(),
+        pa.large_string(),
+        pa.int32(),
+        pa.int64(),
+        pa.float32(),
+        pa.float64(),
+        pa.bool_(),
+        pa.timestamp("ms", tz="UTC"),
+    )
+}
+
+
+def _arrow(column: Column) -> pa.DataType:
+    """The Arrow type ``column`` declares: a scalar by pyarrow's name for it, a ``list<scalar>``, or a
+    list of a nested record (a struct of that record's columns)."""
+    if column.record is not None:
+        return pa.list_(pa.struct([(c.name, _arrow(c)) for c in columns_of(column.record)]))
+    if column.arrow.startswith("list<"):
+        return pa.list_(_SCALARS[column.arrow[len("list<") : -1]])
+    return _SCALARS[column.arrow]
+
+
+ROW_SCHEMA = pa.schema(
+    [(c.name, _arrow(c)) for c in columns_of(Row)], metadata={"rollout_executor_schema": SCHEMA_VERSION}
 )
-_MESSAGE = pa.struct([("role", pa.string()), ("text", pa.large_string())])
-_MODEL_ATTEMPT = pa.struct(
-    [
-        ("request_index", pa.int32()),
-        ("attempt", pa.int32()),
-        ("path", pa.string()),
-        ("started_at", pa.float64()),
-        ("status", pa.int32()),
-        ("kind", pa.string()),
-        ("error_message", pa.large_string()),
-        ("latency_s", pa.float64()),
-        ("ttfb_s", pa.float64()),
-        ("retry_after_s", pa.float64()),
-        ("streamed", pa.bool_()),
-        ("response_bytes", pa.int64()),
-        ("request_sha256", pa.string()),
-        ("input_tokens", pa.int64()),
-        ("output_tokens", pa.int64()),
-        ("finish_reason", pa.string()),
-        # gateway.capture_tokens: what the endpoint returned, null when off or when it returned none
-        ("prompt_token_ids", pa.list_(pa.int32())),
-        ("completion_token_ids", pa.list_(pa.int32())),
-        ("completion_logprobs", pa.list_(pa.float32())),
-        ("tokens_truncated", pa.bool_()),
-    ]
-)
-
-IDENTITY = ("run_id", "rollout_id", "task_id", "sample_index", "attempt")
-DECISION = ("decision", "decision_reason", "masked", "final", "retry_delay_s")
-
-_FIELDS: list[tuple[str, pa.DataType]] = [
-    # identity
-    ("run_id", pa.string()),
-    ("rollout_id", pa.string()),
-    ("task_id", pa.string()),
-    ("sample_index", pa.int32()),
-    ("attempt", pa.int32()),
-    # placement
-    ("harness", pa.string()),
-    ("harness_version", pa.string()),
-    ("version_tested", pa.bool_()),
-    ("sandbox_provider", pa.string()),
-    ("sandbox_id", pa.string()),
-    ("node_id", pa.string()),
-    ("worker_id", pa.string()),
-    # result
-    ("status", pa.string()),
-    ("failure_kind", pa.string()),
-    ("http_status", pa.int32()),
-    ("error_message", pa.large_string()),
-    ("error_detail", pa.large_string()),  # JSON
-    ("retry_after_s", pa.float64()),
-    ("exit_code", pa.int32()),
-    ("timed_out", pa.bool_()),
-    # evidence
-    ("final_text", pa.large_string()),
-    ("messages", pa.list_(_MESSAGE)),
-    ("tool_calls", pa.list_(_TOOL_CALL)),
-    ("input_tokens", pa.int64()),
-    ("output_tokens", pa.int64()),
-    ("cached_input_tokens", pa.int64()),
-    ("reasoning_tokens", pa.int64()),
-    ("model_attempts", pa.list_(_MODEL_ATTEMPT)),
-    ("workspace_diff", pa.large_string()),
-    ("evidence_dir", pa.string()),
-    ("evidence_gaps", pa.list_(pa.string())),
-    ("stdout_tail", pa.large_string()),
-    ("stderr_tail", pa.large_string()),
-    # grading
-    ("reward", pa.float64()),
-    ("verified", pa.bool_()),
-    ("verifier_exit_code", pa.int32()),
-    ("verifier_runs", pa.int32()),  # how many times the verifier ran (re-runs after an error)
-    # cleanup
-    ("cleanup_ok", pa.bool_()),
-    # decision (filled by the driver)
-    ("decision", pa.string()),
-    ("decision_reason", pa.string()),
-    ("masked", pa.bool_()),
-    ("final", pa.bool_()),
-    ("retry_delay_s", pa.float64()),
-    # timings
-    ("started_at", pa.timestamp("ms", tz="UTC")),
-    ("t_setup_s", pa.float64()),
-    ("t_agent_s", pa.float64()),
-    ("t_model_wait_s", pa.float64()),  # of the agent phase: a model request outstanding (the gateway's)
-    ("t_verify_s", pa.float64()),
-    ("t_cleanup_s", pa.float64()),
-    ("t_total_s", pa.float64()),
-]
-
-ROW_SCHEMA = pa.schema(_FIELDS, metadata={"rollout_executor_schema": SCHEMA_VERSION})
-COLUMNS = tuple(name for name, _ in _FIELDS)
 
 
 def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
@@ -123,11 +49,11 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
 
 
-def attempt_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The named fields of every model attempt in ``batch``, as Python: only those, so a row's token id
+def model_call_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The named fields of every model call in ``batch``, as Python: only those, so a row's token id
     lists (capture_tokens: up to a million per call) never become Python objects in the driver."""
-    attempts = batch.column("model_attempts").flatten()
-    return pa.StructArray.from_arrays([attempts.field(n) for n in names], names=list(names)).to_pylist()
+    calls = batch.column("model_calls").flatten()
+    return pa.StructArray.from_arrays([calls.field(n) for n in names], names=list(names)).to_pylist()
 
 
 def warm_up() -> None:
@@ -158,9 +84,18 @@ def batch_from_wire(data: bytes) -> pa.RecordBatch:
     return batch
 
 
+def stored_names(names: list[str], present: list[str]) -> list[str]:
+    """The columns to read from a part file holding ``present`` for today's ``names``: a column renamed
+    since is asked for by the name that file has (``upgrade`` renames it back)."""
+    old = {new: old for old, new in RENAMED.items() if old in present}
+    return [old.get(name, name) for name in names]
+
+
 def upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch read from an older part file, its columns cast to this schema's types: a struct field
-    added since (version 2's token ids) reads as null."""
+    """A batch read from an older part file as this version: a renamed column under today's name, every
+    column cast to this schema's type (a struct field added since, version 2's token ids, reads as null)."""
+    if any(name in RENAMED for name in batch.schema.names):
+        batch = batch.rename_columns([RENAMED.get(name, name) for name in batch.schema.names])
     wanted = pa.schema([ROW_SCHEMA.field(name) for name in batch.schema.names])
     return batch if batch.schema.equals(wanted, check_metadata=False) else batch.cast(wanted)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from executor.config import RunConfig
+from executor.row import Message, ModelCall, Row, ToolCall
 from executor.tasks import Task, Verifier
 from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
@@ -134,7 +135,11 @@ class _Timer:
 
 
 async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any]:
-    """Run one attempt to the end and return its row (decision columns left for the driver)."""
+    """Run one attempt to the end and return its row's columns (decision columns left for the driver)."""
+    return (await _run(req, ctx)).to_dict()
+
+
+async def _run(req: SessionRequest, ctx: SessionContext) -> Row:
     cfg = ctx.config
     started = datetime.now(UTC)
     timer = _Timer()
@@ -144,22 +149,21 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
     wall = cfg.limits.wall_s(deadline)
     verify = req.task.verify
     verify_timeout = verify.timeout_s * (verify.retries + 1) if verify else 0.0
-    row: dict[str, Any] = {
-        "run_id": req.run_id,
-        "rollout_id": req.rollout_id,
-        "task_id": req.task.id,
-        "sample_index": req.sample_index,
-        "attempt": req.attempt,
-        "harness": ctx.harness.name,
-        "harness_version": ctx.harness.version,
-        "version_tested": ctx.harness.version == ctx.harness.tested_version,
-        "sandbox_provider": ctx.provider.name,
-        "node_id": ctx.node_id,
-        "worker_id": ctx.worker_id,
-        "evidence_dir": str(evidence_dir),
-        "started_at": started,
-        "evidence_gaps": [],
-    }
+    row = Row(
+        run_id=req.run_id,
+        rollout_id=req.rollout_id,
+        task_id=req.task.id,
+        sample_index=req.sample_index,
+        attempt=req.attempt,
+        harness=ctx.harness.name,
+        harness_version=ctx.harness.version,
+        version_tested=ctx.harness.version == ctx.harness.tested_version,
+        sandbox_provider=ctx.provider.name,
+        node_id=ctx.node_id,
+        worker_id=ctx.worker_id,
+        evidence_dir=str(evidence_dir),
+        started_at=started,
+    )
     spec = SandboxSpec(
         run_id=req.run_id,
         # Unique per launch, not per attempt: a resume reruns an attempt whose driver was killed before
@@ -177,7 +181,7 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         except Exception as exc:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
-        row["sandbox_id"] = sandbox.id
+        row.sandbox_id = sandbox.id
         if ctx.scripted is not None and req.task.model_script:
             from harnesses.testing.scripted_model import parse_steps
 
@@ -237,9 +241,9 @@ async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any
         if gw is not None:
             ctx.gateway.close_session(gw)
         if sandbox is not None:
-            row["cleanup_ok"] = await _stop(sandbox)
-            row["t_cleanup_s"] = timer.since_lap()
-            row["t_total_s"] = round(sum(timer.marks.values()) + row["t_cleanup_s"], 4)
+            row.cleanup_ok = await _stop(sandbox)
+            row.t_cleanup_s = timer.since_lap()
+            row.t_total_s = round(sum(timer.marks.values()) + row.t_cleanup_s, 4)
 
 
 async def _run_harness(
@@ -301,14 +305,14 @@ async def _gather_or_cancel(*steps: Awaitable[Any]) -> list[Any]:
         raise
 
 
-async def _record_diff(row: dict[str, Any], diff: Awaitable[str | None]) -> None:
+async def _record_diff(row: Row, diff: Awaitable[str | None]) -> None:
     try:
-        row["workspace_diff"] = bound_text(await diff, MAX_DIFF_CHARS)
+        row.workspace_diff = bound_text(await diff, MAX_DIFF_CHARS)
     except Exception as exc:
-        row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
+        row.evidence_gaps.append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
 
 
-async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: dict[str, Any]) -> Outcome:
+async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: Row) -> Outcome:
     """The diff, then the verifier, re-run in the same sandbox while it could not grade, at most
     ``retries`` more times. The diff is taken once, before the first run: it holds the agent's changes
     and nothing of the verifier's. A sandbox lost meanwhile is SANDBOX_LOST (the agent runs again);
@@ -320,7 +324,7 @@ async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: d
         await _record_diff(row, workspace_diff(sandbox))
     failure: tuple[FailureKind, str] = (FailureKind.VERIFIER_ERROR, "the verifier did not run")
     for run in range(1, verify.retries + 2):
-        row["verifier_runs"] = run
+        row.verifier_runs = run
         first_with_diff = one_exec and run == 1
         try:
             reward, failure_now = await _verify_once(sandbox, verify, row, with_diff=first_with_diff)
@@ -328,10 +332,10 @@ async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: d
             return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {_err(exc)}")
         except Exception as exc:
             if first_with_diff:  # the diff step's result went with the exec; later runs never take it
-                row["evidence_gaps"].append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
+                row.evidence_gaps.append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
             reward, failure_now = None, (FailureKind.VERIFIER_ERROR, _err(exc))
         if failure_now is None:
-            row["verified"], row["reward"] = True, reward
+            row.verified, row.reward = True, reward
             return outcome
         failure = failure_now
     kind, message = failure
@@ -341,7 +345,7 @@ async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: d
 
 
 async def _verify_once(
-    sandbox: Sandbox, verify: Verifier, row: dict[str, Any], *, with_diff: bool
+    sandbox: Sandbox, verify: Verifier, row: Row, *, with_diff: bool
 ) -> tuple[float | None, tuple[FailureKind, str] | None]:
     """One run of the verifier: its reward, or why it could not grade. ``with_diff``: the workspace's
     diff is taken in the same exec, just before the verifier starts, and recorded on the row."""
@@ -356,7 +360,7 @@ async def _verify_once(
         await _record_diff(row, read_diff(sandbox, res.before))
     else:
         res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify")
-    row["verifier_exit_code"] = res.exit_code
+    row.verifier_exit_code = res.exit_code
     cannot = _cannot_grade(res, verify)
     if cannot is not None:
         return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
@@ -403,28 +407,21 @@ async def _reward_of(
     return value, None
 
 
-def _record_agent(row: dict[str, Any], result: ExecResult, report: HarnessReport, gw: GatewaySession) -> None:
-    usage = report.usage
+def _record_agent(row: Row, result: ExecResult, report: HarnessReport, gw: GatewaySession) -> None:
     # The gateway saw what the endpoint really reported; Codex prints 0 for usage it never received.
-    input_tokens, output_tokens = _gateway_usage(gw)
-    row.update(
-        exit_code=result.exit_code,
-        timed_out=result.timed_out,
-        final_text=report.final_text,
-        messages=[m.model_dump() for m in report.messages],
-        tool_calls=[t.model_dump() for t in report.tool_calls],
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
-        cached_input_tokens=usage.cached_input_tokens,
-        reasoning_tokens=usage.reasoning_tokens,
-        model_attempts=[_attempt_row(a) for a in gw.attempts],
-        t_model_wait_s=round(gw.model_wait_s, 4),
-        stdout_tail=result.stdout_tail,
-        stderr_tail=result.stderr_tail,
-    )
-    row["evidence_gaps"].extend(report.evidence_gaps)
-    if input_tokens is None and "usage_unavailable" not in row["evidence_gaps"]:
-        row["evidence_gaps"].append("usage_unavailable")
+    row.input_tokens, row.output_tokens = _gateway_usage(gw)
+    row.cached_input_tokens = report.usage.cached_input_tokens
+    row.reasoning_tokens = report.usage.reasoning_tokens
+    row.exit_code, row.timed_out = result.exit_code, result.timed_out
+    row.stdout_tail, row.stderr_tail = result.stdout_tail, result.stderr_tail
+    row.final_text = report.final_text
+    row.messages = [Message.of(m) for m in report.messages]
+    row.tool_calls = [ToolCall.of(t) for t in report.tool_calls]
+    row.model_calls = [ModelCall.of(a) for a in gw.attempts]
+    row.t_model_wait_s = round(gw.model_wait_s, 4)
+    row.evidence_gaps.extend(report.evidence_gaps)
+    if row.input_tokens is None and "usage_unavailable" not in row.evidence_gaps:
+        row.evidence_gaps.append("usage_unavailable")
 
 
 def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
@@ -437,35 +434,8 @@ def _gateway_usage(gw: GatewaySession) -> tuple[int | None, int | None]:
     return (None if None in ins else sum(ins)), (None if None in outs else sum(outs))
 
 
-def _attempt_row(attempt: Any) -> dict[str, Any]:
-    data = attempt.model_dump(mode="json")
-    keep = (
-        "request_index",
-        "attempt",
-        "path",
-        "started_at",
-        "status",
-        "kind",
-        "error_message",
-        "latency_s",
-        "ttfb_s",
-        "retry_after_s",
-        "streamed",
-        "response_bytes",
-        "request_sha256",
-        "input_tokens",
-        "output_tokens",
-        "finish_reason",
-        "prompt_token_ids",
-        "completion_token_ids",
-        "completion_logprobs",
-        "tokens_truncated",
-    )
-    return {k: data.get(k) for k in keep}
-
-
 async def _keep_evidence(
-    sandbox: Sandbox, result: ExecResult, report: HarnessReport, evidence_dir: Path, row: dict[str, Any]
+    sandbox: Sandbox, result: ExecResult, report: HarnessReport, evidence_dir: Path, row: Row
 ) -> None:
     """Copy the harness's own streams and native transcript out of the sandbox, bounded and compressed."""
     sources = {
@@ -479,7 +449,7 @@ async def _keep_evidence(
         try:
             data = await sandbox.read_file(path, EVIDENCE_COPY_LIMIT)
         except Exception as exc:
-            row["evidence_gaps"].append(f"{name}_unavailable: {_err(exc)[:200]}")
+            row.evidence_gaps.append(f"{name}_unavailable: {_err(exc)[:200]}")
             continue
         await asyncio.to_thread((evidence_dir / name).write_bytes, gzip.compress(data, compresslevel=3))
 
@@ -493,19 +463,17 @@ async def _stop(sandbox: Sandbox) -> bool:
         return False
 
 
-def _finish(row: dict[str, Any], outcome: Outcome, timer: _Timer) -> dict[str, Any]:
-    for phase in ("setup", "agent", "verify"):
-        row[f"t_{phase}_s"] = timer.marks.get(phase)
-    row.update(
-        status=outcome.status.value,
-        failure_kind=outcome.failure_kind.value,
-        http_status=outcome.http_status,
-        error_message=outcome.error_message,
-        error_detail=json.dumps(outcome.error_detail, default=str)[:16_000],
-        retry_after_s=outcome.retry_after_s,
-    )
-    if outcome.status is Status.FAILED or not row.get("verified"):
-        row.setdefault("reward", None)
+def _finish(row: Row, outcome: Outcome, timer: _Timer) -> Row:
+    """The row with its outcome and phase times; a phase never reached keeps a null time."""
+    row.t_setup_s = timer.marks.get("setup")
+    row.t_agent_s = timer.marks.get("agent")
+    row.t_verify_s = timer.marks.get("verify")
+    row.status = outcome.status.value
+    row.failure_kind = outcome.failure_kind.value
+    row.http_status = outcome.http_status
+    row.error_message = outcome.error_message
+    row.error_detail = json.dumps(outcome.error_detail, default=str)[:16_000]
+    row.retry_after_s = outcome.retry_after_s
     return row
 
 
@@ -517,17 +485,17 @@ def _err(exc: BaseException) -> str:
 def lost_row(req: SessionRequest, harness: str, provider: str, message: str) -> dict[str, Any]:
     """The row of an attempt whose worker or node died: nothing of its evidence came back."""
     outcome = Outcome.of(FailureKind.SANDBOX_LOST, message)
-    return {
-        "run_id": req.run_id,
-        "rollout_id": req.rollout_id,
-        "task_id": req.task.id,
-        "sample_index": req.sample_index,
-        "attempt": req.attempt,
-        "harness": harness,
-        "sandbox_provider": provider,
-        "status": outcome.status.value,
-        "failure_kind": outcome.failure_kind.value,
-        "error_message": outcome.error_message,
-        "evidence_gaps": ["worker_lost"],
-        "started_at": datetime.now(UTC),
-    }
+    return Row(
+        run_id=req.run_id,
+        rollout_id=req.rollout_id,
+        task_id=req.task.id,
+        sample_index=req.sample_index,
+        attempt=req.attempt,
+        harness=harness,
+        sandbox_provider=provider,
+        status=outcome.status.value,
+        failure_kind=outcome.failure_kind.value,
+        error_message=outcome.error_message,
+        evidence_gaps=["worker_lost"],
+        started_at=datetime.now(UTC),
+    ).to_dict()

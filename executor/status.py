@@ -13,26 +13,11 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
+from executor.row import columns
 from executor.runs import run_state
 from executor.store import iter_batches
 
-COLUMNS = [
-    "rollout_id",
-    "task_id",
-    "sample_index",
-    "attempt",
-    "harness",
-    "sandbox_provider",
-    "status",
-    "failure_kind",
-    "http_status",
-    "error_message",
-    "decision",
-    "masked",
-    "final",
-    "reward",
-    "t_total_s",
-]
+COLUMNS = list(columns("status"))
 EXAMPLE_CHARS = 120
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from executor.schema import ROW_SCHEMA, upgrade
+from executor.schema import ROW_SCHEMA, stored_names, upgrade
 
 _PART = re.compile(r"^part-(\d{6,})\.parquet$")
 RESUME_COLUMNS = ["task_id", "sample_index", "attempt", "decision", "final"]
@@ -133,10 +133,13 @@ class RunStore:
 
 def iter_batches(rows_dir: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     """``columns`` (all of the schema's when None) of every row, in that order. Part files of an older
-    schema version read as this one (a resumed run spans both): a column added since reads as null."""
+    schema version read as this one (a resumed run spans both): a column added since reads as null, one
+    renamed since under today's name."""
     names = list(columns) if columns is not None else list(ROW_SCHEMA.names)
     for path in part_files(rows_dir):
-        for batch in pq.ParquetFile(path).iter_batches(columns=names, batch_size=65_536):
+        part = pq.ParquetFile(path)
+        stored = stored_names(names, part.schema_arrow.names)
+        for batch in part.iter_batches(columns=stored, batch_size=65_536):
             yield _complete(upgrade(batch), names)
 
 

@@ -47,7 +47,7 @@ def _tool_success(row: dict[str, Any]) -> None:
     assert row["input_tokens"] > 0 and row["output_tokens"] > 0
     assert row["messages"][0]["role"] == "user" and row["messages"][-1]["text"] == "Created hello.txt."
     assert "transcript_unavailable" not in row["evidence_gaps"]
-    assert [a["status"] for a in row["model_attempts"]] == [200, 200, 200]
+    assert [a["status"] for a in row["model_calls"]] == [200, 200, 200]
 
 
 def _tool_failure(row: dict[str, Any]) -> None:
@@ -68,7 +68,7 @@ def _usage_omitted(row: dict[str, Any]) -> None:
 
 def _retry_429(row: dict[str, Any]) -> None:
     assert row["status"] == "completed", row["error_message"]
-    first, second = row["model_attempts"][:2]
+    first, second = row["model_calls"][:2]
     assert (first["status"], second["status"]) == (429, 200)
     assert first["request_sha256"] == second["request_sha256"]
     assert second["started_at"] - first["started_at"] >= 1.0  # no sooner than Retry-After
@@ -76,14 +76,14 @@ def _retry_429(row: dict[str, Any]) -> None:
 
 def _rate_limit_exhausted(row: dict[str, Any]) -> None:
     assert (row["status"], row["failure_kind"], row["http_status"]) == ("failed", "rate_limit_exceeded", 429)
-    assert len([a for a in row["model_attempts"] if a["status"] == 429]) == 3  # the gateway's budget
+    assert len([a for a in row["model_calls"] if a["status"] == 429]) == 3  # the gateway's budget
     assert row.get("reward") is None
 
 
 def _context_overflow(row: dict[str, Any]) -> None:
     assert (row["status"], row["failure_kind"]) == ("incomplete", "model_context_limit"), row["error_message"]
     assert row["reward"] == 1.0  # the partial work is graded
-    assert len(row["model_attempts"]) <= 12  # the gateway's overflow cap ended any compaction loop
+    assert len(row["model_calls"]) <= 12  # the gateway's overflow cap ended any compaction loop
 
 
 def _model_stall_at_deadline(row: dict[str, Any]) -> None:

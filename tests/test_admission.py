@@ -1,5 +1,5 @@
 from executor.admission import OBSERVED_FIELDS, Admission, AdmissionConfig
-from executor.schema import attempt_fields, rows_to_batch
+from executor.schema import model_call_fields, rows_to_batch
 
 OK = [{"kind": "none"}]
 PUSHED = [{"kind": "rate_limit_exceeded", "retry_after_s": None}, {"kind": "none"}]
@@ -56,8 +56,8 @@ def test_the_driver_reads_only_the_push_back_fields_of_a_row_with_token_ids():
     ids = list(range(5_000))
     call = {"prompt_token_ids": ids, "completion_token_ids": ids, "completion_logprobs": [-0.1] * 5_000}
     pushed = dict(call, status=429, kind="rate_limit_exceeded", retry_after_s=2.0)
-    batch = rows_to_batch([{"model_attempts": [pushed, dict(call, status=200, kind="none")]}])
-    seen = attempt_fields(batch, OBSERVED_FIELDS)
+    batch = rows_to_batch([{"model_calls": [pushed, dict(call, status=200, kind="none")]}])
+    seen = model_call_fields(batch, OBSERVED_FIELDS)
     assert seen == [
         {"kind": "rate_limit_exceeded", "retry_after_s": 2.0},
         {"kind": "none", "retry_after_s": None},

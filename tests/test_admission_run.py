@@ -52,7 +52,7 @@ def test_half_of_requests_rate_limited(tmp_path):
     assert summary.exit_code == 0, summary
     rows = read_table(tmp_path / "out" / "half429").to_pylist()
     assert len(rows) == TASKS and all(r["final"] and r["decision"] == "accept" for r in rows)
-    upstream = [a for r in rows for a in r["model_attempts"]]
+    upstream = [a for r in rows for a in r["model_calls"]]
     limited = sum(a["status"] == 429 for a in upstream)
     print(
         f"HALF429 sessions={TASKS} upstream={len(upstream)} limited={limited} "

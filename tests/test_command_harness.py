@@ -38,7 +38,7 @@ async def test_command_agent_calls_the_model_through_the_gateway(tmp_path):
     outcome = (row["status"], row["failure_kind"], row["reward"])
     assert outcome == ("completed", "none", 1.0), row["error_message"]
     assert row["final_text"] == "hi there"
-    assert [a["status"] for a in row["model_attempts"]] == [200]
+    assert [a["status"] for a in row["model_calls"]] == [200]
     assert row["input_tokens"] is not None  # from the gateway's record
 
 

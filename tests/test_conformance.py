@@ -116,7 +116,7 @@ def test_a_check_reason_is_bounded_and_a_raising_check_fails_its_cell():
         "final": True,
         "masked": False,
         "reward": 0.0,
-        "model_attempts": None,
+        "model_calls": None,
         "evidence_dir": "/nonexistent",
         "cleanup_ok": True,
     }

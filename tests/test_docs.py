@@ -4,21 +4,26 @@ repository."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 
-from executor.docs import REPO, stale
+from executor.docs import GENERATED, REPO, stale
 
 
 def test_every_generated_part_of_the_docs_is_what_the_code_renders_now():
     assert stale() == [], "run `python -m executor.docs` and commit the result"
 
 
-def test_a_stale_generated_part_is_found(tmp_path):
-    page = tmp_path / "docs" / "failures.md"
-    page.parent.mkdir()
-    text = (REPO / "docs" / "failures.md").read_text()
-    page.write_text(text.replace("| `agent_timeout` |", "| `agent_timed_out` |"))
-    assert stale(tmp_path) == ["docs/failures.md"]
+def test_a_stale_generated_part_or_page_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for page, _ in GENERATED:
+        shutil.copy(REPO / page, tmp_path / page)
+    assert stale(tmp_path) == []
+    failures = tmp_path / "docs" / "failures.md"
+    failures.write_text(failures.read_text().replace("| `agent_timeout` |", "| `agent_timed_out` |"))
+    schema = tmp_path / "docs" / "schema.md"
+    schema.write_text(schema.read_text().replace("`model_calls`", "`model_attempts`"))
+    assert stale(tmp_path) == ["docs/failures.md", "docs/schema.md"]
 
 
 def test_nothing_in_the_repository_points_outside_it():

@@ -37,7 +37,7 @@ async def _run(tmp_path: Path, task: Task, config: dict[str, Any] | None = None)
 
 def _chat_attempts(row: dict[str, Any]) -> list[dict[str, Any]]:
     # Hermes also looks up prices (GET /props, /models); only the model calls matter here.
-    return [a for a in row["model_attempts"] if a["path"] == "/chat/completions"]
+    return [a for a in row["model_calls"] if a["path"] == "/chat/completions"]
 
 
 async def test_two_shell_calls_then_answer(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ async def test_rate_limit_forever_is_not_success(tmp_path: Path) -> None:
     assert row["exit_code"] == 0  # Hermes says nothing went wrong ...
     assert (row["status"], row["failure_kind"], row["http_status"]) == ("failed", "rate_limit_exceeded", 429)
     assert row["final_text"] is None  # ... and its error sentence is not taken for an answer
-    assert len([a for a in row["model_attempts"] if a["status"] == 429]) == 3
+    assert len([a for a in row["model_calls"] if a["status"] == 429]) == 3
     assert row.get("reward") is None
 
 

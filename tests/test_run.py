@@ -70,7 +70,7 @@ def test_demo_tasks_through_ray(tmp_path):
             1.0,
             "accept",
         ), (task, r["error_message"])
-    recovered = final["rate-limit-recovers"]["model_attempts"]
+    recovered = final["rate-limit-recovers"]["model_calls"]
     assert recovered[0]["status"] == 429 and recovered[1]["status"] == 200
     assert recovered[1]["started_at"] - recovered[0]["started_at"] >= 1.0
 

@@ -42,7 +42,7 @@ async def test_clean_completion_is_graded(tmp_path):
     shell = [c for c in row["tool_calls"] if c["exit_code"] is not None]
     assert shell and shell[0]["exit_code"] == 0 and shell[0]["status"] == "completed"
     assert row["input_tokens"] > 0 and row["output_tokens"] > 0
-    assert [a["status"] for a in row["model_attempts"]] == [200, 200]
+    assert [a["status"] for a in row["model_calls"]] == [200, 200]
     assert "hello.txt" in row["workspace_diff"] and "verifier-was-here" not in row["workspace_diff"]
     assert row["evidence_gaps"] == []
     assert row["cleanup_ok"] is True
@@ -65,7 +65,7 @@ async def test_rate_limit_that_recovers(tmp_path):
     )
     row = await _run(tmp_path, task)
     assert row["status"] == "completed", row["error_message"]
-    first, second = row["model_attempts"][:2]
+    first, second = row["model_calls"][:2]
     assert (first["status"], second["status"]) == (429, 200)
     assert first["request_index"] == second["request_index"]
     assert first["request_sha256"] == second["request_sha256"]
@@ -76,7 +76,7 @@ async def test_rate_limit_forever_is_classified_from_the_gateway(tmp_path):
     task = _task(model_script=[{"type": "error", "status": 429, "headers": {"Retry-After": "0"}}])
     row = await _run(tmp_path, task)
     assert (row["status"], row["failure_kind"], row["http_status"]) == ("failed", "rate_limit_exceeded", 429)
-    upstream = [a for a in row["model_attempts"] if a["status"] == 429]
+    upstream = [a for a in row["model_calls"] if a["status"] == 429]
     assert len(upstream) == 3  # the gateway's per-request budget, and nothing after it closed
     assert row.get("reward") is None
 

@@ -153,7 +153,7 @@ def test_demo_tasks_with_provider_slurm_and_real_codex(tmp_path):
         ), (task, r["error_message"])
         assert r["sandbox_provider"] == "slurm" and r["sandbox_id"].startswith("slurm-")
         assert r["cleanup_ok"] is True
-    recovered = final["rate-limit-recovers"]["model_attempts"]
+    recovered = final["rate-limit-recovers"]["model_calls"]
     assert recovered[0]["status"] == 429 and recovered[1]["status"] == 200
     assert len({r["sandbox_id"] for r in rows}) == len(rows)
     assert _jobs(run_id) == []

@@ -46,12 +46,12 @@ def test_schema_columns_cover_identity_and_decision():
         "masked",
         "final",
         "tool_calls",
-        "model_attempts",
+        "model_calls",
         "evidence_gaps",
         "verifier_runs",
     ):
         assert name in COLUMNS
-    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"3"
+    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"4"
 
 
 def test_rows_travel_from_worker_to_driver_unchanged():
@@ -65,7 +65,7 @@ def test_rows_of_another_schema_version_are_refused_by_name():
 
     old = pa.schema([pa.field("run_id", pa.string())], metadata={"rollout_executor_schema": "1"})
     sent = batch_to_wire(pa.RecordBatch.from_pylist([{"run_id": "r"}], schema=old))
-    with pytest.raises(ValueError, match="schema version 1, this driver writes version 3"):
+    with pytest.raises(ValueError, match="schema version 1, this driver writes version 4"):
         batch_from_wire(sent)
 
 
@@ -81,7 +81,7 @@ def test_warm_up_leaves_the_first_row_nothing_to_import():
         row = {"run_id": "r", "rollout_id": "t.s0.a1", "task_id": "t", "sample_index": 0, "attempt": 1,
                "status": "completed", "failure_kind": "none", "reward": 1.0, "t_total_s": 0.5,
                "started_at": datetime.datetime.now(datetime.timezone.utc),
-               "model_attempts": [{"request_index": 0, "status": 200, "latency_s": 0.1}]}
+               "model_calls": [{"request_index": 0, "status": 200, "latency_s": 0.1}]}
         batch_from_wire(batch_to_wire(rows_to_batch([row]))).to_pylist()
         print(sorted(set(sys.modules) - before))
         """
@@ -239,6 +239,27 @@ def test_a_part_file_of_the_previous_schema_reads_verifier_runs_as_null(tmp_path
     }
     chosen = read_table(tmp_path / "run", ["verifier_runs", "task_id"])
     assert chosen.schema.names == ["verifier_runs", "task_id"] and chosen.num_rows == 2
+
+
+def test_a_part_file_of_version_3_reads_its_model_attempts_as_model_calls(tmp_path):
+    call = {"request_index": 0, "status": 429, "kind": "rate_limit_exceeded", "retry_after_s": 2.0}
+    store = RunStore(tmp_path / "run")
+    store.append(rows_to_batch([_row(task="new", model_calls=[call])]))
+    store.flush()
+    new = read_table(tmp_path / "run")
+    names = ["model_attempts" if n == "model_calls" else n for n in new.schema.names]
+    older = new.rename_columns(names).replace_schema_metadata({"rollout_executor_schema": "3"})
+    pq.write_table(
+        older.set_column(2, "task_id", [["old"]]), tmp_path / "run" / "rows" / "part-000001.parquet"
+    )
+    table = read_table(tmp_path / "run")
+    assert table.schema.names == list(COLUMNS) and "model_attempts" not in table.schema.names
+    calls = dict(
+        zip(table.column("task_id").to_pylist(), table.column("model_calls").to_pylist(), strict=True)
+    )
+    assert calls["old"] == calls["new"] and calls["old"][0]["status"] == 429
+    chosen = read_table(tmp_path / "run", ["task_id", "model_calls"])
+    assert chosen.column("model_calls").to_pylist() == [calls["new"], calls["old"]]
 
 
 def test_sigkill_mid_write_leaves_no_torn_part(tmp_path):

@@ -311,10 +311,11 @@ def throughput(n: int, levels: tuple[int, ...], scratch: Path) -> list[dict[str,
 
 
 def _null_worker_class(token_ids: int = 0) -> Any:
-    """``token_ids``: each row carries two model attempts with that many prompt and completion ids and
+    """``token_ids``: each row carries two model calls with that many prompt and completion ids and
     logprobs, as a run with ``gateway.capture_tokens`` does."""
     import ray
 
+    from executor.row import ModelCall, Row
     from executor.schema import batch_to_wire, rows_to_batch
 
     class NullWorker:
@@ -323,33 +324,35 @@ def _null_worker_class(token_ids: int = 0) -> Any:
         def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
             self.run_id = json.loads(config_json)["run_id"]
             ids = list(range(token_ids))
-            call = {
-                "status": 200,
-                "kind": "none",
-                "prompt_token_ids": ids,
-                "completion_token_ids": ids,
-                "completion_logprobs": [-0.5] * token_ids,
-            }
-            self.attempts = [dict(call, request_index=i) for i in range(2)] if token_ids else []
+            self.calls = [
+                ModelCall(
+                    request_index=i,
+                    status=200,
+                    kind="none",
+                    prompt_token_ids=ids,
+                    completion_token_ids=ids,
+                    completion_logprobs=[-0.5] * token_ids,
+                )
+                for i in range(2 if token_ids else 0)
+            ]
 
         async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
             task_id = json.loads(task_json)["id"]
-            row = {
-                "run_id": self.run_id,
-                "rollout_id": f"{task_id}.s{sample_index}.a{attempt}",
-                "task_id": task_id,
-                "sample_index": sample_index,
-                "attempt": attempt,
-                "harness": "null",
-                "sandbox_provider": "null",
-                "status": "completed",
-                "failure_kind": "none",
-                "reward": 1.0,
-                "final_text": "done",
-                "evidence_gaps": [],
-                "model_attempts": self.attempts,
-            }
-            return batch_to_wire(rows_to_batch([row]))
+            row = Row(
+                run_id=self.run_id,
+                rollout_id=f"{task_id}.s{sample_index}.a{attempt}",
+                task_id=task_id,
+                sample_index=sample_index,
+                attempt=attempt,
+                harness="null",
+                sandbox_provider="null",
+                status="completed",
+                failure_kind="none",
+                reward=1.0,
+                final_text="done",
+                model_calls=self.calls,
+            )
+            return batch_to_wire(rows_to_batch([row.to_dict()]))
 
     return ray.remote(NullWorker)
 
@@ -401,27 +404,27 @@ def driver_memory(n: int, scratch: Path, token_ids: int = 0) -> list[dict[str, A
 
 
 def store(rows: int, scratch: Path) -> dict[str, Any]:
+    from executor.row import Message, Row, ToolCall
     from executor.schema import rows_to_batch
     from executor.store import RunStore, scan
 
     def row(i: int) -> dict[str, Any]:
-        return {
-            "run_id": "d",
-            "rollout_id": f"t{i}.s0.a1",
-            "task_id": f"t{i}",
-            "sample_index": 0,
-            "attempt": 1,
-            "status": "completed",
-            "failure_kind": "none",
-            "decision": "accept",
-            "final": True,
-            "masked": False,
-            "reward": 1.0,
-            "final_text": "done " * 40,
-            "evidence_gaps": [],
-            "tool_calls": [{"name": "shell", "status": "completed", "exit_code": 0, "output": "ok\n"}],
-            "messages": [{"role": "assistant", "text": "x" * 400}],
-        }
+        return Row(
+            run_id="d",
+            rollout_id=f"t{i}.s0.a1",
+            task_id=f"t{i}",
+            sample_index=0,
+            attempt=1,
+            status="completed",
+            failure_kind="none",
+            decision="accept",
+            final=True,
+            masked=False,
+            reward=1.0,
+            final_text="done " * 40,
+            tool_calls=[ToolCall(name="shell", status="completed", exit_code=0, output="ok\n")],
+            messages=[Message(role="assistant", text="x" * 400)],
+        ).to_dict()
 
     batches = [
         rows_to_batch([row(i) for i in range(start, min(start + 100, rows))]) for start in range(0, rows, 100)

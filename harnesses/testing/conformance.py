@@ -140,7 +140,7 @@ class Scenario:
 
 
 def _attempts(row: dict[str, Any]) -> list[dict[str, Any]]:
-    return list(row.get("model_attempts") or [])
+    return list(row.get("model_calls") or [])
 
 
 def _statuses(row: dict[str, Any]) -> list[int | None]:
@@ -284,7 +284,7 @@ def _hang_bounded(rows: Rows, ctx: CheckContext) -> str | None:
 def _agent_spent_the_time(rows: Rows, ctx: CheckContext) -> str | None:
     waiting = [a for a in _attempts(rows[-1]) if a["kind"] != FailureKind.NONE.value]
     if waiting:
-        return f"model attempts that did not answer: {[(a['status'], a['kind']) for a in waiting]}"
+        return f"model calls that did not answer: {[(a['status'], a['kind']) for a in waiting]}"
     return _hang_bounded(rows, ctx)
 
 
@@ -335,8 +335,8 @@ def _in_stream_error_recorded(rows: Rows, ctx: CheckContext) -> str | None:
     return _each_row(rows, one)
 
 
-def _no_model_attempts(rows: Rows, ctx: CheckContext) -> str | None:
-    return _each_row(rows, lambda r: f"model attempts {_statuses(r)}" if _attempts(r) else None)
+def _no_model_calls(rows: Rows, ctx: CheckContext) -> str | None:
+    return _each_row(rows, lambda r: f"model calls {_statuses(r)}" if _attempts(r) else None)
 
 
 def _verifier_ran(times: int) -> Check:
@@ -652,7 +652,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.AGENT_NO_MODEL_CALL,
         _INFRA,
         None,
-        checks=(("no_model_attempts", _no_model_attempts),),
+        checks=(("no_model_calls", _no_model_calls),),
         launch_argv=("true",),
     ),
     Scenario(

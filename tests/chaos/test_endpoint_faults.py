@@ -105,7 +105,7 @@ def test_reset_streams_complete_and_are_recorded_as_transport_errors(tmp_path):
     proc = run(write_config(tmp_path, "resets", tasks))
     rows = rows_of(tmp_path, "resets")
     fig = figures(rows, {(f"t{i:03d}", 0) for i in range(n)})
-    resets = [(r["task_id"], a) for r in rows for a in r["model_attempts"] if a["kind"] == "transport_error"]
+    resets = [(r["task_id"], a) for r in rows for a in r["model_calls"] if a["kind"] == "transport_error"]
     leaks = wait_no_leaks(str(tmp_path / "sandboxes"))
     final = [r for r in rows if r["final"]]
     report("stream-reset-30pct", f"{n}tasks", len(resets), fig["lost"], fig["dup"], leaks)
@@ -169,7 +169,7 @@ def test_a_third_of_sessions_stalling_forever_are_retried_masked_and_never_grade
     fig = figures(rows, {(f"t{i:03d}", 0) for i in range(n)})
     leaks = wait_no_leaks(str(tmp_path / "sandboxes"))
     stalled_ids = {f"t{i:03d}" for i in stalled}
-    upstream = sum(len(r["model_attempts"]) for r in rows if r["task_id"] in stalled_ids)
+    upstream = sum(len(r["model_calls"]) for r in rows if r["task_id"] in stalled_ids)
     kinds = Counter((r["failure_kind"], r["decision"]) for r in rows)
     report(
         "stall-30pct",
@@ -188,7 +188,7 @@ def test_a_third_of_sessions_stalling_forever_are_retried_masked_and_never_grade
         if r["task_id"] in stalled_ids:
             assert r["failure_kind"] == "model_timeout", r["error_message"]
             assert r["reward"] is None and not r["verified"]  # never graded, not even as a zero
-            assert len(r["model_attempts"]) <= per_request  # the gateway gave up on its first request
+            assert len(r["model_calls"]) <= per_request  # the gateway gave up on its first request
         else:
             assert (r["decision"], r["reward"]) == ("accept", 1.0), r["error_message"]
     finals = {r["task_id"]: r["decision"] for r in rows if r["final"]}

@@ -152,9 +152,9 @@ def test_429_for_60s_slows_the_run_stays_within_the_budgets_and_loses_nothing(tm
     after = [
         r
         for r in rows
-        if r["model_attempts"] and min(a["started_at"] for a in r["model_attempts"]) >= outage.ends_at
+        if r["model_calls"] and min(a["started_at"] for a in r["model_calls"]) >= outage.ends_at
     ]
-    pushed_back = sum(a["status"] == 429 for r in rows for a in r["model_attempts"])
+    pushed_back = sum(a["status"] == 429 for r in rows for a in r["model_calls"])
     retries = sum(r["decision"] == "retry" for r in rows)
     # Each session attempt forwards at most per_session failed calls before the gateway closes it, and the
     # run makes at most n + budget session attempts.
