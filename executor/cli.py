@@ -49,9 +49,18 @@ def run(
     preflight_timeout: Annotated[
         float, typer.Option(min=0.5, max=600, help="Seconds the endpoint check may take in all.")
     ] = 20.0,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray cluster to join (HOST:PORT, auto, ray://...); 'local' starts one of the run's own. "
+            "Overrides the config's ray_address, which overrides RAY_ADDRESS; with none of the three the "
+            "run starts a local cluster of its own, whatever else runs on this machine."
+        ),
+    ] = None,
 ) -> None:
     """Run (or resume) the rollouts a config describes."""
     from executor import phases
+    from executor.cluster import check_out
     from executor.config import load_config
 
     phases.mark("cli")
@@ -65,6 +74,7 @@ def run(
         ("model.name", model),
         ("model.api_key_env", api_key_env),
         ("concurrency.max_in_flight", max_in_flight),
+        ("ray_address", address),
     ):
         if value is not None:
             overrides[key] = str(Path(value).resolve()) if key in ("tasks", "out") else value
@@ -73,6 +83,7 @@ def run(
         overrides["model.base_url"] = model_url
     try:
         cfg = load_config(config, overrides)
+        check_out(cfg.out)  # before anything is written: not where Ray deletes it after the job
         cfg.model.api_key()
         _validate_tasks(Path(cfg.tasks))
     except InputError as exc:

@@ -123,7 +123,9 @@ class RunConfig(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
-    ray_address: str | None = None  # None: RAY_ADDRESS if set, else a local cluster
+    # The Ray cluster to join; "local": a local one of the run's own. None: RAY_ADDRESS if set, else a
+    # local one of its own (executor/cluster.py).
+    ray_address: str | None = None
 
     @model_validator(mode="after")
     def _agent_time_needs_a_local_sandbox(self) -> RunConfig:

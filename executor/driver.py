@@ -29,6 +29,7 @@ from ray.exceptions import (
 
 from executor import phases
 from executor.admission import OBSERVED_FIELDS, Admission
+from executor.cluster import LOCAL, cluster_address
 from executor.config import RunConfig
 from executor.progress import Progress
 from executor.reaper import reap_quietly
@@ -102,13 +103,14 @@ _own_gcs: str | None = None
 
 
 def connect_ray(cfg: RunConfig) -> bool:
-    """Connect to the cluster ``cfg`` names, else start a local one. True when connected to a local
-    cluster this process started (then it is ours to stop, by ``stop_own_ray``), False when joined."""
+    """Join the cluster ``cfg`` or ``RAY_ADDRESS`` names (see ``cluster_address``), else start a local one
+    of our own. True when connected to a local cluster this process started (then it is ours to stop, by
+    ``stop_own_ray``), False when joined."""
     global _own_gcs
     if ray.is_initialized():
         return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg.ray_address)
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
@@ -116,6 +118,8 @@ def connect_ray(cfg: RunConfig) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
+        # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
+        address=LOCAL,
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=False,
