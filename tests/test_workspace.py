@@ -45,7 +45,7 @@ def git(repo: Path, *args: str) -> str:
 @pytest.fixture(params=["in_sandbox", "prepared"])
 def prepared(request: pytest.FixtureRequest, tmp_path: Path) -> PreparedWorkspaces | None:
     """Each lay-out test runs both ways: git inside the sandbox, and a copy of the worker's prepared one."""
-    return PreparedWorkspaces(tmp_path / "prepared") if request.param == "prepared" else None
+    return PreparedWorkspaces(tmp_path / "prepared", "run") if request.param == "prepared" else None
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_
     src.mkdir()
     (src / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     spec = WorkspaceSpec(copy_from=str(src), files={"notes/task.md": "fix add\n"})
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     first, second = await _started(provider), await _started(provider)
     try:
@@ -225,7 +225,7 @@ async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_
 
 @needs_git
 async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
-    prepared = PreparedWorkspaces(tmp_path / "prepared", max_entries=2)
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run", max_entries=2)
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     try:
         for i in range(4):
@@ -249,7 +249,7 @@ async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_syml
     src.mkdir()
     outside.mkdir()
     os.symlink(outside, src / "escape")
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     sb = await _started(provider)
     try:
@@ -283,7 +283,7 @@ async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host
     git(src, "config", "filter.spy.clean", f"sh -c 'echo \"${{ROLLOUT_SANDBOX:-host}}\" >> {seen}; cat'")
     (src / ".gitattributes").write_text("*.txt filter=spy\n")
     (src / "a.txt").write_text("a\n")
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     sb = await _started(provider)
     try:
