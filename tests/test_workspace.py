@@ -12,9 +12,9 @@ import pytest
 
 from sandboxes.base import SandboxSpec, WorkspaceSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
-from sandboxes.owner import Owner
 from sandboxes.prepared import PREPARED_DIR, PreparedWorkspaces, reap_prepared
 from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
+from tests.test_shared_root import dead_owner
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -263,15 +263,14 @@ async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_syml
 
 
 def test_reap_prepared_removes_only_the_entries_of_gone_workers(tmp_path: Path) -> None:
-    me = Owner.current()
-    base = tmp_path / PREPARED_DIR
-    mine = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks}"
-    gone = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks + 1}"  # the same pid, another process
-    elsewhere = base / f"other.host.example.{me.boot}.1.1"
+    mine = PreparedWorkspaces(tmp_path, "run").root  # this process: alive
+    gone = tmp_path / "other-run" / PREPARED_DIR / dead_owner(tmp_path)
+    elsewhere = tmp_path / "run" / PREPARED_DIR / "not-an-owner"
     for path in (mine, gone, elsewhere):
         (path / "entry").mkdir(parents=True)
-    assert reap_prepared(tmp_path) == [gone.name]
-    assert sorted(p.name for p in base.iterdir()) == sorted([mine.name, elsewhere.name])
+    assert reap_prepared(tmp_path) == [f"other-run/{PREPARED_DIR}/{gone.name}"]
+    assert mine.is_dir() and elsewhere.is_dir() and not gone.exists()
+    assert reap_prepared(tmp_path) == []
 
 
 @needs_git
