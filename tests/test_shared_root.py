@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 
 from executor.store import read_table
 from sandboxes.isolation import pid_namespace_unavailable
+from tests.chaos.conftest import wait_until
 from tests.conftest import processes_under
 
 REPO = Path(__file__).parents[1]
@@ -45,17 +45,6 @@ def in_own_pid_namespace(argv: list[str]) -> list[str]:
     """``argv`` as pid 1 of a PID namespace of its own with its own /proc: it sees none of our pids,
     and its processes (and those of everything it starts) end with it."""
     return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
-
-
-def _wait(condition: Any, bound_s: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        if proc is not None and proc.poll() is not None:
-            return condition()
-        time.sleep(0.2)  # polling a condition, bounded
-    return False
 
 
 # -- one owner, one reaper, in different PID namespaces ----------------------------------------------------
@@ -275,7 +264,7 @@ def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
     first_log, second_log = tmp_path / "first.stderr", tmp_path / "second.stderr"
     first = _start(argv(first_cfg, "first"), ray_tmps[0], first_log)
     try:
-        assert _wait(lambda: len(list(root.glob("first/*/work/waiting"))) == SLOTS, 300, first), (
+        assert wait_until(lambda: len(list(root.glob("first/*/work/waiting"))) == SLOTS, 300, first), (
             first_log.read_text(errors="replace")[-3000:]
         )
         second = _start(argv(second_cfg, "second"), ray_tmps[1], second_log)
