@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandboxes import proctree
+
+log = logging.getLogger(__name__)
 
 OWNERS_DIR = "owners"
 _NAME_RE = re.compile(r"[0-9a-f]{16}")
@@ -103,15 +106,25 @@ def hold(root: Path) -> str:
 
 def _make_record(owners: Path) -> tuple[str, int]:
     owners.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({**Owner.current().encode(), "created_at": time.time()}).encode()
     name = secrets.token_hex(8)
     staging = owners / f"{name}.new"
     # O_CLOEXEC: a program this process starts (a sandbox's supervisor server, whose tree may outlive us)
     # must not hold the lock, or a dead owner would pass for alive and what it left could not be reaped.
     fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, body)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError as exc:  # a filesystem without locks (NFS without a lock manager)
+            log.warning(
+                "owner record %s cannot be locked (%s): what this process owns there is left to its TTL",
+                staging,
+                exc,
+            )
+            locked = False
+        os.write(
+            fd, json.dumps({**Owner.current().encode(), "locked": locked, "created_at": time.time()}).encode()
+        )
         # Published already locked: no reaper can find the record of a live owner unlocked.
         os.rename(staging, owners / name)
     except BaseException:
@@ -153,7 +166,8 @@ def known_dead(root: Path, name: str) -> bool:
         return False
     try:
         try:
-            owner = Owner.decode(json.loads(os.read(fd, _RECORD_BYTES)))
+            record = json.loads(os.read(fd, _RECORD_BYTES))
+            owner = Owner.decode(record)
         except (OSError, ValueError, TypeError):
             return False
         if owner is None:
@@ -161,10 +175,12 @@ def known_dead(root: Path, name: str) -> bool:
         if owner.boot != boot_id()[:8]:
             # A lock says nothing across machines (a shared filesystem may keep locks per client).
             return owner.host == socket.gethostname()
+        if record.get("locked") is not True:
+            return False  # its owner could not lock it: no lock of ours can prove it dead
         try:
             # Shared: two reapers probing at once must not take each other for the owner.
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # EWOULDBLOCK: the owner holds it
             return False
         return True
     finally:

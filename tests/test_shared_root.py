@@ -168,12 +168,50 @@ def test_a_missing_or_foreign_record_and_a_dead_owner(tmp_path: Path) -> None:
     )
     torn = "00000000000000ff"
     (tmp_path / "owners" / torn).write_text("{")
-    assert [owner.known_dead(tmp_path, n) for n in (me, gone, missing, foreign, torn, "s1")] == [
-        False, True, True, False, False, False
-    ]  # fmt: skip
+    # An owner that could not lock its record (a filesystem without locks) is never proven dead by one.
+    unlocked = "00000000000000fe"
+    record = json.loads((tmp_path / "owners" / gone).read_text()) | {"locked": False}
+    (tmp_path / "owners" / unlocked).write_text(json.dumps(record))
+    names = (me, gone, missing, foreign, torn, unlocked, "s1")
+    assert [owner.known_dead(tmp_path, n) for n in names] == [False, True, True, False, False, False, False]
     assert owner.forget_dead(tmp_path) == [gone]
     assert owner.forget_dead(tmp_path) == []
-    assert sorted(p.name for p in (tmp_path / "owners").iterdir()) == sorted([me, foreign, torn])
+    assert sorted(p.name for p in (tmp_path / "owners").iterdir()) == sorted([me, foreign, torn, unlocked])
+
+
+FORKS = """
+import os, sys, pathlib
+from sandboxes.owner import hold
+print(hold(pathlib.Path(sys.argv[1])), flush=True)
+if os.fork() == 0:
+    print("child", flush=True)
+    sys.stdin.read()  # lives on until the test closes its stdin
+"""
+
+
+def test_a_forked_child_does_not_keep_its_dead_parent_alive(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        python(FORKS, str(tmp_path)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        name, child = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+        assert child == "child"
+        assert proc.wait(60) == 0  # the parent, the record's owner, is gone; its child lives on
+        from sandboxes import owner
+
+        assert owner.known_dead(tmp_path, name)
+    finally:
+        proc.stdin.close()
+
+
+def test_a_record_removed_from_under_its_owner_is_made_again(tmp_path: Path) -> None:
+    from sandboxes import owner
+
+    first = owner.hold(tmp_path)
+    shutil.rmtree(tmp_path / "owners")  # the root deleted while the process lives
+    second = owner.hold(tmp_path)
+    assert second != first and not owner.known_dead(tmp_path, second)
 
 
 @pytest.fixture
