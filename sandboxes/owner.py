@@ -125,7 +125,8 @@ def _make_record(owners: Path) -> tuple[str, int]:
         os.write(
             fd, json.dumps({**Owner.current().encode(), "locked": locked, "created_at": time.time()}).encode()
         )
-        # Published already locked: no reaper can find the record of a live owner unlocked.
+        # Published only now: no reaper can find a live owner's record before it is locked (or says it
+        # could not be).
         os.rename(staging, owners / name)
     except BaseException:
         os.close(fd)
@@ -156,7 +157,9 @@ def known_dead(root: Path, name: str) -> bool:
     """Whether the owner ``name`` of things under ``root`` is gone, as far as this machine can prove: its
     record is gone (one is removed only once its owner is dead), its lock is free, or it was made on this
     host before its last boot. Another machine's owner, or a record we cannot read, is never dead here."""
-    if not is_owner_name(name):
+    if not is_owner_name(name) or any(name == held for held, _fd in _held.values()):
+        # Our own: where flock is emulated by POSIX locks (NFS), a probe of it from this process would
+        # succeed, and closing the probe would drop the owner's lock.
         return False
     try:
         fd = os.open(Path(root) / OWNERS_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
