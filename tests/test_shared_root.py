@@ -283,6 +283,7 @@ def _rows(tmp_path: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)  # two runs, each with a Ray cluster of its own, on a machine shared with others
 @needs_pid_namespace
 @pytest.mark.parametrize("inside", ["first", "second"], ids=["first-run-inside", "second-run-inside"])
 def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
