@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from executor.config import SandboxConfig
+from sandboxes.owner import forget_dead
 from sandboxes.prepared import reap_prepared
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ def reap(sandbox: SandboxConfig, run_id: str | None = None, *, everything: bool 
         raise ValueError("ending every sandbox needs a run id")
     root = sandbox.root_dir()
     reap_prepared(root)  # the laid-out workspaces of dead workers: disk, nothing running
-    return sandbox.reap(root, run_id, everything=everything)
+    reaped = sandbox.reap(root, run_id, everything=everything)
+    forget_dead(root)  # last: a missing record says its owner is dead, to whatever it owned
+    return reaped
 
 
 def reap_quietly(sandbox: SandboxConfig) -> list[str]:

@@ -78,7 +78,7 @@ class SandboxWorker:
                 cache_root=default_cache_root(),
                 node_id=ray.get_runtime_context().get_node_id(),
                 worker_id=self.worker_id,
-                workspaces=PreparedWorkspaces(root),
+                workspaces=PreparedWorkspaces(root, cfg.run_id or ""),
             )
             warm_up()
             # Ray's, pyarrow's and pydantic's objects live as long as the worker: out of the collector's

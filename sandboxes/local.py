@@ -7,7 +7,11 @@ Layout of one session, ``<root>/<run_id>/<session_id>/``::
     tmp/          TMPDIR
     logs/         <name>.stdout / <name>.stderr of each exec, capped
     run/          each exec's supervisor result and log
-    sandbox.json  the descriptor another process uses to reap this sandbox
+    sandbox.json  the descriptor another process uses to reap this sandbox; it names the owner
+
+The owner is the process that started the sandbox, proven alive by the lock on its record
+``<root>/owners/<name>`` (sandboxes/owner.py); a reaper ends only sandboxes whose owner is dead or whose
+TTL has passed. A run's state stays under ``<root>/<run_id>/``, so runs sharing a root meet only there.
 
 Commands reach their supervisors through the sandbox's supervisor server (sandboxes/exec_server.py),
 which forks one per command. Processes are ended three ways, so that no one mechanism has to be
@@ -40,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from sandboxes import isolation, proctree
+from sandboxes import isolation, owner, proctree
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -233,11 +237,15 @@ class LocalSandboxProvider:
         _check_component("session_id", spec.session_id)
         session_dir = self.root / spec.run_id / spec.session_id
         try:
+            owner_name = owner.hold(self.root)  # once per process: later calls are a lookup and an fstat
+        except OSError as exc:
+            raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
+        try:
             server = await self._take_server()
         except OSError as exc:
             raise SandboxStartError(f"cannot start a supervisor server: {exc}") from exc
         try:
-            sandbox = LocalSandbox(self, spec, session_dir, server)
+            sandbox = LocalSandbox(self, spec, session_dir, server, owner_name)
         except SandboxError as exc:
             await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
@@ -320,10 +328,11 @@ class LocalSandboxProvider:
         """Wait for the deletions of stopped sandboxes' directories begun so far."""
         await asyncio.gather(*self._removals, return_exceptions=True)
 
-    def _remove_later(self, session_dir: Path) -> None:
+    def _remove_later(self, session_dir: Path, owner_name: str) -> None:
         """Move a stopped sandbox's directory aside at once and delete it off the session's path: a
-        harness's home holds hundreds of files, 10-40 ms of unlinking that no row needs to wait for."""
-        aside = session_dir.with_name(f"{session_dir.name}{_REMOVING_SUFFIX}")
+        harness's home holds hundreds of files, 10-40 ms of unlinking that no row needs to wait for. The
+        aside's name says whose deletion it is, so only a dead owner's is finished by a reaper."""
+        aside = session_dir.with_name(f"{session_dir.name}.{owner_name}{_REMOVING_SUFFIX}")
         try:
             os.rename(session_dir, aside)
         except OSError:
@@ -348,7 +357,12 @@ class LocalSandbox:
     runs_before = True  # see sandboxes.base.RunsBefore
 
     def __init__(
-        self, provider: LocalSandboxProvider, spec: SandboxSpec, session_dir: Path, server: ExecServer
+        self,
+        provider: LocalSandboxProvider,
+        spec: SandboxSpec,
+        session_dir: Path,
+        server: ExecServer,
+        owner_name: str,
     ) -> None:
         self.provider_name = provider.name
         self.spec = spec
@@ -380,6 +394,7 @@ class LocalSandbox:
         self.base_env = merge_environment(base, spec.env)
         self.created_at = time.time()
         self.ttl_deadline = self.created_at + spec.ttl_s
+        self._owner = owner_name
         self._owner_pid = os.getpid()
         self._owner_start_ticks = start_ticks(self._owner_pid)
         self._host = socket.gethostname()
@@ -405,6 +420,7 @@ class LocalSandbox:
             "home": self.home,
             "created_at": self.created_at,
             "ttl_deadline": self.ttl_deadline,
+            "owner": self._owner,
             "owner_pid": self._owner_pid,
             "owner_start_ticks": self._owner_start_ticks,
             "host": self._host,
@@ -726,7 +742,7 @@ class LocalSandbox:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
             self.descriptor_path.unlink(missing_ok=True)
             if not self._keep:
-                self._provider._remove_later(self.root)
+                self._provider._remove_later(self.root, self._owner)
             self._stopped = True
 
     async def delete(self) -> None:
@@ -784,9 +800,13 @@ def write_confined(root: str, base: str, path: str, data: bytes, mode: int, wher
 def reap_stale(
     root: Path, run_id: str | None = None, *, now: float | None = None, grace_s: float = DEFAULT_KILL_GRACE_S
 ) -> list[str]:
-    """Kill the processes of local sandboxes under ``root`` whose TTL has passed or whose owner died, and
-    remove their descriptors. Returns the ids reaped; idempotent. Blocking: call it in a thread from
-    async code. Sandboxes of other hosts are left to their own host."""
+    """Kill the processes of local sandboxes under ``root`` whose owner is dead or whose TTL has passed,
+    and remove their descriptors. Returns the ids reaped; idempotent. Blocking: call it in a thread from
+    async code. Sandboxes of other machines are left to their own.
+
+    An owner is dead when its record's lock is free (sandboxes/owner.py): a pid would not do, since the
+    reaper may see another PID namespace than the owner did. Processes are found by the sandbox's marker
+    in this reaper's /proc; a dead owner's processes in a namespace it cannot see are not its to kill."""
     root = Path(root)
     if run_id is not None:
         _check_component("run_id", run_id)
@@ -800,11 +820,11 @@ def reap_stale(
             sandbox_id, marker = str(desc["id"]), marker_entry(str(desc["marker"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if desc.get("host") != host:
-            continue
-        if desc.get("boot_id") == boot:  # after a reboot none of its processes can exist
-            owner_alive = start_ticks(int(desc["owner_pid"])) == desc.get("owner_start_ticks")
-            if owner_alive and now < float(desc["ttl_deadline"]):
+        if desc.get("boot_id") == boot:  # this machine since its last boot: its processes may run
+            # A sandbox without an owner record (an older version's) has only its TTL to end it.
+            name = desc.get("owner")
+            owner_dead = isinstance(name, str) and owner.known_dead(root, name)
+            if not owner_dead and now < float(desc["ttl_deadline"]):
                 continue
             roots = [int(pid) for pid in desc.get("supervisor_pids", [])]
             if desc.get("server_pid"):
@@ -812,10 +832,18 @@ def reap_stale(
             if not _kill_tree(roots, marker, sweep=True, grace_s=grace_s):
                 log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
                 continue
+        elif desc.get("host") != host:
+            continue  # another machine's
         path.unlink(missing_ok=True)
         reaped.append(sandbox_id)
     # Directories whose deletion a worker began but did not live to finish; nothing runs in them.
     for aside in root.glob(f"{run_id or '*'}/*{_REMOVING_SUFFIX}"):
-        if aside.is_dir() and not (aside / DESCRIPTOR_NAME).exists():
+        if aside.is_dir() and not (aside / DESCRIPTOR_NAME).exists() and _remover_gone(root, aside.name):
             shutil.rmtree(aside, ignore_errors=True)
     return reaped
+
+
+def _remover_gone(root: Path, aside: str) -> bool:
+    name = aside.removesuffix(_REMOVING_SUFFIX).rpartition(".")[2]
+    # An aside named after its session alone is an older version's: nobody is deleting it any more.
+    return not owner.is_owner_name(name) or owner.known_dead(root, name)

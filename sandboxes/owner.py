@@ -1,4 +1,10 @@
-"""Who started a remote sandbox, in a form a reaper on the same host can check for liveness.
+"""Who owns a sandbox, in a form a reaper can check for liveness: two forms, one per kind of sandbox.
+
+A local sandbox, and a worker's laid-out workspaces, belong to a process on this machine. The process
+makes an owner record under the sandbox root, ``<root>/owners/<name>``, and holds an ``flock`` on it until
+it dies; the kernel lets go of the lock then, whatever killed it. A reaper takes that lock, shared and
+without waiting, to learn whether the owner lives: the proof crosses PID namespaces (a run in a container,
+a second job on a node), where a pid read in the reaper's own /proc names nobody, or somebody else.
 
 A remote sandbox (Slurm job, ECS task) outlives the worker that started it unless someone ends it; its
 owner is written into the job's comment or the task's tags, and a reaper ends the sandboxes whose owner
@@ -7,11 +13,26 @@ process is gone. Only a reaper on the owner's host and boot can tell; elsewhere 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
 import os
+import re
+import secrets
 import socket
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from sandboxes import proctree
+
+log = logging.getLogger(__name__)
+
+OWNERS_DIR = "owners"
+_NAME_RE = re.compile(r"[0-9a-f]{16}")
+_RECORD_BYTES = 4096
 
 
 def boot_id() -> str:
@@ -46,7 +67,7 @@ class Owner:
     def decode(cls, data: dict[str, str]) -> Owner | None:
         try:
             return cls(data["host"], data["boot"], int(data["pid"]), int(data["ticks"]))
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, TypeError):
             return None
 
     def known_dead(self) -> bool:
@@ -56,3 +77,131 @@ class Owner:
         if self.boot != boot_id()[:8]:
             return True
         return start_ticks(self.pid) != self.ticks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Owner records: the local form
+
+# The root's real path -> (this process's record name there, the open record that holds the lock).
+_held: dict[str, tuple[str, int]] = {}
+_held_lock = threading.Lock()
+
+
+def hold(root: Path) -> str:
+    """This process's name as the owner of what it makes under ``root``; idempotent.
+
+    The first call makes the record and locks it for the rest of the process's life. A record removed
+    from under us (the root deleted) is made again, under a new name."""
+    key = os.path.realpath(root)
+    with _held_lock:
+        held = _held.get(key)
+        if held is not None:
+            if os.fstat(held[1]).st_nlink:
+                return held[0]
+            os.close(held[1])
+        name, fd = _make_record(Path(key) / OWNERS_DIR)
+        _held[key] = (name, fd)
+        return name
+
+
+def _make_record(owners: Path) -> tuple[str, int]:
+    owners.mkdir(parents=True, exist_ok=True)
+    name = secrets.token_hex(8)
+    staging = owners / f"{name}.new"
+    # O_CLOEXEC: a program this process starts (a sandbox's supervisor server, whose tree may outlive us)
+    # must not hold the lock, or a dead owner would pass for alive and what it left could not be reaped.
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError as exc:  # a filesystem without locks (NFS without a lock manager)
+            log.warning(
+                "owner record %s cannot be locked (%s): what this process owns there is left to its TTL",
+                staging,
+                exc,
+            )
+            locked = False
+        os.write(
+            fd, json.dumps({**Owner.current().encode(), "locked": locked, "created_at": time.time()}).encode()
+        )
+        # Published only now: no reaper can find a live owner's record before it is locked (or says it
+        # could not be).
+        os.rename(staging, owners / name)
+    except BaseException:
+        os.close(fd)
+        staging.unlink(missing_ok=True)
+        raise
+    return name, fd
+
+
+def _forget_after_fork() -> None:
+    """A forked child shares its parent's open records: closing them here lets the parent's death show,
+    and the child makes records of its own if it owns anything."""
+    global _held_lock
+    _held_lock = threading.Lock()  # another thread may have held it at the fork
+    for _name, fd in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def is_owner_name(name: str) -> bool:
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def known_dead(root: Path, name: str) -> bool:
+    """Whether the owner ``name`` of things under ``root`` is gone, as far as this machine can prove: its
+    record is gone (one is removed only once its owner is dead), its lock is free, or it was made on this
+    host before its last boot. Another machine's owner, or a record we cannot read, is never dead here."""
+    if not is_owner_name(name) or any(name == held for held, _fd in _held.values()):
+        # Our own: where flock is emulated by POSIX locks (NFS), a probe of it from this process would
+        # succeed, and closing the probe would drop the owner's lock.
+        return False
+    try:
+        fd = os.open(Path(root) / OWNERS_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        try:
+            record = json.loads(os.read(fd, _RECORD_BYTES))
+            owner = Owner.decode(record)
+        except (OSError, ValueError, TypeError):
+            return False
+        if owner is None:
+            return False
+        if owner.boot != boot_id()[:8]:
+            # A lock says nothing across machines (a shared filesystem may keep locks per client).
+            return owner.host == socket.gethostname()
+        if record.get("locked") is not True:
+            return False  # its owner could not lock it: no lock of ours can prove it dead
+        try:
+            # Shared: two reapers probing at once must not take each other for the owner.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: the owner holds it
+            return False
+        return True
+    finally:
+        os.close(fd)  # and with it the probe's lock
+
+
+def forget_dead(root: Path) -> list[str]:
+    """Remove the records of owners known dead; from then on, what they owned is known dead by the
+    record's absence. Returns the names removed; idempotent."""
+    owners = Path(root) / OWNERS_DIR
+    try:
+        names = sorted(os.listdir(owners))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if is_owner_name(name) and known_dead(root, name):
+            with contextlib.suppress(FileNotFoundError):
+                (owners / name).unlink()
+                removed.append(name)
+    return removed

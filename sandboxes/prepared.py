@@ -7,8 +7,9 @@ host's git) and each sandbox gets a copy, the same tree ``lay_out`` would have m
 
 An entry is keyed by the inline files and by the path, mode, size and mtime of everything under
 ``copy_from``, so a source edited during a run gets a new entry. At most ``max_entries`` are kept; the
-least recently used one goes once no copy reads it. Each worker keeps its entries under a directory
-named after it (host, boot, pid, start time); ``reap_prepared`` removes those of workers that are gone.
+least recently used one goes once no copy reads it. Each worker keeps its entries in its run's directory
+under the sandbox root, ``<root>/<run_id>/prepared-workspaces/<owner>/``, named after its owner record
+(sandboxes/owner.py); ``reap_prepared`` removes those whose owner is dead, and no others.
 Without git on this host the cache steps aside and the sandbox makes its own baseline; so it does for a
 ``copy_from`` that is a git repository, whose config could make git run programs of the task's choosing.
 """
@@ -27,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from sandboxes import owner
 from sandboxes.base import SandboxError, WorkspaceSpec
 from sandboxes.inline import inline_if
 from sandboxes.local import write_confined
-from sandboxes.owner import Owner
 from sandboxes.workspace import (
     BASELINE_SCRIPT,
     GIT_NOT_FOUND,
@@ -45,13 +46,13 @@ MAX_ENTRIES = 32
 
 
 class PreparedWorkspaces:
-    """One worker's laid-out workspaces under ``parent``; an asyncio object of that worker's loop."""
+    """One worker's laid-out workspaces for run ``run_id`` under the sandbox root ``root``; an asyncio
+    object of that worker's loop."""
 
-    def __init__(self, parent: Path, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, root: Path, run_id: str, max_entries: int = MAX_ENTRIES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, not {max_entries}")
-        owner = Owner.current()
-        self.root = Path(parent) / PREPARED_DIR / f"{owner.host}.{owner.boot}.{owner.pid}.{owner.ticks}"
+        self.root = Path(root) / run_id / PREPARED_DIR / owner.hold(Path(root))
         self.max_entries = max_entries
         self.builds = 0  # how many entries were laid out; the rest of the uses were copies
         self._entries: OrderedDict[str, Path] = OrderedDict()
@@ -109,19 +110,15 @@ class PreparedWorkspaces:
         await asyncio.to_thread(shutil.rmtree, self.root, True)
 
 
-def reap_prepared(parent: Path) -> list[str]:
-    """Remove the entries of workers on this host that are gone; returns the directories removed."""
+def reap_prepared(root: Path) -> list[str]:
+    """Remove the entries of every run's workers under the sandbox root ``root`` whose owner is dead;
+    returns the directories removed, relative to ``root``."""
+    root = Path(root)
     removed = []
-    base = Path(parent) / PREPARED_DIR
-    with contextlib.suppress(OSError):
-        for path in sorted(base.iterdir()):
-            parts = path.name.rsplit(".", 3)  # a host name may hold dots of its own
-            if len(parts) != 4:
-                continue
-            owner = Owner.decode(dict(zip(("host", "boot", "pid", "ticks"), parts, strict=True)))
-            if owner is not None and owner.known_dead():
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path.name)
+    for path in sorted(root.glob(f"*/{PREPARED_DIR}/*")):
+        if owner.known_dead(root, path.name):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path.relative_to(root)))
     return removed
 
 

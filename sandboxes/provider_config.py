@@ -29,8 +29,9 @@ class ProviderConfig(BaseModel):
     gateway_host: str = "127.0.0.1"
 
     def root_dir(self) -> Path:
-        """Where the sessions' directories (and the prepared workspaces) go: ``root``, else
-        ``<cache>/sandboxes``. The worker builds its provider there and the reaper looks there."""
+        """Where each run's directory (its sessions, its prepared workspaces) and the owner records go:
+        ``root``, else ``<cache>/sandboxes``. The worker builds its provider there and the reaper looks
+        there."""
         return Path(self.root) if self.root else default_cache_root() / "sandboxes"
 
     @property

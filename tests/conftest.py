@@ -102,7 +102,7 @@ async def session_context(
             scripted=scripted,
             evidence_root=tmp_path / "evidence",
             cache_root=default_cache_root(),
-            workspaces=PreparedWorkspaces(tmp_path),
+            workspaces=PreparedWorkspaces(tmp_path / "sandboxes", cfg.run_id or ""),
         )
     finally:
         await provider.aclose()

@@ -82,7 +82,7 @@ def test_its_own_cluster_is_stopped_once_the_work_is_safe(tmp_path, ray_tmp):
     phases = json.loads((run_dir / "summary.json").read_text())["phases"]
     assert [phases[name] for name in PHASES_IN_ORDER] == sorted(phases[name] for name in PHASES_IN_ORDER)
     # The worker closed what it held: its laid-out workspaces went with it, not with the next run's reaper.
-    prepared = sandboxes / "prepared-workspaces"
+    prepared = sandboxes / "own" / "prepared-workspaces"
     assert not (list(prepared.iterdir()) if prepared.is_dir() else []), list(prepared.iterdir())
     assert not processes_under(str(sandboxes)), processes_under(str(sandboxes))
     assert not _gone(str(ray_tmp)), "Ray processes of the run's own cluster outlived it"

@@ -28,7 +28,9 @@ from sandboxes.base import (
 )
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
+from sandboxes.owner import hold
 from sandboxes.proctree import read_proc
+from tests.test_shared_root import dead_owner
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # safety bound on waiting for an event; never a timing assertion
@@ -633,8 +635,14 @@ async def test_reap_removes_a_directory_a_dead_worker_left_half_deleted(root: Pa
     live = root / "run" / "alive.removing"  # a session's own name: it has a descriptor, so it is kept
     live.mkdir()
     (live / "sandbox.json").write_text("{}")
+    # Named after whose deletion it is: a live owner's is left to it, a dead one's is finished.
+    deleting = root / "run" / f"s2.{hold(root)}.removing"
+    abandoned = root / "run" / f"s3.{dead_owner(root)}.removing"
+    for path in (deleting, abandoned):
+        (path / "home").mkdir(parents=True)
     assert await asyncio.to_thread(reap_stale, root, "run") == []
     assert not aside.exists() and live.exists()
+    assert deleting.exists() and not abandoned.exists()
 
 
 async def test_delete_removes_the_directory(sandbox: LocalSandbox) -> None:

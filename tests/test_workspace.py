@@ -12,9 +12,9 @@ import pytest
 
 from sandboxes.base import SandboxSpec, WorkspaceSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
-from sandboxes.owner import Owner
 from sandboxes.prepared import PREPARED_DIR, PreparedWorkspaces, reap_prepared
 from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
+from tests.test_shared_root import dead_owner
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -45,7 +45,7 @@ def git(repo: Path, *args: str) -> str:
 @pytest.fixture(params=["in_sandbox", "prepared"])
 def prepared(request: pytest.FixtureRequest, tmp_path: Path) -> PreparedWorkspaces | None:
     """Each lay-out test runs both ways: git inside the sandbox, and a copy of the worker's prepared one."""
-    return PreparedWorkspaces(tmp_path / "prepared") if request.param == "prepared" else None
+    return PreparedWorkspaces(tmp_path / "prepared", "run") if request.param == "prepared" else None
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_
     src.mkdir()
     (src / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     spec = WorkspaceSpec(copy_from=str(src), files={"notes/task.md": "fix add\n"})
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     first, second = await _started(provider), await _started(provider)
     try:
@@ -225,7 +225,7 @@ async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_
 
 @needs_git
 async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
-    prepared = PreparedWorkspaces(tmp_path / "prepared", max_entries=2)
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run", max_entries=2)
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     try:
         for i in range(4):
@@ -249,7 +249,7 @@ async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_syml
     src.mkdir()
     outside.mkdir()
     os.symlink(outside, src / "escape")
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     sb = await _started(provider)
     try:
@@ -263,15 +263,14 @@ async def test_an_inline_file_cannot_leave_the_prepared_workspace_through_a_syml
 
 
 def test_reap_prepared_removes_only_the_entries_of_gone_workers(tmp_path: Path) -> None:
-    me = Owner.current()
-    base = tmp_path / PREPARED_DIR
-    mine = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks}"
-    gone = base / f"{me.host}.{me.boot}.{me.pid}.{me.ticks + 1}"  # the same pid, another process
-    elsewhere = base / f"other.host.example.{me.boot}.1.1"
+    mine = PreparedWorkspaces(tmp_path, "run").root  # this process: alive
+    gone = tmp_path / "other-run" / PREPARED_DIR / dead_owner(tmp_path)
+    elsewhere = tmp_path / "run" / PREPARED_DIR / "not-an-owner"
     for path in (mine, gone, elsewhere):
         (path / "entry").mkdir(parents=True)
-    assert reap_prepared(tmp_path) == [gone.name]
-    assert sorted(p.name for p in base.iterdir()) == sorted([mine.name, elsewhere.name])
+    assert reap_prepared(tmp_path) == [f"other-run/{PREPARED_DIR}/{gone.name}"]
+    assert mine.is_dir() and elsewhere.is_dir() and not gone.exists()
+    assert reap_prepared(tmp_path) == []
 
 
 @needs_git
@@ -283,7 +282,7 @@ async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host
     git(src, "config", "filter.spy.clean", f"sh -c 'echo \"${{ROLLOUT_SANDBOX:-host}}\" >> {seen}; cat'")
     (src / ".gitattributes").write_text("*.txt filter=spy\n")
     (src / "a.txt").write_text("a\n")
-    prepared = PreparedWorkspaces(tmp_path / "prepared")
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
     sb = await _started(provider)
     try:

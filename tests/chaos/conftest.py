@@ -102,6 +102,20 @@ def figures(rows: list[dict[str, Any]], expected: set[tuple[str, int]]) -> dict[
     }
 
 
+def wait_until(
+    condition: Callable[[], bool], bound_s: float, proc: subprocess.Popen[bytes] | None = None
+) -> bool:
+    """Whether ``condition`` came true within ``bound_s`` (or by the time ``proc`` ended, if given)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return condition()
+        time.sleep(0.2)  # polling a condition, bounded
+    return False
+
+
 def wait_no_leaks(marker: str, bound_s: float = 60) -> int:
     """Sandbox processes still alive after the bound (they may take a moment to notice a dead parent)."""
     deadline = time.monotonic() + bound_s

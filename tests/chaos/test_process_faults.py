@@ -26,6 +26,7 @@ from tests.chaos.conftest import (
     rows_of,
     run,
     wait_no_leaks,
+    wait_until,
     write_config,
     write_tasks,
 )
@@ -44,17 +45,6 @@ def _start(cfg: Path) -> subprocess.Popen[bytes]:
         cwd=REPO,
         start_new_session=True,
     )
-
-
-def _wait(condition, bound_s: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        if proc is not None and proc.poll() is not None:
-            return condition()
-        time.sleep(0.2)  # polling a condition, bounded
-    return False
 
 
 def _stderr_of(cfg: Path) -> str:
@@ -117,11 +107,12 @@ def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_
     sandboxes = tmp_path / "sandboxes"
     driver = _start(cfg)
     try:
-        assert _wait(lambda: len(_hanging_sessions(sandboxes, "sleep")) >= n, 300, driver), _stderr_of(cfg)
+        hanging = wait_until(lambda: len(_hanging_sessions(sandboxes, "sleep")) >= n, 300, driver)
+        assert hanging, _stderr_of(cfg)
         workers = {_ray_worker_of(pid) for pid in _pids_under(str(sandboxes))} - {None}
         assert len(workers) == 1, workers
         os.kill(workers.pop(), signal.SIGKILL)
-        assert _wait(lambda: not _hanging_sessions(sandboxes, "sleep"), 120), "killed sessions lived on"
+        assert wait_until(lambda: not _hanging_sessions(sandboxes, "sleep"), 120), "killed sessions lived on"
         released.touch()
         assert driver.wait(timeout=300) == 0
     finally:
@@ -174,7 +165,7 @@ def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_
     for gate in gates[1:]:
         driver = _start(cfg)
         try:
-            progressed = _wait(lambda seen=seen_parts: len(part_files(rows_dir)) > seen, 240, driver)
+            progressed = wait_until(lambda seen=seen_parts: len(part_files(rows_dir)) > seen, 240, driver)
             assert progressed and driver.poll() is None, _stderr_of(cfg)
             time.sleep(rng.uniform(0, 3))  # the fault point itself is random; nothing waits on it
             assert driver.poll() is None, _stderr_of(cfg)
