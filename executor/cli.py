@@ -61,7 +61,7 @@ def run(
     """Run (or resume) the rollouts a config describes."""
     from executor import phases
     from executor.cluster import check_out
-    from executor.config import load_config
+    from executor.config import load_config, local_path
 
     phases.mark("cli")
 
@@ -77,11 +77,14 @@ def run(
         ("ray_address", address),
     ):
         if value is not None:
-            overrides[key] = str(Path(value).resolve()) if key in ("tasks", "out") else value
+            overrides[key] = value
     if model_url:
         overrides["model.provider"] = "openai"
         overrides["model.base_url"] = model_url
     try:
+        for key in ("tasks", "out"):
+            if key in overrides:
+                overrides[key] = str(Path(local_path(str(overrides[key]), f"--{key}")).resolve())
         cfg = load_config(config, overrides)
         check_out(cfg.out)  # before anything is written: not where Ray deletes it after the job
         cfg.model.api_key()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -176,14 +177,33 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
         raise InputError(f"{path}: the config must be a mapping of keys")
     raw.setdefault("run_id", path.stem)
     for key in ("tasks", "out"):
-        if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
-            raw[key] = str((path.parent / raw[key]).resolve())
+        if isinstance(raw.get(key), str):
+            raw[key] = local_path(raw[key], f"{path}: {key}")
+            if not Path(raw[key]).is_absolute():
+                raw[key] = str((path.parent / raw[key]).resolve())
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise InputError(f"{path}: {_describe(exc)}") from None
+
+
+_URI_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_path(value: str, where: str) -> str:
+    """A path given as a path or a ``file://`` URI, as a path. Any other URI (``s3://``) is refused: taken
+    as a path it would quietly become a local directory named ``s3:``, and the run would look written."""
+    match = _URI_RE.match(value)
+    if match is None:
+        return value
+    if match.group(1).lower() == "file":
+        return value[len(match.group(0)) :] or "/"
+    raise InputError(
+        f"{where} {value[:200]}: {match.group(1)}:// storage is not supported yet; "
+        "give a path (on a filesystem every node shares, for a cluster)"
+    )
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
