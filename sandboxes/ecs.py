@@ -27,7 +27,7 @@ import httpx
 from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
-from sandboxes.owner import Owner
+from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_health
 
@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
 RUN_TAG, SESSION_TAG, TTL_TAG = "rollout:run", "rollout:session", "rollout:ttl"
-OWNER_TAG_PREFIX = "rollout:owner:"
+OWNER_TAG_PREFIX = "rollout:owner:"  # host, boot, pid, ticks, record (sandboxes/owner.py)
+# ECS's limits: 50 tags a task, keys of 128 characters, values of 256. Ours: 8 tags, keys under 30, and
+# values short but for the run and session ids (cut to fit; the run is also in startedBy).
+TAG_VALUE_MAX = 256
 # Transient answers of the ECS API: the same call (same clientToken) is tried again.
 RETRYABLE_CODES = {
     "ThrottlingException",
@@ -72,10 +75,10 @@ class EcsSandboxConfig(ProviderConfig):
     poll_s: float = Field(default=2.0, gt=0)
 
     def build(self, root: Path, network_forward: NetworkForward | None = None) -> EcsSandboxProvider:
-        return EcsSandboxProvider(self)
+        return EcsSandboxProvider(self, root=root)
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
-        return EcsSandboxProvider(self).reap(run_id, everything=everything)
+        return EcsSandboxProvider(self, root=root).reap(run_id, everything=everything)
 
 
 def started_by(run_id: str) -> str:
@@ -128,10 +131,18 @@ def default_address(task: dict[str, Any], port: int) -> tuple[str, int] | None:
 
 class EcsSandboxProvider:
     def __init__(
-        self, config: EcsSandboxConfig, *, client: Any = None, resolve: AddressResolver | None = None
+        self,
+        config: EcsSandboxConfig,
+        *,
+        root: Path | None = None,
+        client: Any = None,
+        resolve: AddressResolver | None = None,
     ) -> None:
         self.cfg = config
         self.name = "ecs"
+        # Only the owner records go here (the worker's own machine): a task's tags name its owner's, and a
+        # reaper on this machine proves the owner dead by the record's lock.
+        self.root = Path(root) if root is not None else config.root_dir()
         if client is None:
             import boto3  # optional dependency: only ECS runs need it
 
@@ -158,9 +169,8 @@ class EcsSandboxProvider:
             await asyncio.sleep(random.uniform(0, min(8.0, 0.2 * 2**attempt)))
         raise AssertionError("unreachable")
 
-    def _run_task_args(self, spec: SandboxSpec, token: str) -> dict[str, Any]:
+    def _run_task_args(self, spec: SandboxSpec, token: str, owner: Owner) -> dict[str, Any]:
         cfg = self.cfg
-        owner = Owner.current()
         tags = {
             RUN_TAG: spec.run_id,
             SESSION_TAG: spec.session_id,
@@ -181,7 +191,7 @@ class EcsSandboxProvider:
             "count": 1,
             "startedBy": started_by(spec.run_id),
             "clientToken": uuid.uuid4().hex,  # the same for every retry of this launch
-            "tags": [{"key": k, "value": v[:256]} for k, v in tags.items()],
+            "tags": [{"key": k, "value": v[:TAG_VALUE_MAX]} for k, v in tags.items()],
             "overrides": {
                 "containerOverrides": [
                     {
@@ -209,10 +219,14 @@ class EcsSandboxProvider:
     # -- the provider ------------------------------------------------------------------------------------
 
     async def start(self, spec: SandboxSpec) -> RemoteSandbox:
+        try:
+            owner = Owner.current(hold(self.root))  # once per process: later calls are a lookup and an fstat
+        except OSError as exc:
+            raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
         await self.bucket.acquire()
         token = secrets.token_urlsafe(32)
         try:
-            answer = await self._call("run_task", **self._run_task_args(spec, token))
+            answer = await self._call("run_task", **self._run_task_args(spec, token, owner))
         except SandboxError as exc:
             raise SandboxStartError(str(exc)) from exc
         tasks, failures = answer.get("tasks", []), answer.get("failures", [])
@@ -297,7 +311,8 @@ class EcsSandboxProvider:
     # -- reaping -----------------------------------------------------------------------------------------
 
     def reap(self, run_id: str | None, *, everything: bool = False, now: float | None = None) -> list[str]:
-        """Stop the rollout tasks of dead owners or past their TTL; ``everything``: all of ``run_id``'s."""
+        """Stop the rollout tasks past their TTL or whose owner this machine proves dead by its record
+        under the root; ``everything``: all of ``run_id``'s."""
         if everything and run_id is None:
             raise ValueError("reaping everything needs a run id")
         now = time.time() if now is None else now
@@ -323,7 +338,7 @@ class EcsSandboxProvider:
                 )
                 ttl = tags.get(TTL_TAG, "")
                 expired = ttl.isdigit() and now > int(ttl)
-                if everything or expired or (owner is not None and owner.known_dead()):
+                if everything or expired or (owner is not None and owner.known_dead(self.root)):
                     self.client.stop_task(
                         cluster=self.cfg.cluster, task=task["taskArn"], reason="rollout: reaped"
                     )

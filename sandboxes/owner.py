@@ -7,8 +7,9 @@ without waiting, to learn whether the owner lives: the proof crosses PID namespa
 a second job on a node), where a pid read in the reaper's own /proc names nobody, or somebody else.
 
 A remote sandbox (Slurm job, ECS task) outlives the worker that started it unless someone ends it; its
-owner is written into the job's comment or the task's tags, and a reaper ends the sandboxes whose owner
-process is gone. Only a reaper on the owner's host and boot can tell; elsewhere the TTL is the backstop.
+owner (host, boot, pid, and the name of its record under the worker's sandbox root) is written into the
+job's comment or the task's tags, and a reaper ends the sandboxes whose owner is gone. Only a reaper on the
+owner's kernel can prove that, by the record's lock; elsewhere the TTL is the backstop.
 """
 
 from __future__ import annotations
@@ -54,29 +55,47 @@ class Owner:
     boot: str  # the first 8 characters of the boot id: enough to tell a reboot
     pid: int
     ticks: int  # the process's start time in clock ticks: a recycled pid has another
+    # The name of the owner's record under the sandbox root (``hold``); "" from versions before records.
+    record: str = ""
 
     @classmethod
-    def current(cls) -> Owner:
+    def current(cls, record: str = "") -> Owner:
         pid = os.getpid()
-        return cls(socket.gethostname(), boot_id()[:8], pid, start_ticks(pid) or 0)
+        return cls(socket.gethostname(), boot_id()[:8], pid, start_ticks(pid) or 0, record)
 
     def encode(self) -> dict[str, str]:
-        return {"host": self.host, "boot": self.boot, "pid": str(self.pid), "ticks": str(self.ticks)}
+        fields = {"host": self.host, "boot": self.boot, "pid": str(self.pid), "ticks": str(self.ticks)}
+        return fields | ({"record": self.record} if self.record else {})
 
     @classmethod
     def decode(cls, data: dict[str, str]) -> Owner | None:
         try:
-            return cls(data["host"], data["boot"], int(data["pid"]), int(data["ticks"]))
-        except (KeyError, ValueError, TypeError):
+            record = data.get("record", "")
+            record = record if is_owner_name(record) else ""  # a torn or foreign name: as if none
+            return cls(data["host"], data["boot"], int(data["pid"]), int(data["ticks"]), record)
+        except (KeyError, ValueError, TypeError, AttributeError):
             return None
 
-    def known_dead(self) -> bool:
-        """True only when this host can see the owner is gone; another host's owner is never 'dead'."""
-        if self.host != socket.gethostname():
-            return False
-        if self.boot != boot_id()[:8]:
-            return True
-        return start_ticks(self.pid) != self.ticks
+    def known_dead(self, root: Path) -> bool:
+        """Whether this machine can prove a remote sandbox's owner gone: the owner ran on this host before
+        its last boot, or on this very kernel with its record under ``root`` (the worker's sandbox root)
+        there and its lock free. Never from a pid: this reaper may see another PID namespace than the
+        owner did (a run in a container, a second job on a node), where the pid names nobody, or somebody
+        else. So an older version's owner, with no record named, is left to the TTL, as is another
+        machine's: a shared filesystem's locks may be kept per client."""
+        verdict = _kernel_verdict(self.host, self.boot)
+        if verdict is not None or not self.record:
+            return bool(verdict)
+        return known_dead(root, self.record, missing_is_dead=False)
+
+
+def _kernel_verdict(host: str, boot: str) -> bool | None:
+    """What an owner's host and boot prove alone: None when it ran on this very kernel (its lock tells);
+    True when it ran on this host before its last boot; else False, another machine's owner being never
+    dead here (a shared filesystem may keep locks per client, or none across clients)."""
+    if boot == boot_id()[:8]:
+        return None
+    return host == socket.gethostname()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,10 +172,15 @@ def is_owner_name(name: str) -> bool:
     return _NAME_RE.fullmatch(name) is not None
 
 
-def known_dead(root: Path, name: str) -> bool:
+def known_dead(root: Path, name: str, *, missing_is_dead: bool = True) -> bool:
     """Whether the owner ``name`` of things under ``root`` is gone, as far as this machine can prove: its
     record is gone (one is removed only once its owner is dead), its lock is free, or it was made on this
-    host before its last boot. Another machine's owner, or a record we cannot read, is never dead here."""
+    host before its last boot. Another machine's owner, or a record we cannot read, is never dead here.
+
+    ``missing_is_dead=False``: for what lives elsewhere (a remote sandbox) and only names its owner's
+    record, whose absence proves nothing: at ``root`` the reaper may see another filesystem than the owner
+    did (a container's own), or the root was deleted under a live owner, who made its record again under
+    a new name. Such a sandbox is left to its TTL once its owner's record is forgotten."""
     if not is_owner_name(name) or any(name == held for held, _fd in _held.values()):
         # Our own: where flock is emulated by POSIX locks (NFS), a probe of it from this process would
         # succeed, and closing the probe would drop the owner's lock.
@@ -164,7 +188,7 @@ def known_dead(root: Path, name: str) -> bool:
     try:
         fd = os.open(Path(root) / OWNERS_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        return missing_is_dead
     except OSError:
         return False
     try:
@@ -175,9 +199,9 @@ def known_dead(root: Path, name: str) -> bool:
             return False
         if owner is None:
             return False
-        if owner.boot != boot_id()[:8]:
-            # A lock says nothing across machines (a shared filesystem may keep locks per client).
-            return owner.host == socket.gethostname()
+        verdict = _kernel_verdict(owner.host, owner.boot)
+        if verdict is not None:
+            return verdict
         if record.get("locked") is not True:
             return False  # its owner could not lock it: no lock of ours can prove it dead
         try:

@@ -9,8 +9,10 @@ The session's directory sits on a filesystem the worker and the compute nodes sh
 
 The token is written by the worker into ``control/token`` and read by the agent from there, so it never
 appears on a command line ``squeue`` or ``ps`` shows. The job is named ``rollout.<run_id>``, its comment
-carries the owner (host, boot, pid, start ticks) and the TTL deadline, and ``--time`` is the TTL: a
-reaper needs nothing but ``squeue`` to find what a dead worker left, and Slurm ends it regardless.
+carries the owner (host, boot, pid, start ticks, and its record under ``<root>/owners/``) and the TTL
+deadline, and ``--time`` is the TTL: a reaper needs ``squeue`` to find what a dead worker left and, on the
+worker's machine, the record's lock to know it dead (sandboxes/owner.py); Slurm ends the job at its TTL
+regardless.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Literal
 from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
-from sandboxes.owner import Owner
+from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_files
 
@@ -45,6 +47,9 @@ COMMAND_TIMEOUT_S = 30.0
 POLL_S = 0.05
 SQUEUE_EVERY_S = 1.0
 GONE_TIMEOUT_S = 30.0
+# What slurmctld accepts in --comment (22.05 refuses 1025 characters). Ours is ~160 at most: a host name
+# (64 on Linux), a boot id's 8, a pid, start ticks, the owner record's 16 and the TTL deadline.
+COMMENT_MAX = 1024
 # Job states in which the job is, or may still be, running something of ours.
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
 
@@ -65,7 +70,7 @@ class SlurmSandboxConfig(ProviderConfig):
         return SlurmSandboxProvider(root, self)
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
-        return reap_jobs(run_id, everything=everything)
+        return reap_jobs(root, run_id, everything=everything)
 
 
 def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -121,9 +126,12 @@ def list_jobs(run_id: str | None = None) -> list[tuple[str, str, dict[str, str]]
     return jobs
 
 
-def reap_jobs(run_id: str | None = None, *, everything: bool = False, now: float | None = None) -> list[str]:
-    """Cancel the rollout jobs whose owner this host sees dead or whose TTL passed; with ``everything``,
-    every job of ``run_id``. Returns the job ids cancelled."""
+def reap_jobs(
+    root: Path, run_id: str | None = None, *, everything: bool = False, now: float | None = None
+) -> list[str]:
+    """Cancel the rollout jobs whose owner this host proves dead by its record under ``root`` (the
+    sandbox root the owner's provider was built on), or whose TTL passed; with ``everything``, every job of
+    ``run_id``. Returns the job ids cancelled."""
     if everything and run_id is None:
         raise ValueError("reaping everything needs a run id")
     now = time.time() if now is None else now
@@ -131,7 +139,7 @@ def reap_jobs(run_id: str | None = None, *, everything: bool = False, now: float
     for job_id, _run_id, fields in list_jobs(run_id):
         owner = Owner.decode(fields)
         expired = "ttl" in fields and fields["ttl"].isdigit() and now > int(fields["ttl"])
-        if everything or expired or (owner is not None and owner.known_dead()):
+        if everything or expired or (owner is not None and owner.known_dead(root)):
             if cancel(job_id):
                 reaped.append(job_id)
             else:
@@ -182,13 +190,13 @@ class SlurmSandboxProvider:
         (control / "job.sh").write_text(self._job_script(session_dir, control, spec.ttl_s))
         return control, token
 
-    def _submit(self, spec: SandboxSpec, session_dir: Path, control: Path) -> str:
+    def _submit(self, spec: SandboxSpec, session_dir: Path, control: Path, owner_name: str) -> str:
         minutes = max(1, math.ceil(spec.ttl_s / 60))
         argv = [
             "sbatch", "--parsable",
             f"--job-name={JOB_PREFIX}{spec.run_id}",
             f"--time={minutes}",
-            f"--comment={_comment(Owner.current(), time.time() + spec.ttl_s)}",
+            f"--comment={_comment(Owner.current(owner_name), time.time() + spec.ttl_s)}",
             f"--output={control}/slurm-%j.out",
             f"--chdir={session_dir}",
             "--export=NONE",
@@ -207,12 +215,18 @@ class SlurmSandboxProvider:
                 raise SandboxStartError(f"{label} {value!r} cannot name a directory")
         session_dir = self.root / spec.run_id / spec.session_id
         try:
+            # Once per process (later calls are a lookup and an fstat); on the shared root, so that a
+            # reaper on this host proves this process's death by the record's lock, not by a pid.
+            owner_name = await asyncio.to_thread(hold, self.root)
+        except OSError as exc:
+            raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
+        try:
             control, token = await asyncio.to_thread(self._prepare, spec, session_dir)
         except FileExistsError as exc:
             raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
-        job_id = await asyncio.to_thread(self._submit, spec, session_dir, control)
+        job_id = await asyncio.to_thread(self._submit, spec, session_dir, control, owner_name)
         try:
             ready = await self._wait_ready(job_id, control)
             sandbox = RemoteSandbox(

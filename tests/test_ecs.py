@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ from sandboxes.ecs import (  # noqa: E402
     TokenBucket,
     started_by,
 )
-from sandboxes.owner import Owner  # noqa: E402
+from sandboxes.owner import Owner, hold  # noqa: E402
 from tests.agent_process import AgentProcess, start_agent  # noqa: E402
+from tests.test_shared_root import REPO, needs_pid_namespace, python  # noqa: E402
 
 REGION = "us-east-1"
 CLUSTER = "rollouts"
@@ -86,6 +86,12 @@ def _config(**extra: Any) -> EcsSandboxConfig:
     return EcsSandboxConfig(**{**base, "poll_s": 0.05, "start_timeout_s": 30, **extra})
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """The providers built without a root put their owner records under the cache: the test's own."""
+    monkeypatch.setenv("ROLLOUT_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def containers(tmp_path):
     c = LocalContainers(tmp_path / "containers")
@@ -109,9 +115,10 @@ async def test_run_describe_exec_stop(ecs, containers):
     assert task["lastStatus"] == "RUNNING" and task["startedBy"] == started_by("ecs-run")
     tags = {t["key"]: t["value"] for t in task["tags"]}
     assert tags[RUN_TAG] == "ecs-run" and int(tags[TTL_TAG]) > 0
-    assert Owner.decode(
+    owner = Owner.decode(
         {k[len(OWNER_TAG_PREFIX) :]: v for k, v in tags.items() if k.startswith(OWNER_TAG_PREFIX)}
     )
+    assert owner == Owner.current(hold(provider.root))  # the record under the root, this process's
     command = task["overrides"]["containerOverrides"][0]["command"]
     assert containers.agents[arn].token not in " ".join(command)  # the token only in the environment
 
@@ -201,12 +208,30 @@ async def test_a_task_that_failed_to_start_is_a_start_failure():
     stubber.assert_no_pending_responses()
 
 
-def _dead_owner() -> Owner:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    me = Owner.current()
-    return Owner(me.host, me.boot, int(proc.stdout), 1)
+# A stand-in worker: its owner as the provider tags a task with it, then it lives until its stdin closes.
+OWNER = """
+import json, sys
+from pathlib import Path
+from sandboxes.owner import Owner, hold
+print(json.dumps(Owner.current(hold(Path(sys.argv[1]))).encode()), flush=True)
+sys.stdin.read()
+"""
+
+
+def _owner_process(root: Path, *, own_pid_namespace: bool = False) -> tuple[subprocess.Popen[str], Owner]:
+    proc = subprocess.Popen(
+        python(OWNER, str(root), own_pid_namespace=own_pid_namespace),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    owner = Owner.decode(json.loads(proc.stdout.readline() if proc.stdout else "{}"))
+    assert owner is not None and owner.record
+    return proc, owner
+
+
+def _dead_owner(root: Path) -> Owner:
+    proc, owner = _owner_process(root)
+    proc.communicate(timeout=60)  # its stdin closed: it exits, and the kernel frees its record's lock
+    return owner
 
 
 def _run_tagged(client: Any, run_id: str, owner: Owner) -> str:
@@ -218,17 +243,69 @@ def _run_tagged(client: Any, run_id: str, owner: Owner) -> str:
     return answer["tasks"][0]["taskArn"]
 
 
-def test_tasks_of_dead_owners_are_stopped_and_gc_stops_a_whole_run(ecs):
-    provider = EcsSandboxProvider(_config(), client=ecs)
-    orphan = _run_tagged(ecs, "r1", _dead_owner())
-    alive = _run_tagged(ecs, "r1", Owner.current())
-    other_run = _run_tagged(ecs, "r2", _dead_owner())
+def test_tasks_of_dead_owners_are_stopped_and_gc_stops_a_whole_run(ecs, tmp_path):
+    provider = EcsSandboxProvider(_config(), root=tmp_path, client=ecs)
+    orphan = _run_tagged(ecs, "r1", _dead_owner(tmp_path))
+    alive = _run_tagged(ecs, "r1", Owner.current(hold(tmp_path)))
+    other_run = _run_tagged(ecs, "r2", _dead_owner(tmp_path))
     assert provider.reap("r1") == [orphan]
     assert _status(ecs, orphan) == "STOPPED" and _status(ecs, alive) == "RUNNING"
     assert _status(ecs, other_run) == "RUNNING"
     assert provider.reap("r1") == []  # idempotent
     assert provider.reap("r1", everything=True) == [alive]
     assert provider.reap(None) == [other_run]  # any run: only what dead owners left
+
+
+@pytest.mark.parametrize(
+    "own_pid_namespace", [False, pytest.param(True, marks=needs_pid_namespace)], ids=["same", "owner-inside"]
+)
+def test_a_live_owner_is_told_by_its_records_lock_across_pid_namespaces(ecs, tmp_path, own_pid_namespace):
+    """The owner in a PID namespace of its own (a run in a container) tags its task with the pid it sees,
+    which names somebody else in ours; its record's lock says it lives, and once it is gone, that it died."""
+    provider = EcsSandboxProvider(_config(), root=tmp_path, client=ecs)
+    proc, owner = _owner_process(tmp_path, own_pid_namespace=own_pid_namespace)
+    try:
+        arn = _run_tagged(ecs, "r1", owner)
+        assert provider.reap("r1") == []
+        assert _status(ecs, arn) == "RUNNING"
+    finally:
+        proc.communicate(timeout=60)
+    assert provider.reap("r1") == [arn]
+    assert _status(ecs, arn) == "STOPPED"
+
+
+def test_owners_this_machine_cannot_prove_dead_are_left_to_the_ttl(ecs, tmp_path):
+    provider = EcsSandboxProvider(_config(), root=tmp_path, client=ecs)
+    dead = _dead_owner(tmp_path)
+    me = Owner.current()
+    other_boot = f"{int(me.boot, 16) ^ 0xFFFFFFFF:08x}" if me.boot else "00000000"
+    left = {
+        # An older version's: a pid alone, gone from our /proc, which may not be the owner's PID namespace.
+        "older": Owner(me.host, me.boot, dead.pid, dead.ticks),
+        # Another machine's, even with a dead record under our root: its lock says nothing here.
+        "elsewhere": Owner("elsewhere", other_boot, dead.pid, dead.ticks, dead.record),
+        # A record we cannot see: this root may not be the filesystem the owner saw at its path.
+        "missing": Owner(me.host, me.boot, dead.pid, dead.ticks, "0123456789abcdef"),
+    }
+    stopped = {
+        "dead": dead,
+        "this host, before its last boot": Owner(me.host, other_boot, dead.pid, dead.ticks),
+    }
+    arns = {why: _run_tagged(ecs, "r1", owner) for why, owner in (left | stopped).items()}
+    assert sorted(provider.reap("r1")) == sorted(arns[why] for why in stopped)
+    assert sorted(provider.reap("r1", now=10_000_000_000)) == sorted(arns[why] for why in left)
+
+
+def test_tags_stay_within_ecs_limits_at_their_longest(tmp_path):
+    provider = EcsSandboxProvider(_config(), root=tmp_path, client=object())
+    longest = Owner("h" * 64, "abcdef01", 4_194_304, 2**63, "0123456789abcdef")  # Linux's longest host name
+    tags = provider._run_task_args(_spec("r" * 300, "s" * 300), "token", longest)["tags"]
+    assert len(tags) <= 50
+    assert all(len(t["key"]) <= 128 and len(t["value"]) <= 256 for t in tags)
+    decoded = {
+        t["key"][len(OWNER_TAG_PREFIX) :]: t["value"] for t in tags if t["key"].startswith(OWNER_TAG_PREFIX)
+    }
+    assert Owner.decode(decoded) == longest
 
 
 async def test_the_launch_bucket_allows_a_burst_then_the_rate():

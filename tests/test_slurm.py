@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,8 +16,19 @@ from pathlib import Path
 import pytest
 
 from sandboxes.base import SandboxSpec, SandboxStartError
-from sandboxes.slurm import LIVE_STATES, SlurmSandboxConfig, job_state, list_jobs, reap_jobs
+from sandboxes.owner import Owner
+from sandboxes.slurm import (
+    COMMENT_MAX,
+    LIVE_STATES,
+    SlurmSandboxConfig,
+    _comment,
+    _parse_comment,
+    job_state,
+    list_jobs,
+    reap_jobs,
+)
 from tests.chaos.conftest import REPO, env, rollout, rows_of, write_config
+from tests.test_shared_root import needs_pid_namespace, python
 
 REPO_ROOT = Path(__file__).parents[1]
 
@@ -96,33 +108,108 @@ async def test_a_job_that_cannot_start_its_agent_is_a_start_failure(tmp_path):
     assert _jobs(run_id) == []
 
 
-def test_jobs_of_a_dead_owner_are_reaped(tmp_path):
-    run_id = f"slurm-reap-{os.getpid()}"
-    # A stand-in worker: it starts a sandbox, reports the job, and is then SIGKILLed.
-    code = (
-        "import asyncio, sys; from pathlib import Path\n"
-        "from sandboxes.base import SandboxSpec; from sandboxes.slurm import SlurmSandboxConfig\n"
-        "async def main():\n"
-        f"    p = SlurmSandboxConfig().build(Path({str(tmp_path / 'sb')!r}))\n"
-        f"    s = await p.start(SandboxSpec(run_id={run_id!r}, session_id='s1', ttl_s=600))\n"
-        "    print(s.descriptor()['job_id'], flush=True)\n"
-        "    await asyncio.sleep(600)\n"
-        "asyncio.run(main())\n"
-    )
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+# A stand-in worker: it starts a sandbox, reports the job, and waits to be SIGKILLed.
+OWNER = """
+import asyncio, sys
+from pathlib import Path
+from sandboxes.base import SandboxSpec
+from sandboxes.slurm import SlurmSandboxConfig
+
+async def main() -> None:
+    provider = SlurmSandboxConfig().build(Path(sys.argv[1]))
+    sandbox = await provider.start(SandboxSpec(run_id=sys.argv[2], session_id="s1", ttl_s=600))
+    print(sandbox.descriptor()["job_id"], flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+# What a worker's reaper does with Slurm jobs at its start (executor/reaper.py).
+REAP = """
+import json, sys
+from pathlib import Path
+from sandboxes.slurm import reap_jobs
+print(json.dumps(reap_jobs(Path(sys.argv[1]), sys.argv[2])))
+"""
+
+
+def _reap(root: Path, run_id: str, *, own_pid_namespace: bool) -> list[str]:
+    proc = subprocess.run(
+        python(REAP, str(root), run_id, own_pid_namespace=own_pid_namespace),
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [
+        None,
+        pytest.param("owner", marks=needs_pid_namespace),
+        pytest.param("reaper", marks=needs_pid_namespace),
+    ],
+    ids=["one-pid-namespace", "owner-inside", "reaper-inside"],
+)
+def test_jobs_of_a_dead_owner_are_reaped(tmp_path: Path, inside: str | None) -> None:
+    """Either side may see a PID namespace of its own (a run in a container, a second job on a node):
+    the owner's pid in the job's comment then names nobody in the reaper's /proc, or somebody else; the
+    lock on its record under the shared root tells."""
+    run_id = f"slurm-reap-{os.getpid()}-{inside}"
+    root = tmp_path / "sb"
+    owner = subprocess.Popen(
+        python(OWNER, str(root), run_id, own_pid_namespace=inside == "owner"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+    )  # fmt: skip
     try:
-        job_id = owner.stdout.readline().strip()  # type: ignore[union-attr]
-        assert job_id and job_state(job_id) == "RUNNING"
-        assert reap_jobs(run_id) == []  # its owner is alive: not ours to end
-        owner.kill()
+        job_id = (owner.stdout.readline() if owner.stdout else "").strip()
+        assert job_id, owner.stderr.read() if owner.stderr and owner.poll() is not None else "no job"
+        assert job_state(job_id) == "RUNNING"
+        (fields,) = [f for job, _run, f in list_jobs(run_id) if job == job_id]
+        assert fields["record"] in os.listdir(root / "owners")
+        assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == []  # a live owner's: not ours
+        assert job_state(job_id) == "RUNNING"
+        os.killpg(owner.pid, signal.SIGKILL)  # with unshare --kill-child, the namespace goes with it
         owner.wait(10)
-        assert reap_jobs(run_id) == [job_id]
+        assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == [job_id]
         assert job_state(job_id) not in LIVE_STATES
-        assert reap_jobs(run_id) == []  # idempotent
+        assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == []  # idempotent
     finally:
-        owner.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
         for job in _jobs(run_id):
             subprocess.run(["scancel", job], timeout=10, check=False)
+
+
+def test_a_job_of_an_older_version_is_left_to_its_ttl(tmp_path: Path) -> None:
+    """An older version's comment names its owner by pid alone, which proves nothing in a reaper that
+    may see another PID namespace: a pid gone from our /proc does not end the job; its TTL does."""
+    run_id = f"slurm-legacy-{os.getpid()}"
+    me = Owner.current()
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    comment = _comment(Owner(me.host, me.boot, int(exited.stdout), 1), time.time() + 600)
+    assert "record=" not in comment
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name=rollout.{run_id}", "--time=10", f"--comment={comment}",
+         "--output=/dev/null", f"--chdir={tmp_path}", "--wrap=sleep 600"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        assert _wait(lambda: job_state(job_id) == "RUNNING", 60)
+        assert reap_jobs(tmp_path, run_id) == []
+        assert reap_jobs(tmp_path, run_id, now=time.time() + 601) == [job_id]
+    finally:
+        subprocess.run(["scancel", job_id], timeout=10, check=False)
+
+
+def test_the_comment_fits_slurms_limit_at_its_longest() -> None:
+    longest = Owner("h" * 64, "abcdef01", 4_194_304, 2**63, "0123456789abcdef")  # Linux's longest host name
+    assert len(_comment(longest, 10**12)) <= COMMENT_MAX
+    assert Owner.decode(_parse_comment(_comment(longest, 10**12))) == longest
 
 
 CODEX_TASKS = ("hello-file", "fix-add", "rate-limit-recovers")
