@@ -2,9 +2,11 @@
 
 Additive increase, multiplicative decrease on the number of sessions outstanding. A session whose
 model calls met rate limits (attempts the gateway classed ``rate_limit_exceeded``, from a 429 or an
-error event saying so) is a signal the endpoint is overloaded; more sessions would only spend every
-session's retry budget faster. The cap never drops below ``floor`` (the run keeps moving) and never
-rises above the configured cap. A Retry-After hint also holds new admissions until it has passed.
+error event saying so) or stalls (``model_timeout``: accepted, then no answer within the gateway's
+bounds, as a saturated server does) is a signal the endpoint is overloaded; more sessions would only
+spend every session's retry budget faster. The cap never drops below ``floor`` (the run keeps moving)
+and never rises above the configured cap. A Retry-After hint also holds new admissions until it has
+passed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from policy import FailureKind
 
 # What ``Admission.observe`` reads of each model attempt: the endpoint's push-back and its hint.
 OBSERVED_FIELDS = ("kind", "retry_after_s")
+# The attempt kinds that say the endpoint has more than it can serve. A transport error or a 5xx says
+# it is broken rather than busy: the breaker's concern, not admission's.
+PUSH_BACK_KINDS = frozenset({FailureKind.RATE_LIMIT_EXCEEDED.value, FailureKind.MODEL_TIMEOUT.value})
 
 
 class AdmissionConfig(BaseModel):
@@ -56,7 +61,7 @@ class Admission:
         ``OBSERVED_FIELDS`` of each)."""
         if not self.config.adaptive:
             return
-        pushed_back = [a for a in model_calls or () if a.get("kind") == FailureKind.RATE_LIMIT_EXCEEDED]
+        pushed_back = [a for a in model_calls or () if a.get("kind") in PUSH_BACK_KINDS]
         if not pushed_back:
             self._cap = min(float(self.ceiling), self._cap + self.config.increase / max(self._cap, 1.0))
             return

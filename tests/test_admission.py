@@ -27,6 +27,15 @@ def test_never_below_the_floor_and_recovers_additively():
     assert caps[0] <= 3 and caps[-1] == 8  # additive, then capped at the ceiling
 
 
+def test_a_stalled_model_call_is_push_back_and_a_transport_error_is_not():
+    stalled = Admission(8, AdmissionConfig(cooldown_s=0))
+    stalled.observe([{"kind": "model_timeout", "retry_after_s": None}, {"kind": "none"}])
+    assert stalled.cap == 4
+    broken = Admission(8, AdmissionConfig(cooldown_s=0))
+    broken.observe([{"kind": "transport_error"}, {"kind": "provider_unavailable"}, {"kind": "none"}])
+    assert broken.cap == 8
+
+
 def test_retry_after_holds_new_admissions():
     a = Admission(8)
     a.observe([{"kind": "rate_limit_exceeded", "retry_after_s": 30.0}])
