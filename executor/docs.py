@@ -74,7 +74,10 @@ def render(root: Path = REPO) -> dict[Path, tuple[str, str]]:
     pages: dict[Path, tuple[str, str]] = {}
     for (page, part), renderer in GENERATED.items():
         path = root / page
-        current, fresh = pages.get(path) or (path.read_text(), path.read_text())
+        if path not in pages:
+            text = path.read_text()
+            pages[path] = (text, text)
+        current, fresh = pages[path]
         fresh = renderer() if part is None else replace_part(fresh, part, renderer(), page)
         pages[path] = (current, fresh)
     return pages

@@ -53,6 +53,17 @@ def _tasks(tmp_path: Path, n: int) -> Path:
     return path
 
 
+def _config(tmp_path: Path, run_id: str, n: int, extra: str = "") -> Path:
+    """A run of ``n`` tasks with its output and sandboxes under ``tmp_path``; ``extra`` adds keys."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"tasks: {_tasks(tmp_path, n)}\nout: {tmp_path / 'out'}\nrun_id: {run_id}\n"
+        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\nconcurrency: {{workers: 1, sessions_per_worker: 2}}\n"
+        + extra
+    )
+    return config
+
+
 def _gone(marker: str, bound_s: float = 30.0) -> list[str]:
     """What is still running under ``marker`` once the processes on their way out had time to go."""
     deadline = time.monotonic() + bound_s
@@ -64,11 +75,7 @@ def _gone(marker: str, bound_s: float = 30.0) -> list[str]:
 @pytest.mark.usefixtures("codex_installed")
 def test_its_own_cluster_is_stopped_once_the_work_is_safe(tmp_path, ray_tmp):
     sandboxes = tmp_path / "sandboxes"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"tasks: {_tasks(tmp_path, 3)}\nout: {tmp_path / 'out'}\nrun_id: own\n"
-        f"sandbox: {{root: {sandboxes}}}\nconcurrency: {{workers: 1, sessions_per_worker: 2}}\n"
-    )
+    config = _config(tmp_path, "own", 3)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = rollout_run(config, {**env, "RAY_TMPDIR": str(ray_tmp)}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -101,12 +108,12 @@ def joined_cluster() -> Iterator[Cluster]:
 
 def test_a_cluster_it_joined_stays_up(tmp_path, joined_cluster):
     sandboxes = tmp_path / "sandboxes"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"tasks: {_tasks(tmp_path, 2)}\nout: {tmp_path / 'out'}\nrun_id: joined\n"
-        f"ray_address: '{joined_cluster.address}'\nsandbox: {{root: {sandboxes}}}\n"
-        "harness: {name: command, command: 'cat greeting.txt > hello.txt; echo done'}\n"
-        "concurrency: {workers: 1, sessions_per_worker: 2}\n"
+    config = _config(
+        tmp_path,
+        "joined",
+        2,
+        f"ray_address: '{joined_cluster.address}'\n"
+        "harness: {name: command, command: 'cat greeting.txt > hello.txt; echo done'}\n",
     )
     proc = rollout_run(config, dict(os.environ), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
