@@ -15,6 +15,7 @@ from executor.tasks import InputError, location_of
 from harnesses.gateway import GatewayConfig
 from harnesses.registry import HARNESSES
 from policy import PolicyConfig
+from sandboxes.container import ContainerSandboxConfig
 from sandboxes.ecs import EcsSandboxConfig
 from sandboxes.local import LocalSandboxConfig
 from sandboxes.slurm import SlurmSandboxConfig
@@ -75,7 +76,8 @@ def _provider_of(value: Any) -> str | None:
 SandboxConfig = Annotated[
     Annotated[LocalSandboxConfig, Tag("local")]
     | Annotated[SlurmSandboxConfig, Tag("slurm")]
-    | Annotated[EcsSandboxConfig, Tag("ecs")],
+    | Annotated[EcsSandboxConfig, Tag("ecs")]
+    | Annotated[ContainerSandboxConfig, Tag("container")],
     Discriminator(_provider_of),
 ]
 

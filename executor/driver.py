@@ -543,7 +543,12 @@ class Driver:
         os.replace(tmp, self.run_dir / "config.yaml")
         # A copy of the tasks beside the config, so `rollout replay` finds a row's task after the file moved.
         snapshot = self.run_dir / ("tasks.parquet" if self.cfg.tasks.endswith(".parquet") else "tasks.jsonl")
-        shutil.copyfile(self.cfg.tasks, snapshot.with_name(snapshot.name + ".tmp"))
+        if Path(self.cfg.tasks).is_dir():  # Harbor task directories: the tasks as they were read
+            with open(snapshot.with_name(snapshot.name + ".tmp"), "w", encoding="utf-8") as f:
+                tasks = load_tasks(Path(self.cfg.tasks))
+                f.writelines(t.model_dump_json(exclude_none=True) + "\n" for t in tasks)
+        else:
+            shutil.copyfile(self.cfg.tasks, snapshot.with_name(snapshot.name + ".tmp"))
         os.replace(snapshot.with_name(snapshot.name + ".tmp"), snapshot)
 
     def _summarize(self) -> RunSummary:

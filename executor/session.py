@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from executor import harbor
 from executor.config import RunConfig
 from executor.row import Message, ModelCall, Row, ToolCall
 from executor.tasks import Task, Verifier
@@ -171,11 +172,18 @@ async def _run(req: SessionRequest, ctx: SessionContext) -> Row:
         session_id=launch_id,
         ttl_s=cfg.limits.setup_timeout_s + wall + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
+        image=req.task.image,
+        build_context=req.task.build,
+        cpus=req.task.cpus,
+        memory_limit_mb=req.task.memory_mb,
     )
     sandbox: Sandbox | None = None
     gw: GatewaySession | None = None
     outcome: Outcome
     try:
+        if req.task.invalid is not None:
+            timer.lap("setup")
+            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, req.task.invalid), timer)
         try:
             sandbox = await ctx.provider.start(spec)
         except Exception as exc:
@@ -349,6 +357,8 @@ async def _verify_once(
 ) -> tuple[float | None, tuple[FailureKind, str] | None]:
     """One run of the verifier: its reward, or why it could not grade. ``with_diff``: the workspace's
     diff is taken in the same exec, just before the verifier starts, and recorded on the row."""
+    if verify.tests_dir is not None:
+        return await _verify_harbor(sandbox, verify, row)
     argv = ["bash", "-c", verify.command]
     # A fresh name per run, outside the workspace: an earlier run's file, or one the agent planted at a
     # name it could guess, is never read as this run's reward.
@@ -365,6 +375,21 @@ async def _verify_once(
     if cannot is not None:
         return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
     return await _reward_of(sandbox, res, reward_path)
+
+
+async def _verify_harbor(
+    sandbox: Sandbox, verify: Verifier, row: Row
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """One run of a Harbor task's tests: the reward is what they wrote in /logs/verifier, whatever their
+    exit code."""
+    if (why := await harbor.prepare_verifier(sandbox, verify)) is not None:
+        return None, (FailureKind.VERIFIER_ERROR, why)
+    res = await sandbox.exec(["bash", "-c", verify.command], timeout=verify.timeout_s, name="verify")
+    row.verifier_exit_code = res.exit_code
+    if res.timed_out or res.exit_code is None:
+        cannot = _cannot_grade(res, verify) or "verifier did not finish"
+        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
+    return await harbor.read_reward(sandbox)
 
 
 def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:

@@ -27,6 +27,9 @@ class Verifier(BaseModel):
     # Re-runs, in the same sandbox, of a verifier that could not grade (error or timeout) before the
     # attempt is given up: the agent's work is not thrown away for the grader's hiccup.
     retries: int = Field(default=1, ge=0, le=5)
+    # Harbor's contract (executor/harbor.py): this directory is uploaded to /tests after the agent's
+    # session, and the reward is read from /logs/verifier, not from the exit code.
+    tests_dir: str | None = None
 
 
 class Task(BaseModel):
@@ -42,6 +45,15 @@ class Task(BaseModel):
     model_script: list[dict[str, Any]] | None = None
     harness: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # The task's environment, on providers that run images (sandbox.provider 'container'): an image, or
+    # a directory holding a Dockerfile to build one from (once per distinct content), and its resources.
+    image: str | None = Field(default=None, min_length=1, max_length=1000)
+    build: str | None = Field(default=None, min_length=1)
+    cpus: float | None = Field(default=None, gt=0, le=1024)
+    memory_mb: int | None = Field(default=None, gt=0)
+    # Set by a loader for a task it could read only in part (a Harbor task missing a file): why it
+    # cannot run. Its attempt fails at set-up with this line, and the other tasks go on.
+    invalid: str | None = None
 
     @field_validator("verify", mode="before")
     @classmethod
@@ -73,9 +85,15 @@ def _describe(err: ValidationError) -> str:
 
 
 def load_tasks(path: Path) -> Iterator[Task]:
-    """Yield tasks one at a time, so a 100k-task file is never held whole as models."""
+    """Yield tasks one at a time, so a 100k-task file is never held whole as models. A directory holds
+    Harbor-format tasks (executor/harbor.py)."""
     if not path.exists():
         raise InputError(f"{path}: task file not found")
+    if path.is_dir():
+        from executor.harbor import load_harbor_tasks
+
+        yield from load_harbor_tasks(path)
+        return
     if path.suffix == ".parquet":
         yield from _load_parquet(path)
         return

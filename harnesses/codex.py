@@ -201,10 +201,18 @@ class CodexHarness:
             posixpath.join(codex_home, "config.toml"), render_config(ctx.model, ctx.base_url).encode(), 0o600
         )
         entry = Path(ctx.install_dir) / ENTRY_SCRIPT
-        node = shutil.which("node")
-        # Starting the entry script with node directly spares us from relying on the sandbox PATH for
-        # its "#!/usr/bin/env node" line.
-        command = [node, str(entry)] if node else [str(Path(ctx.install_dir) / "node_modules/.bin/codex")]
+        extra_env: dict[str, str] = {}
+        if not getattr(sandbox, "shares_host_userland", True):
+            # A container of the task's image: no node of ours there, so the native binary the entry
+            # script would start, with what the script would set.
+            command = [str(native_binary(Path(ctx.install_dir)))]
+            extra_env = {"CODEX_MANAGED_BY_NPM": "1"}
+        elif node := shutil.which("node"):
+            # Starting the entry script with node directly spares us from relying on the sandbox PATH for
+            # its "#!/usr/bin/env node" line.
+            command = [node, str(entry)]
+        else:
+            command = [str(Path(ctx.install_dir) / "node_modules/.bin/codex")]
         argv = [
             *command,
             "exec",
@@ -231,6 +239,7 @@ class CodexHarness:
             API_KEY_ENV: ctx.api_key,
             # The transcript's file name carries local time; UTC lets parse() find it from the thread id.
             "TZ": "UTC",
+            **extra_env,
         }
         return Launch(argv=argv, env=env, stdin=stdin)
 
@@ -292,6 +301,14 @@ class CodexHarness:
 
 # ---------------------------------------------------------------------------------------------------------
 # Paths
+
+
+def native_binary(install_dir: Path) -> Path:
+    """The platform's self-contained Codex binary in an npm install (what the entry script execs)."""
+    found = sorted(install_dir.glob("node_modules/@openai/codex-linux-*/vendor/*/bin/codex"))
+    if not found:
+        raise SandboxError(f"no native codex binary under {install_dir}/node_modules/@openai")
+    return found[0]
 
 
 def _codex_home(sandbox: Sandbox) -> str:

@@ -98,6 +98,7 @@ class Agent:
         ttl_s: float | None = None,
         max_upload_bytes: int = DEFAULT_MAX_UPLOAD,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP,
+        confined: bool = True,
     ) -> None:
         if not token:
             raise ValueError("the agent needs a token")
@@ -106,6 +107,9 @@ class Agent:
         self.deadline = time.time() + ttl_s if ttl_s else None
         self.max_upload_bytes = max_upload_bytes
         self.output_cap_bytes = output_cap_bytes
+        # Unconfined: paths anywhere in the sandbox's filesystem, for an agent whose sandbox is a whole
+        # container (the task's image keeps its workspace and tests where it chose).
+        self.confined = confined
         self.lock = threading.Lock()
         self.running = {}  # type: dict[int, tuple[subprocess.Popen, bytes | None]]
         self.stopping = False
@@ -126,7 +130,7 @@ class Agent:
             raise AgentError(400, f"invalid path {path!r}")
         candidate = path if os.path.isabs(path) else os.path.join(self.root, "work", path)
         real = os.path.realpath(candidate)
-        if os.path.commonpath([real, self.root]) != self.root:
+        if self.confined and os.path.commonpath([real, self.root]) != self.root:
             raise AgentError(403, f"path {path!r} resolves outside the sandbox root")
         return real
 
@@ -558,7 +562,7 @@ class AgentServer(ThreadingHTTPServer):
         self.conns_lock = threading.Lock()
         super().__init__(address, Handler)
 
-    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # type: ignore[override]
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
         with self.conns_lock:
             admitted = self._make_room()
             if admitted:
@@ -610,6 +614,30 @@ class AgentServer(ThreadingHTTPServer):
             print(f"agent: request failed: {sys.exc_info()[1]!r}"[:500], file=sys.stderr)
 
 
+class UnixHandler(Handler):
+    disable_nagle_algorithm = False  # a TCP option; there is no Nagle on a Unix socket
+
+    def address_string(self) -> str:
+        return "unix"
+
+
+class UnixAgentServer(AgentServer):
+    """The agent on a Unix socket: for a sandbox with no network (a container's), whose starter reaches
+    the socket through a directory both share."""
+
+    address_family = socket.AF_UNIX
+
+    def __init__(self, path: str, agent: Agent, **kw: float) -> None:
+        super().__init__(path, agent, **kw)  # type: ignore[arg-type]
+        self.RequestHandlerClass = UnixHandler
+
+    def server_bind(self) -> None:
+        # HTTPServer's would look the path up as a host name.
+        self.socket.bind(self.server_address)
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = "localhost", 0
+
+
 def _read_token(args: argparse.Namespace) -> str:
     if args.token_file:
         with open(args.token_file, encoding="ascii") as f:
@@ -641,6 +669,8 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S)
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S)
+    parser.add_argument("--unix-socket", help="listen on this Unix socket instead of --host/--port")
+    parser.add_argument("--unconfined", action="store_true", help="requests may name paths outside --root")
     args = parser.parse_args(argv)
     try:
         token = _read_token(args)
@@ -656,14 +686,17 @@ def main(argv: list | None = None) -> int:
         ttl_s=args.ttl_s,
         max_upload_bytes=args.max_upload_bytes,
         output_cap_bytes=args.output_cap_bytes,
+        confined=not args.unconfined,
     )
-    server = AgentServer(
-        (args.host, args.port),
-        agent,
+    limits = dict(
         max_connections=args.max_connections,
         idle_timeout_s=args.idle_timeout_s,
         header_timeout_s=args.header_timeout_s,
     )
+    if args.unix_socket:
+        server = UnixAgentServer(args.unix_socket, agent, **limits)  # type: AgentServer
+    else:
+        server = AgentServer((args.host, args.port), agent, **limits)
 
     def on_signal(_signum: int, _frame: object) -> None:
         # scancel and StopTask send SIGTERM first: end the exec trees, then leave.
@@ -675,7 +708,7 @@ def main(argv: list | None = None) -> int:
         timer = threading.Timer(max(0.0, agent.deadline - time.time()), on_signal, (0, None))
         timer.daemon = True
         timer.start()
-    host, port = server.server_address[:2]
+    host, port = (args.unix_socket, 0) if args.unix_socket else server.server_address[:2]
     if args.rendezvous:
         _write_rendezvous(
             args.rendezvous,

@@ -41,6 +41,11 @@ class SandboxSpec(BaseModel):
     workspace: WorkspaceSpec = Field(default_factory=WorkspaceSpec)
     env: dict[str, str] = Field(default_factory=dict)  # added to the scrubbed base environment
     memory_limit_mb: int | None = None
+    # Where the provider runs containers (sandboxes/container.py): the task's image, or a directory with a
+    # Dockerfile to build it from, and its CPUs. Providers without images ignore them.
+    image: str | None = None
+    build_context: str | None = None
+    cpus: float | None = None
 
 
 class ExecResult(BaseModel):

@@ -98,9 +98,11 @@ def _serve(listener: socket.socket, socket_path: str) -> None:
         threading.Thread(target=_relay, args=(client, socket_path, slots), daemon=True).start()
 
 
-def start_forwarder(port: int, socket_path: str) -> None:
-    """Bring ``lo`` up and serve 127.0.0.1:``port`` by relaying to ``socket_path``, from a daemon thread."""
-    _bring_up_loopback()
+def start_forwarder(port: int, socket_path: str, *, bring_up_loopback: bool = True) -> None:
+    """Bring ``lo`` up and serve 127.0.0.1:``port`` by relaying to ``socket_path``, from a daemon thread.
+    A container's engine brings its ``lo`` up itself (and grants no CAP_NET_ADMIN to do it again)."""
+    if bring_up_loopback:
+        _bring_up_loopback()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))

@@ -64,6 +64,7 @@ class RemoteSandbox:
         marker_token: str,
         extra: dict[str, Any] | None = None,
         path_prefixes: tuple[str, ...] = (),
+        transport: httpx.AsyncBaseTransport | None = None,  # e.g. to an agent on a Unix socket
     ) -> None:
         self.id = sandbox_id
         self.provider_name = provider_name
@@ -89,6 +90,7 @@ class RemoteSandbox:
             headers={"Authorization": f"Bearer {token}"},
             timeout=REQUEST_TIMEOUT_S,
             trust_env=False,  # never through a proxy the worker's environment names
+            transport=transport,
         )
         self._stopped = False
         self._stop_lock = asyncio.Lock()

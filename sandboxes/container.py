@@ -1,0 +1,376 @@
+"""The ``container`` sandbox: one container per session, from the task's image (or the run's), through
+podman or docker on the worker's machine.
+
+The container runs the in-sandbox agent (sandboxes/agent.py) under the image's own python3, from files
+mounted read-only; every command runs under the supervisor there (deadline, tree kill, capped output,
+exit status and signals passed through), as on Slurm and ECS. The worker reaches the agent through a Unix
+socket in the session's directory, bind-mounted at ``/rollout``::
+
+    <root>/<run_id>/<session_id>/      -> /rollout in the container
+        work/ home/ tmp/ logs/ run/       the agent's tree; work/ is the workspace unless the image
+                                          sets a WORKDIR (then that is)
+        control/                          token (0600), agent.sock, ready.json
+
+The container has no network (``--network none``) but its loopback, where 127.0.0.1:PORT is relayed to
+the gateway's Unix socket, mounted in (sandboxes/netns.py's forwarder): the gateway is all it reaches,
+with a per-session token; the API key never enters. The harness install cache is mounted read-only at
+its own path, so a harness's argv is the same inside as outside.
+
+Labels carry the run id, the owner (host, boot, pid, start ticks, its record under the root) and the TTL
+deadline: ``reap`` removes what a dead owner left (proven by its record's lock, sandboxes/owner.py) and
+whatever outlived its TTL. The agent itself exits at the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import Field
+
+from harnesses.install import default_cache_root
+from sandboxes import netns
+from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
+from sandboxes.images import ImageInfo, Images
+from sandboxes.owner import Owner, hold
+from sandboxes.provider_config import NetworkForward, ProviderConfig
+from sandboxes.remote import RemoteSandbox, agent_files
+
+log = logging.getLogger(__name__)
+
+LABEL = "rollout.sandbox"
+CODE_DIR = "/opt/rollout"  # the agent's files, read-only
+ROOT_IN = "/rollout"  # the session's directory
+GATEWAY_SOCKET_IN = "/run/rollout-gateway.sock"
+ENTRY_PATH = Path(__file__).with_name("container_entry.py")
+COMMAND_TIMEOUT_S = 60.0
+REMOVE_TIMEOUT_S = 60.0
+POLL_S = 0.02
+STATE_EVERY_S = 1.0
+# Installed-harness trees under the cache; the rest of it (other sessions' directories) stays out.
+_CACHE_SKIP = {"sandboxes", "images"}
+_LINK_DIR = Path("/tmp/rollout-ctr")
+
+
+class ContainerSandboxConfig(ProviderConfig):
+    provider: Literal["container"] = "container"
+    engine: Literal["podman", "docker"] = "podman"
+    image: str | None = None  # the run's default image; a task's own image or build wins
+    python: str = "python3"  # in the image, >= 3.11: runs the agent and the supervisor
+    # The OCI runtime (podman --runtime): "runc" where crun refuses (cgroups in hybrid mode).
+    runtime: str | None = None
+    # Passed to run as --ulimit each: where raising limits is not allowed (no CAP_SYS_RESOURCE), the
+    # engine's defaults fail, and explicit ones at or under the host's hard limits are needed.
+    ulimits: list[str] = Field(default_factory=list)
+    run_args: list[str] = Field(default_factory=list)  # anything else for run (e.g. --security-opt)
+    cpus: float | None = Field(default=None, gt=0)  # per container, unless the task sets its own
+    memory_mb: int | None = Field(default=None, gt=0)
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    build_timeout_s: float = Field(default=1800.0, gt=0)
+
+    @property
+    def needs_gateway_socket(self) -> bool:
+        return True
+
+    def build(self, root: Path, network_forward: NetworkForward | None = None) -> ContainerSandboxProvider:
+        if network_forward is None:
+            raise ValueError("sandbox.provider 'container' needs the gateway's port and Unix socket")
+        return ContainerSandboxProvider(root, self, network_forward)
+
+    def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
+        return reap_containers(self.engine, root, run_id, everything=everything)
+
+
+def _engine(
+    engine: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([engine, *argv], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SandboxError(f"{engine} {argv[0]}: {exc}") from exc
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-3:])[-limit:] or "(no output)"
+
+
+def _owner_label(owner: Owner) -> str:
+    return " ".join(f"{k}={v}" for k, v in owner.encode().items())
+
+
+def _parse_owner_label(value: str) -> Owner | None:
+    return Owner.decode(dict(part.split("=", 1) for part in value.split() if "=" in part))
+
+
+def list_containers(engine: str, run_id: str | None = None) -> list[tuple[str, dict[str, str]]]:
+    """(name, labels) of every rollout container, running or not, of one run if ``run_id`` is given."""
+    argv = ["ps", "-a", "-q", "--no-trunc", "--filter", f"label={LABEL}=1"]
+    if run_id is not None:
+        argv += ["--filter", f"label=rollout.run_id={run_id}"]
+    proc = _engine(engine, argv)
+    if proc.returncode != 0:
+        raise SandboxError(f"{engine} ps failed: {_one_line(proc.stderr)}")
+    ids = proc.stdout.split()
+    if not ids:
+        return []
+    proc = _engine(engine, ["inspect", "--format", "{{.Name}} {{json .Config.Labels}}", *ids])
+    found = []
+    for line in proc.stdout.splitlines():  # a container removed meanwhile is missing here: fine
+        name, _, labels = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            found.append((name.lstrip("/"), {str(k): str(v) for k, v in (json.loads(labels) or {}).items()}))
+    return found
+
+
+def remove(engine: str, container: str) -> bool:
+    """Remove the container, running or not; True once it is gone."""
+    proc = _engine(engine, ["rm", "-f", "-t", "1", container], REMOVE_TIMEOUT_S)
+    if proc.returncode == 0:
+        return True
+    gone = _engine(engine, ["container", "exists", container]) if engine == "podman" else None
+    return gone is not None and gone.returncode == 1
+
+
+def reap_containers(
+    engine: str, root: Path, run_id: str | None = None, *, everything: bool = False, now: float | None = None
+) -> list[str]:
+    """Remove the rollout containers whose owner this host proves dead by its record under ``root``, or
+    whose TTL passed; with ``everything``, every one of ``run_id``. Containers of another sandbox root are
+    left to their TTL. Returns the names of the containers removed; idempotent."""
+    if everything and run_id is None:
+        raise ValueError("reaping everything needs a run id")
+    if shutil.which(engine) is None:
+        return []  # nothing can have been started here through it
+    now = time.time() if now is None else now
+    root = Path(root).resolve()
+    reaped = []
+    for name, labels in list_containers(engine, run_id):
+        owner = _parse_owner_label(labels.get("rollout.owner", ""))
+        ttl = labels.get("rollout.ttl", "")
+        expired = ttl.isdigit() and now > int(ttl)
+        ours = labels.get("rollout.root") == str(root)
+        if everything or expired or (ours and owner is not None and owner.known_dead(root)):
+            if remove(engine, name):
+                reaped.append(name)
+                session_dir = Path(labels.get("rollout.dir", ""))
+                if ours and session_dir.is_relative_to(root) and session_dir != root:
+                    shutil.rmtree(session_dir, ignore_errors=True)
+            else:
+                log.warning("container %s survived %s rm -f", name, engine)
+    return reaped
+
+
+class ContainerSandbox(RemoteSandbox):
+    """A RemoteSandbox whose relative paths are the workspace's, which may be the image's WORKDIR."""
+
+    shares_host_userland = False  # harnesses run their own binaries, not the worker's node or python
+
+    def __init__(self, *, workdir: str | None, **kw: Any) -> None:
+        super().__init__(**kw)
+        if workdir:
+            self.workdir = workdir
+
+    def _path(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await super().write_file(self._path(path), data, mode)
+
+    async def read_file(self, path: str, limit: int) -> bytes:
+        return await super().read_file(self._path(path), limit)
+
+
+class ContainerSandboxProvider:
+    def __init__(self, root: Path, config: ContainerSandboxConfig, network_forward: NetworkForward) -> None:
+        self.root = Path(root).resolve()
+        self.cfg = config
+        self.name = "container"
+        self.engine = config.engine
+        self.port, self.gateway_socket = network_forward
+        self.cache_root = default_cache_root().resolve()
+        runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
+        self.images = Images(
+            config.engine,
+            self.cache_root / "images",
+            build_args=runtime,
+            build_timeout_s=config.build_timeout_s,
+        )
+
+    def _harness_mounts(self) -> list[str]:
+        mounts = []
+        with contextlib.suppress(OSError):
+            for entry in sorted(os.scandir(self.cache_root), key=lambda e: e.name):
+                path = Path(entry.path)
+                if entry.name in _CACHE_SKIP or not entry.is_dir() or self.root.is_relative_to(path):
+                    continue
+                mounts += ["-v", f"{path}:{path}:ro"]
+        return mounts
+
+    def _run_argv(
+        self, spec: SandboxSpec, image: ImageInfo, name: str, session_dir: Path, owner_name: str
+    ) -> list[str]:
+        cfg = self.cfg
+        ttl_deadline = time.time() + spec.ttl_s
+        labels = {
+            LABEL: "1",
+            "rollout.run_id": spec.run_id,
+            "rollout.session_id": spec.session_id,
+            "rollout.owner": _owner_label(Owner.current(owner_name)),
+            "rollout.ttl": str(int(ttl_deadline) + 1),
+            "rollout.root": str(self.root),
+            "rollout.dir": str(session_dir),
+        }
+        argv = ["run", "-d", "--name", name, "--network", "none", "--pull", "never"]
+        if cfg.runtime and cfg.engine == "podman":
+            argv += ["--runtime", cfg.runtime]
+        for key, value in labels.items():
+            argv += ["--label", f"{key}={value}"]
+        for ulimit in cfg.ulimits:
+            argv += ["--ulimit", ulimit]
+        cpus = spec.cpus or cfg.cpus
+        memory = spec.memory_limit_mb or cfg.memory_mb
+        if cpus:
+            argv += ["--cpus", f"{cpus:g}"]
+        if memory:
+            argv += ["--memory", f"{memory}m"]
+        argv += ["-v", f"{session_dir}:{ROOT_IN}", "-v", f"{self.gateway_socket}:{GATEWAY_SOCKET_IN}"]
+        for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
+            argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
+        argv += self._harness_mounts()
+        argv += [*cfg.run_args, "--entrypoint", cfg.python, image.ref]
+        argv += [
+            f"{CODE_DIR}/{ENTRY_PATH.name}",
+            "--forward", f"{self.port}:{GATEWAY_SOCKET_IN}",
+            "--root", ROOT_IN,
+            "--unconfined",
+            "--token-file", f"{ROOT_IN}/control/token",
+            "--unix-socket", f"{ROOT_IN}/control/agent.sock",
+            "--rendezvous", f"{ROOT_IN}/control/ready.json",
+            "--ttl-s", f"{spec.ttl_s:.0f}",
+        ]  # fmt: skip
+        return argv
+
+    def _prepare(self, session_dir: Path) -> str:
+        session_dir.parent.mkdir(parents=True, exist_ok=True)
+        session_dir.mkdir(mode=0o700)
+        (session_dir / "control").mkdir(mode=0o700)
+        token = secrets.token_urlsafe(32)
+        fd = os.open(session_dir / "control" / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        return token
+
+    async def start(self, spec: SandboxSpec) -> ContainerSandbox:
+        for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
+            if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
+                raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+        default = None if spec.build_context else self.cfg.image
+        image = await self.images.resolve(spec.image or default, spec.build_context)
+        session_dir = self.root / spec.run_id / spec.session_id
+        try:
+            owner_name = await asyncio.to_thread(hold, self.root)
+            token = await asyncio.to_thread(self._prepare, session_dir)
+        except FileExistsError as exc:
+            raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
+        except OSError as exc:
+            raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
+        name = f"rollout-{uuid.uuid4().hex[:16]}"
+        argv = self._run_argv(spec, image, name, session_dir, owner_name)
+        socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
+        try:
+            proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+            if proc.returncode != 0:
+                raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
+            await self._wait_ready(name, session_dir / "control")
+            sandbox = ContainerSandbox(
+                workdir=image.workdir if image.workdir not in ("", "/") else None,
+                sandbox_id=name,
+                provider_name=self.name,
+                # The engine's cgroup enforces the memory limit; an address-space one too would break
+                # runtimes that reserve more than they use (node).
+                spec=spec.model_copy(update={"memory_limit_mb": None}),
+                base_url="http://sandbox",
+                token=token,
+                root=ROOT_IN,
+                teardown=lambda: self._teardown(name, session_dir),
+                probe=lambda: self._probe(name),
+                marker_token=uuid.uuid4().hex,
+                extra={"container": name, "image": image.ref, "engine": self.engine},
+                transport=httpx.AsyncHTTPTransport(uds=socket_path),
+            )
+            await sandbox.health()
+            return sandbox
+        except BaseException as exc:
+            await asyncio.shield(self._teardown(name, session_dir))
+            if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
+                raise
+            raise SandboxStartError(f"container {name} ({image.ref}): agent not ready: {exc}") from exc
+
+    def _cannot_run(self, image: str, stderr: str) -> str:
+        said = _one_line(stderr)
+        if ("executable file" in said and self.cfg.python in said) or "no such file" in said.lower():
+            return f"image {image!r} cannot host the sandbox: no {self.cfg.python} (>= 3.11) in it ({said})"
+        return f"{self.engine} run of image {image!r} failed: {said}"
+
+    async def _wait_ready(self, name: str, control: Path) -> None:
+        ready = control / "ready.json"
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        next_check = time.monotonic() + STATE_EVERY_S
+        while time.monotonic() < deadline:
+            if ready.exists():
+                return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + STATE_EVERY_S
+                why = await self._probe(name)
+                if why is not None:
+                    raise SandboxStartError(why)
+            await asyncio.sleep(POLL_S)
+        raise SandboxStartError(f"container {name}: agent not ready within {self.cfg.start_timeout_s}s")
+
+    async def _probe(self, name: str) -> str | None:
+        proc = await asyncio.to_thread(
+            _engine, self.engine, ["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", name]
+        )
+        if proc.returncode != 0:
+            return f"container {name} is gone"
+        state, _, code = proc.stdout.strip().partition(" ")
+        if state == "running":
+            return None
+        logs = await asyncio.to_thread(_engine, self.engine, ["logs", "--tail", "5", name])
+        return f"container {name} is {state} (exit {code}): {_one_line(logs.stdout + logs.stderr)}"
+
+    async def _teardown(self, name: str, session_dir: Path) -> None:
+        gone = await asyncio.to_thread(remove, self.engine, name)
+        (_LINK_DIR / name).unlink(missing_ok=True)
+        if not self.cfg.keep:
+            await asyncio.to_thread(shutil.rmtree, session_dir, True)
+        if not gone:
+            raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+
+
+def _socket_path(path: Path, name: str) -> str:
+    """A Unix socket's path as connect() takes it: at most 107 bytes. A longer one is reached through a
+    short symlink to its directory (connect() follows it), removed at teardown."""
+    if len(os.fsencode(path)) < 100:
+        return str(path)
+    _LINK_DIR.mkdir(mode=0o700, exist_ok=True)
+    link = _LINK_DIR / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(path.parent)
+    return str(link / path.name)
+
+
+__all__ = ["ContainerSandboxConfig", "ContainerSandboxProvider", "list_containers", "reap_containers"]

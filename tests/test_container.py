@@ -1,0 +1,283 @@
+"""The container provider against real podman: commands under the supervisor inside a container of the
+task's image, files in and out, a container removed from outside read as lost, the reaper (a SIGKILLed
+owner's containers removed, a live owner's kept), the API key never inside, and images: a missing one, one
+without python, a Dockerfile built once for concurrent starts, a Dockerfile that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import textwrap
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import SandboxLostError, SandboxSpec, SandboxStartError
+from sandboxes.container import (
+    ContainerSandboxConfig,
+    ContainerSandboxProvider,
+    list_containers,
+    reap_containers,
+)
+from sandboxes.testing.images import MARKER_PATH, MARKER_TEXT, TestImages, ensure_test_images, podman_usable
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(podman_usable() is not None, reason=str(podman_usable())),
+]
+
+REPO = Path(__file__).parents[1]
+# What this machine's podman needs as root (issue 16): crun refuses hybrid cgroups, rlimits cannot rise.
+HOST_ARGS = {"runtime": "runc", "ulimits": ["nofile=1024:1024", "nproc=1024:1024"]}
+
+
+@pytest.fixture(scope="session")
+def test_images() -> TestImages:
+    return ensure_test_images()
+
+
+@pytest.fixture
+def gateway_socket(tmp_path: Path) -> Iterator[str]:
+    """A listening Unix socket standing in for the gateway's: the provider mounts it in."""
+    path = str(tmp_path / "gw.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen()
+        yield path
+
+
+def config(tmp_path: Path, image: str, **extra: object) -> ContainerSandboxConfig:
+    return ContainerSandboxConfig(image=image, root=str(tmp_path / "root"), **HOST_ARGS, **extra)
+
+
+@pytest.fixture
+async def provider(tmp_path: Path, test_images: TestImages, gateway_socket: str) -> ContainerSandboxProvider:
+    return config(tmp_path, test_images.base).build(Path(tmp_path / "root"), (4999, gateway_socket))
+
+
+def spec(**extra: object) -> SandboxSpec:
+    return SandboxSpec(run_id="ctr-test", session_id=uuid.uuid4().hex[:12], ttl_s=300, **extra)
+
+
+def exists(container: str) -> bool:
+    return subprocess.run(["podman", "container", "exists", container], timeout=60).returncode == 0
+
+
+@pytest.fixture
+async def sandbox(provider: ContainerSandboxProvider) -> AsyncIterator:
+    sb = await provider.start(spec())
+    try:
+        yield sb
+    finally:
+        await sb.stop()
+
+
+async def test_commands_files_and_stop(sandbox, test_images):
+    res = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
+    assert (res.exit_code, res.signal, res.stdout_tail, res.stderr_tail) == (3, None, "out\n", "err\n")
+    res = await sandbox.exec(["sh", "-c", "kill -9 $$"], timeout=30)
+    assert (res.exit_code, res.signal) == (None, signal.SIGKILL)
+    # The deadline ends the whole tree, a grandchild in the background included.
+    res = await sandbox.exec(["sh", "-c", "sleep 300 & sleep 300"], timeout=1)
+    assert res.timed_out
+    ps = await sandbox.exec(["sh", "-c", "ls /proc | grep -c '^[0-9]'"], timeout=30)
+    # The agent, this command's supervisor and sh, and the pipeline: no sleep left.
+    assert int(ps.stdout_tail) <= 5, ps.stdout_tail
+
+    await sandbox.write_file("sub/a.txt", b"xyz")
+    assert await sandbox.read_file(f"{sandbox.workdir}/sub/a.txt", 10) == b"xyz"
+    res = await sandbox.exec(["cat", "sub/a.txt"], timeout=30)
+    assert res.stdout_tail == "xyz"
+    with pytest.raises(FileNotFoundError):
+        await sandbox.read_file("missing", 10)
+    # The image's own files: the base has no marker.
+    assert (await sandbox.exec(["test", "-e", MARKER_PATH], timeout=30)).exit_code == 1
+
+    container = sandbox.descriptor()["container"]
+    assert exists(container)
+    await sandbox.stop()
+    assert not exists(container)
+
+
+async def test_network_is_the_gateway_only(sandbox, gateway_socket):
+    probe = textwrap.dedent("""
+        import socket
+        socket.create_connection(("127.0.0.1", 4999), timeout=5).close()
+        print("gateway")
+        try:
+            socket.create_connection(("1.1.1.1", 80), timeout=2)
+            print("internet")
+        except OSError:
+            print("no internet")
+    """)
+    res = await sandbox.exec(["python3", "-c", probe], timeout=30)
+    assert res.stdout_tail.split() == ["gateway", "no", "internet"], res.stderr_tail
+
+
+async def test_container_removed_from_outside_is_lost(sandbox, provider):
+    started = provider.root / "ctr-test" / sandbox.spec.session_id / "tmp" / "started"
+    running = asyncio.ensure_future(
+        sandbox.exec(["sh", "-c", "touch /rollout/tmp/started; sleep 60"], timeout=120)
+    )
+    for _ in range(600):  # bounded: the command is running once its file is there
+        if started.exists():
+            break
+        await asyncio.sleep(0.05)
+    container = sandbox.descriptor()["container"]
+    subprocess.run(["podman", "rm", "-f", "-t", "0", container], timeout=60, check=True)
+    with pytest.raises(SandboxLostError):
+        await running
+
+
+async def test_api_key_never_inside(tmp_path, test_images, gateway_socket, monkeypatch):
+    secret = f"sk-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    provider = config(tmp_path, test_images.base).build(tmp_path / "root", (4999, gateway_socket))
+    sb = await provider.start(spec())
+    try:
+        res = await sandbox_search(sb, secret)
+        assert res.exit_code == 0 and res.stdout_tail == "", (res.stdout_tail, res.stderr_tail)
+        inspect = subprocess.run(
+            ["podman", "inspect", sb.descriptor()["container"]], capture_output=True, text=True, timeout=60
+        )
+        assert inspect.returncode == 0 and secret not in inspect.stdout
+    finally:
+        await sb.stop()
+
+
+_SEARCH = """
+import os, sys
+secret = (sys.argv[1] + sys.argv[2]).encode()  # given in halves: this command's own argv must not match
+me = str(os.getpid())
+for pid in os.listdir("/proc"):
+    for name in ("environ", "cmdline"):
+        try:
+            if pid.isdigit() and pid != me and secret in open(f"/proc/{pid}/{name}", "rb").read():
+                print(f"/proc/{pid}/{name}")
+        except OSError:
+            pass
+for top, dirs, files in os.walk("/"):
+    if top == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys", "dev")]
+    for name in files:
+        path = os.path.join(top, name)
+        try:
+            if os.path.isfile(path) and not os.path.islink(path) and secret in open(path, "rb").read():
+                print(path)
+        except OSError:
+            pass
+"""
+
+
+async def sandbox_search(sb, secret: str):
+    """Where ``secret`` is inside the sandbox: every process's environment and command line (what ps
+    shows), and every file but /proc's, /sys's and /dev's."""
+    half = len(secret) // 2
+    return await sb.exec(["python3", "-c", _SEARCH, secret[:half], secret[half:]], timeout=120)
+
+
+def _owner_script(root: Path, image: str, gateway_socket: str) -> str:
+    return textwrap.dedent(f"""
+        import asyncio, sys
+        from pathlib import Path
+        from sandboxes.base import SandboxSpec
+        from sandboxes.container import ContainerSandboxConfig
+
+        async def main():
+            cfg = ContainerSandboxConfig(image={image!r}, root={str(root)!r}, **{HOST_ARGS!r})
+            provider = cfg.build(Path({str(root)!r}), (4999, {gateway_socket!r}))
+            sb = await provider.start(SandboxSpec(run_id="ctr-owner", session_id="s1", ttl_s=600))
+            print(sb.descriptor()["container"], flush=True)
+            await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """)
+
+
+async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, gateway_socket, sandbox):
+    root = tmp_path / "root"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _owner_script(root, test_images.base, gateway_socket)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        orphan = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 120)
+        orphan = orphan.strip()
+        assert orphan and exists(orphan)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    mine = sandbox.descriptor()["container"]
+    reaped = await asyncio.to_thread(reap_containers, "podman", root)
+    assert reaped == [orphan]
+    assert not exists(orphan) and exists(mine)
+    assert not (root / "ctr-owner" / "s1").exists()
+    assert await asyncio.to_thread(reap_containers, "podman", root) == []
+    # gc --all of a run ends even a live owner's.
+    assert await asyncio.to_thread(reap_containers, "podman", root, "ctr-test", everything=True)
+    assert not exists(mine)
+
+
+async def test_missing_image_and_image_without_python(tmp_path, provider):
+    with pytest.raises(SandboxStartError) as missing:
+        await provider.start(spec(image="localhost/rollout-no-such-image:1"))
+    assert "localhost/rollout-no-such-image:1" in str(missing.value) and "\n" not in str(missing.value)
+
+    empty = tmp_path / "empty.tar"
+    with tarfile.open(empty, "w") as tar:
+        info = tarfile.TarInfo("etc")
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    tag = "localhost/rollout-test-empty:1"
+    subprocess.run(["podman", "import", "-q", str(empty), tag], capture_output=True, timeout=60, check=True)
+    with pytest.raises(SandboxStartError) as nopython:
+        await provider.start(spec(image=tag))
+    assert f"image {tag!r} cannot host the sandbox: no python3" in str(nopython.value)
+    assert not [c for c, labels in list_containers("podman", "ctr-test")]
+
+
+async def test_dockerfile_built_once_for_concurrent_starts(tmp_path, provider, test_images):
+    context = tmp_path / "ctx"
+    context.mkdir()
+    nonce = uuid.uuid4().hex
+    (context / "Dockerfile").write_text(f"FROM {test_images.base}\nRUN echo {nonce} > /etc/nonce\n")
+    sandboxes = await asyncio.gather(*(provider.start(spec(build_context=str(context))) for _ in range(3)))
+    try:
+        for sb in sandboxes:
+            assert (await sb.exec(["cat", "/etc/nonce"], timeout=30)).stdout_tail.strip() == nonce
+    finally:
+        await asyncio.gather(*(sb.stop() for sb in sandboxes))
+    builds = (provider.images.cache_dir / "builds.log").read_text().splitlines()
+    assert sum(str(context) in line for line in builds) == 1
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "Dockerfile").write_text(f"FROM {test_images.base}\nRUN echo failing-step && exit 7\n")
+    for _ in range(2):  # the second is answered from the first's failure
+        with pytest.raises(SandboxStartError) as failed:
+            await provider.start(spec(build_context=str(broken)))
+        assert f"build of {broken} failed" in str(failed.value) and "\n" not in str(failed.value)
+
+
+async def test_task_image_and_limits(tmp_path, provider, test_images):
+    sb = await provider.start(spec(image=test_images.marker, cpus=1, memory_limit_mb=256))
+    try:
+        assert (await sb.exec(["cat", MARKER_PATH], timeout=30)).stdout_tail.strip() == MARKER_TEXT
+        inspect = subprocess.run(
+            ["podman", "inspect", sb.descriptor()["container"]], capture_output=True, text=True, timeout=60
+        )
+        host = json.loads(inspect.stdout)[0]["HostConfig"]
+        assert host["Memory"] == 256 * 1024 * 1024 and host["NanoCpus"] == 10**9
+    finally:
+        await sb.stop()
