@@ -57,6 +57,7 @@ GATEWAY_SOCKET_IN = "/run/rollout-gateway.sock"
 ENTRY_PATH = Path(__file__).with_name("container_entry.py")
 COMMAND_TIMEOUT_S = 60.0
 REMOVE_TIMEOUT_S = 60.0
+REMOVE_ATTEMPTS = 3
 POLL_S = 0.02
 STATE_EVERY_S = 1.0
 # Installed-harness trees under the cache; the rest of it (other sessions' directories) stays out.
@@ -136,12 +137,17 @@ def list_containers(engine: str, run_id: str | None = None) -> list[tuple[str, d
 
 
 def remove(engine: str, container: str) -> bool:
-    """Remove the container, running or not; True once it is gone."""
-    proc = _engine(engine, ["rm", "-f", "-t", "1", container], REMOVE_TIMEOUT_S)
-    if proc.returncode == 0:
-        return True
-    gone = _engine(engine, ["container", "exists", container]) if engine == "podman" else None
-    return gone is not None and gone.returncode == 1
+    """Remove the container, running or not; True once it is gone. Tried a few times: an engine busy with
+    other containers' removals can refuse one for a moment."""
+    for attempt in range(REMOVE_ATTEMPTS):
+        proc = _engine(engine, ["rm", "-f", "-t", "1", container], REMOVE_TIMEOUT_S)
+        if proc.returncode == 0 or _engine(engine, ["inspect", "--format", "{{.Id}}", container]).returncode:
+            return True
+        log.info(
+            "%s rm of %s failed (attempt %d): %s", engine, container, attempt + 1, _one_line(proc.stderr)
+        )
+        time.sleep(0.2 * (attempt + 1))
+    return False
 
 
 def reap_containers(

@@ -68,6 +68,9 @@ def ensure_test_images(lock_dir: Path | None = None) -> TestImages:
                     f"FROM {images.base}\nRUN echo {MARKER_TEXT} > {MARKER_PATH}\n", encoding="utf-8"
                 )
                 _run(["podman", "build", "--pull=never", "--runtime", "runc", "-q", "-t", images.marker, tmp])
+        # The names the Harbor task fixtures use (tests/fixtures/harbor): this recipe's images.
+        for image in (images.base, images.marker):
+            _run(["podman", "tag", image, image.rpartition(":")[0] + ":latest"])
     return images
 
 

@@ -1,0 +1,203 @@
+"""Whole runs through Ray on the container provider (real podman, real Codex): the demo tasks come to what
+they come to on the local provider; Harbor task directories run as they are, each task in its own image,
+rewards from their own tests, bad tasks failing in one line while the others go on, a Dockerfile built
+once for all samples and retries; a SIGKILLed run's containers are gone after ``rollout gc``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from executor.store import read_table
+from harnesses.install import default_cache_root
+from sandboxes.container import list_containers
+from sandboxes.testing.images import podman_usable
+from tests.test_container import HOST_ARGS
+from tests.test_run import assert_demo_outcomes
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(podman_usable() is not None, reason=str(podman_usable())),
+    pytest.mark.usefixtures("test_images"),
+]
+
+REPO = Path(__file__).parents[1]
+HARBOR = REPO / "tests" / "fixtures" / "harbor"
+# The agent of the Harbor fixtures: it does what the instruction's RUN: line says.
+FOLLOW_INSTRUCTION = "eval \"$(printf '%s\\n' \"$ROLLOUT_PROMPT\" | sed -n 's/^RUN: //p')\""
+QUICK = {"retry": True, "max_attempts": 2, "backoff_base_s": 0.1, "backoff_cap_s": 0.2}
+
+
+@pytest.fixture(scope="module")
+def test_images():
+    from sandboxes.testing.images import ensure_test_images
+
+    return ensure_test_images()
+
+
+def write_config(tmp_path: Path, run_id: str, tasks: Path, **extra: object) -> Path:
+    config = {
+        "run_id": run_id,
+        "tasks": str(tasks),
+        "out": str(tmp_path / "out"),
+        "sandbox": {"provider": "container", "root": str(tmp_path / "sandboxes"), **HOST_ARGS},
+        "gateway": {"max_attempts_per_request": 3, "backoff_base_s": 0.1},
+        "limits": {"deadline_s": 60, "grace_s": 3},
+        "concurrency": {"workers": 1, "sessions_per_worker": 4},
+        **extra,
+    }
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rollout(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RAY_TMPDIR": "/tmp/rollout-ray-tests", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.usefixtures("codex_installed")
+def test_demo_tasks_on_the_container_provider(tmp_path, test_images):
+    rules = {"retry": True, "max_attempts": 2, "backoff_base_s": 0.2, "backoff_cap_s": 0.5}
+    cfg = write_config(
+        tmp_path,
+        "demo-ctr",
+        REPO / "examples" / "tasks.jsonl",
+        policy={"rules": {"rate_limit_exceeded": rules, "model_timeout": rules}},
+    )
+    data = yaml.safe_load(cfg.read_text())
+    data["sandbox"]["image"] = test_images.base
+    cfg.write_text(yaml.safe_dump(data))
+    proc = rollout("run", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_table(tmp_path / "out" / "demo-ctr").to_pylist()
+    assert_demo_outcomes(rows)
+    assert {r["sandbox_provider"] for r in rows} == {"container"}
+    assert list_containers("podman", "demo-ctr") == []
+
+
+def test_harbor_tasks_as_they_are(tmp_path):
+    tasks = tmp_path / "harbor"
+    shutil.copytree(HARBOR, tasks)
+    # A context of this run's own, so that its one build happens here (the others' images are cached).
+    nonce = uuid.uuid4().hex
+    (tasks / "always-crashes" / "environment" / "nonce").write_text(nonce)
+    cfg = write_config(
+        tmp_path,
+        "harbor",
+        tasks,
+        samples=4,
+        harness={"name": "command", "command": FOLLOW_INSTRUCTION},
+        policy={
+            "rules": {
+                "agent_crash": QUICK,
+                "sandbox_start_failed": QUICK,
+                "setup_failed": {"retry": False},
+                # The agent here is a shell line: no model call is its normal way.
+                "agent_no_model_call": {"retry": False, "grade": True, "final": "accept"},
+            },
+            "breaker": {"max_masked_fraction": None},
+        },
+    )
+    proc = rollout("run", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_table(tmp_path / "out" / "harbor").to_pylist()
+    by_task: dict[str, list[dict]] = {}
+    for r in rows:
+        by_task.setdefault(r["task_id"], []).append(r)
+
+    # Rewards from the tasks' own tests, each in its own image (write-greeting's test checks that the
+    # marker image's file is absent, marker-image's that it is there).
+    assert [r["reward"] for r in by_task["write-greeting"]] == [1.0] * 4
+    assert [r["reward"] for r in by_task["marker-image"]] == [1.0] * 4
+    # The agent wrote a reward of 1 and its own /tests/test.sh, and left a process rewriting the reward:
+    # all gone before the task's tests ran.
+    assert [r["reward"] for r in by_task["reward-hack"]] == [0.0] * 4
+    assert all(r["verified"] for r in by_task["reward-hack"])
+
+    crashes = by_task["always-crashes"]
+    assert sorted((r["sample_index"], r["attempt"], r["decision"]) for r in crashes) == [
+        (i, a, "retry" if a == 1 else "mask") for i in range(4) for a in (1, 2)
+    ]
+    # One build of its context for 4 samples and their retries.
+    builds = (default_cache_root() / "images" / "builds.log").read_text().splitlines()
+    assert sum(str(tasks / "always-crashes" / "environment") in line for line in builds) == 1
+
+    def one_line(task: str, kind: str, text: str) -> None:
+        for r in by_task[task]:
+            assert r["failure_kind"] == kind and text in r["error_message"], r["error_message"]
+            assert "\n" not in r["error_message"]
+        assert by_task[task][-1]["decision"] == "mask"
+
+    one_line("missing-tests", "setup_failed", "Harbor task missing-tests: missing tests/test.sh")
+    one_line("broken-dockerfile", "sandbox_start_failed", f"build of {tasks / 'broken-dockerfile'}")
+    one_line("missing-image", "sandbox_start_failed", "image 'localhost/rollout-no-such-image:1'")
+    assert list_containers("podman", "harbor") == []
+
+
+def test_sigkill_of_a_run_with_live_containers_then_gc(tmp_path, test_images):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "prompt": "wait", "image": test_images.marker}) + "\n"
+            for i in range(2)
+        )
+    )
+    cfg = write_config(tmp_path, "killed", tasks, harness={"name": "command", "command": "sleep 600"})
+    env = {**os.environ, "RAY_TMPDIR": "/tmp/rollout-ray-tests", "PYTHONPATH": str(REPO)}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "executor.cli", "run", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own group: the driver, its local Ray and the worker go together
+    )
+    owners: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while len(list_containers("podman", "killed")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # polling for the containers to exist, bounded
+        live = list_containers("podman", "killed")
+        assert len(live) == 2
+        assert all(labels["rollout.run_id"] == "killed" for _name, labels in live)
+        images = subprocess.run(
+            ["podman", "inspect", "--format", "{{.ImageName}}", *[name for name, _labels in live]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert images.stdout.split() == [test_images.marker] * 2  # the tasks' image, not the run's
+        # The worker holding the containers, named by their owner label; the driver's group first, so
+        # that nothing starts another.
+        owners = {int(labels["rollout.owner"].split("pid=")[1].split()[0]) for _name, labels in live}
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait(60)
+    for pid in owners:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in owners) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling for the SIGKILLed worker to be reaped by its parent, bounded
+    gc = rollout("gc", str(cfg), timeout=300)
+    assert gc.returncode == 0, gc.stderr[-2000:]
+    assert list_containers("podman", "killed") == []
