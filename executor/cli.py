@@ -387,21 +387,33 @@ def conformance(
     network: Annotated[
         str, typer.Option(help="isolated (a loopback-only network namespace), host, or auto.")
     ] = "auto",
+    provider: Annotated[str, typer.Option(help="local, or container (with --image).")] = "local",
+    image: Annotated[str | None, typer.Option(help="--provider container: the image cells run in.")] = None,
+    container_config: Annotated[
+        Path | None,
+        typer.Option(help="--provider container: a YAML sandbox section (engine, runtime, ulimits...)."),
+    ] = None,
 ) -> None:
     """Every scenario against every harness through the real executor path; writes the matrix."""
     import asyncio
 
+    from executor.testing.conformance import (
+        container_config as read_container_config,
+    )
     from executor.testing.conformance import network_mode, parse_scenarios, parse_targets, run_matrix
 
     try:
         targets = parse_targets(harness, version or [])
         scenarios = parse_scenarios(scenario or [])
         network_mode(network)
+        container = read_container_config(provider, image, container_config)
     except InputError as exc:
         _fail_input(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     matrix = asyncio.run(
-        run_matrix(targets, scenarios, out.resolve(), concurrency=concurrency, network=network)
+        run_matrix(
+            targets, scenarios, out.resolve(), concurrency=concurrency, network=network, container=container
+        )
     )
     passed = sum(c.passed for c in matrix.cells)
     for cell in matrix.cells:

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+from pydantic import ValidationError
+
 from executor.config import RunConfig
 from executor.driver import decide_row
 from executor.schema import rows_to_batch, with_decisions
@@ -49,7 +52,8 @@ from harnesses.testing.conformance import (
 from harnesses.testing.scripted_model import ScriptedModel
 from policy import Decision
 from sandboxes import netns
-from sandboxes.base import Sandbox
+from sandboxes.base import Sandbox, SandboxProvider
+from sandboxes.container import ContainerSandboxConfig, list_containers
 from sandboxes.local import LocalSandboxProvider
 from sandboxes.testing.leaks import processes_under
 
@@ -198,8 +202,16 @@ async def _wait_no_processes(marker: str) -> tuple[str, ...]:
 
 
 async def run_cell(
-    target: Target, scenario: Scenario, out: Path, cache_root: Path, *, isolated: bool = False
+    target: Target,
+    scenario: Scenario,
+    out: Path,
+    cache_root: Path,
+    *,
+    isolated: bool = False,
+    container: ContainerSandboxConfig | None = None,
 ) -> Cell:
+    """One cell, its sandboxes local ones, or with ``container`` containers of its image (which reach the
+    gateway through its Unix socket, as isolated local ones do)."""
     harness = make_harness(target.harness, target.version)
     cell_dir = out / "cells" / f"{target.harness}@{harness.version}" / scenario.name
     cfg = _config(target, scenario, cell_dir)
@@ -216,7 +228,7 @@ async def run_cell(
         await scripted.start()
         gateway = Gateway(scripted.base_url, None, cfg.gateway)
         # A Unix socket path must stay under 108 bytes; a cell's own directory can be deeper than that.
-        socket_dir = tempfile.mkdtemp(prefix="rollout-gw-") if isolated else None
+        socket_dir = tempfile.mkdtemp(prefix="rollout-gw-") if isolated or container else None
         try:
             forward: tuple[int, str] | None = None
             if socket_dir is not None:
@@ -224,9 +236,18 @@ async def run_cell(
                 forward = (urlsplit(gateway.url).port or 0, gateway.unix_path or "")
             else:
                 await gateway.start()
+            provider: SandboxProvider
+            if container is not None and forward is not None:
+                provider = container.model_copy(update={"root": str(sandbox_root)}).build(
+                    sandbox_root, forward
+                )
+            else:
+                provider = LocalSandboxProvider(
+                    sandbox_root, keep=False, network_forward=forward, pids="auto"
+                )
             ctx = SessionContext(
                 config=cfg,
-                provider=LocalSandboxProvider(sandbox_root, keep=False, network_forward=forward, pids="auto"),
+                provider=provider,
                 harness=_LaunchInstead(harness, scenario.launch_argv) if scenario.launch_argv else harness,
                 gateway=gateway,
                 scripted=scripted,
@@ -241,6 +262,12 @@ async def run_cell(
             if socket_dir is not None:
                 shutil.rmtree(socket_dir, ignore_errors=True)
         leftover = await _wait_no_processes(str(sandbox_root))
+        if container is not None:
+            root = str(sandbox_root.resolve())
+            left = await asyncio.to_thread(list_containers, container.engine, cfg.run_id)
+            leftover += tuple(
+                f"container {name}" for name, labels in left if labels.get("rollout.root") == root
+            )
     except Exception as exc:
         log.exception("conformance cell %s/%s", target.label, scenario.name)
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
@@ -301,10 +328,14 @@ async def run_matrix(
     concurrency: int = DEFAULT_CONCURRENCY,
     cache_root: Path | None = None,
     network: str = "auto",
+    container: ContainerSandboxConfig | None = None,
 ) -> Matrix:
-    """``network``: "isolated" (refuse if this host cannot), "host", or "auto" (isolated when it can)."""
+    """``network``: "isolated" (refuse if this host cannot), "host", or "auto" (isolated when it can).
+    ``container``: every cell's sandboxes are containers so configured instead."""
     cache = cache_root or default_cache_root()
     isolated, network_note = network_mode(network)
+    if container is not None:
+        network_note = f"container ({container.engine}, image {container.image}, --network none)"
     out.mkdir(parents=True, exist_ok=True)
     matrix = Matrix(
         targets=[t.label for t in targets],
@@ -328,7 +359,7 @@ async def run_matrix(
         if target in install_errors:
             return _failed_cell(target, scenario, install_errors[target])
         async with slots:
-            return await run_cell(target, scenario, out, cache, isolated=isolated)
+            return await run_cell(target, scenario, out, cache, isolated=isolated, container=container)
 
     pairs = [(t, s) for t in targets for s in scenarios]
     # Slow scenarios (the hang, the retried ones) start first, so the quick ones fill in around them.
@@ -353,6 +384,33 @@ def network_mode(network: str) -> tuple[bool, str]:
             raise InputError(f"--network isolated: {exc}") from None
         return False, f"host ({exc})"
     return True, "isolated (each command in a loopback-only network namespace)"
+
+
+def container_config(provider: str, image: str | None, path: Path | None) -> ContainerSandboxConfig | None:
+    """The container section cells run on (``--provider container``), or None for local sandboxes."""
+    if provider == "local":
+        if image or path:
+            raise InputError("--image and --container-config apply to --provider container")
+        return None
+    if provider != "container":
+        raise InputError(f"--provider: {provider!r} is not one of local, container")
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise InputError(f"--container-config {path}: {' '.join(str(exc).split())[:200]}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"--container-config {path}: not a mapping")
+    data = {**data, "provider": "container", **({"image": image} if image else {})}
+    try:
+        config = ContainerSandboxConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InputError(f"--container-config: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    if not config.image:
+        raise InputError("--provider container needs --image (or image: in --container-config)")
+    return config
 
 
 def _weight(scenario: Scenario) -> float:
