@@ -206,7 +206,11 @@ async def _run(req: SessionRequest, ctx: SessionContext) -> Row:
                 install_dir=install_dir,
                 max_output_tokens=cfg.model.max_output_tokens,
             )
-            return await ctx.harness.prepare(sandbox, context)
+            launch = await ctx.harness.prepare(sandbox, context)
+            # A sandbox of the task's own image (a container) may lack what the harness needs.
+            if (check_runs := getattr(sandbox, "check_runs", None)) is not None:
+                await check_runs(launch.argv[0], f"the {ctx.harness.name} harness")
+            return launch
 
         try:
             # The harness's config goes to HOME while the workspace is laid out: neither reads the other.

@@ -184,10 +184,24 @@ class ContainerSandbox(RemoteSandbox):
 
     shares_host_userland = False  # harnesses run their own binaries, not the worker's node or python
 
-    def __init__(self, *, workdir: str | None, **kw: Any) -> None:
+    def __init__(self, *, workdir: str | None, image: str, runs: set[tuple[str, str]], **kw: Any) -> None:
         super().__init__(**kw)
         if workdir:
             self.workdir = workdir
+        self.image = image
+        self._runs = runs  # (image, program) pairs seen to run, shared by the provider's sandboxes
+
+    async def check_runs(self, program: str, what: str) -> None:
+        """SandboxError, one line naming the image and what is missing, unless ``program`` starts here
+        (a harness's binary, or the runtime it needs: node, python). Once per image and program."""
+        if (self.image, program) in self._runs:
+            return
+        res = await self.exec([program, "--version"], timeout=60, name="check-runs")
+        # 126/127: not found, not executable, or its loader or a shared library missing.
+        if res.exit_code in (126, 127) or res.signal is not None:
+            said = " ".join((res.stderr_tail or res.stdout_tail).split())[-300:] or f"exit {res.exit_code}"
+            raise SandboxError(f"image {self.image!r} cannot run {what}: {program}: {said}")
+        self._runs.add((self.image, program))
 
     def _path(self, path: str) -> str:
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
@@ -208,6 +222,7 @@ class ContainerSandboxProvider:
         self.port, self.gateway_socket = network_forward
         self.cache_root = default_cache_root().resolve()
         runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
+        self._runs: set[tuple[str, str]] = set()
         self.images = Images(
             config.engine,
             self.cache_root / "images",
@@ -303,6 +318,8 @@ class ContainerSandboxProvider:
             await self._wait_ready(name, session_dir / "control")
             sandbox = ContainerSandbox(
                 workdir=image.workdir if image.workdir not in ("", "/") else None,
+                image=image.ref,
+                runs=self._runs,
                 sandbox_id=name,
                 provider_name=self.name,
                 # The engine's cgroup enforces the memory limit; an address-space one too would break

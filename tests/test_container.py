@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes.base import SandboxLostError, SandboxSpec, SandboxStartError
+from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, SandboxStartError
 from sandboxes.container import (
     ContainerSandboxConfig,
     ContainerSandboxProvider,
@@ -279,5 +279,35 @@ async def test_task_image_and_limits(tmp_path, provider, test_images):
         )
         host = json.loads(inspect.stdout)[0]["HostConfig"]
         assert host["Memory"] == 256 * 1024 * 1024 and host["NanoCpus"] == 10**9
+    finally:
+        await sb.stop()
+
+
+async def test_an_image_that_cannot_host_the_harness_fails_in_one_line(
+    tmp_path, provider, test_images, codex_installed, pi_installed
+):
+    from harnesses.codex import native_binary
+    from harnesses.pi import node_for
+
+    node = str(node_for(pi_installed))
+    context = tmp_path / "no-libstdcxx"
+    context.mkdir()
+    # Node (Pi's runtime) needs libstdc++; Codex's binary is static.
+    (context / "Dockerfile").write_text(
+        f"FROM {test_images.base}\nRUN rm -f /usr/lib/x86_64-linux-gnu/libstdc++.so.6*\n"
+    )
+    sb = await provider.start(spec(build_context=str(context)))
+    try:
+        await sb.check_runs(str(native_binary(codex_installed)), "the codex harness")
+        with pytest.raises(SandboxError) as failed:
+            await sb.check_runs(node, "the pi harness")
+        message = str(failed.value)
+        assert message.startswith(f"image {sb.image!r} cannot run the pi harness: {node}: ")
+        assert "libstdc++.so.6" in message and "\n" not in message
+    finally:
+        await sb.stop()
+    sb = await provider.start(spec())
+    try:
+        await sb.check_runs(node, "the pi harness")  # the base image has it
     finally:
         await sb.stop()
