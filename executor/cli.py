@@ -447,12 +447,23 @@ def bench(
         Path | None,
         typer.Option("--markdown", help="Also write the figures as tables into this page's 'bench' part."),
     ] = None,
+    provider: Annotated[str, typer.Option(help="(a) local, or container (with --image).")] = "local",
+    image: Annotated[str | None, typer.Option(help="(a) --provider container: the image.")] = None,
+    container_config: Annotated[
+        Path | None, typer.Option(help="(a) --provider container: a YAML sandbox section.")
+    ] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
     import json
 
     from executor.docs import replace_part
     from executor.testing.bench import markdown, run_all
+    from executor.testing.conformance import container_config as read_container_config
+
+    try:
+        container = read_container_config(provider, image, container_config)
+    except InputError as exc:
+        _fail_input(str(exc))
 
     if markdown_out is not None:
         try:  # before hours of measuring, not after
@@ -476,6 +487,7 @@ def bench(
         cold_runs=cold_runs,
         cold_rollouts=cold_rollouts,
         cold_concurrency=cold_concurrency,
+        container=container,
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

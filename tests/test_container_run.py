@@ -201,3 +201,22 @@ def test_sigkill_of_a_run_with_live_containers_then_gc(tmp_path, test_images):
     gc = rollout("gc", str(cfg), timeout=300)
     assert gc.returncode == 0, gc.stderr[-2000:]
     assert list_containers("podman", "killed") == []
+
+
+# A few scenarios for the CI; `rollout conformance --provider container` runs all 26 (docs/testing.md).
+CONTAINER_SCENARIOS = ("tool_success", "transport_drop", "verifier_killed")
+
+
+@pytest.mark.usefixtures("codex_installed", "pi_installed")
+async def test_conformance_in_containers_for_codex_and_pi(tmp_path, test_images):
+    from executor.testing.conformance import Target, parse_scenarios, run_matrix
+    from sandboxes.container import ContainerSandboxConfig
+
+    container = ContainerSandboxConfig(image=test_images.base, **HOST_ARGS)
+    out = tmp_path / "conformance"
+    matrix = await run_matrix(
+        [Target("codex"), Target("pi")], parse_scenarios(CONTAINER_SCENARIOS), out, container=container
+    )
+    failed = [f"{c.harness} {c.scenario}: {c.first_failure}" for c in matrix.cells if not c.passed]
+    assert len(matrix.cells) == 6 and not failed, failed
+    assert "container (podman" in (out / "conformance.md").read_text()

@@ -94,9 +94,16 @@ class _ModelThread:
 
 
 def _direct_runs(
-    indices: range, model: Any, codex_js: Path, scratch: Path, direct: list[float], direct_codex: list[float]
+    indices: range,
+    model: Any,
+    codex_js: Path,
+    scratch: Path,
+    direct: list[float],
+    direct_codex: list[float],
+    in_container: Callable[[list[str], dict[str, str], Path], list[str]] | None = None,
 ) -> None:
-    """Hand-rolled rollouts: the same Codex task against the same scripted model, without the executor."""
+    """Hand-rolled rollouts: the same Codex task against the same scripted model, without the executor.
+    ``in_container`` turns the command into one that runs it in a container, as one would by hand."""
     for i in indices:
         # Timed from here: what a hand-rolled loop does for one rollout too (a fresh workspace and
         # config, the harness, the grade), so the difference is what the executor adds.
@@ -128,6 +135,8 @@ def _direct_runs(
             str(home / "work"),
             PROMPT,
         ]
+        if in_container is not None:
+            argv = in_container(argv[2:], env, home)
         t1 = time.perf_counter()
         proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
         direct_codex.append(time.perf_counter() - t1)
@@ -137,9 +146,33 @@ def _direct_runs(
             raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
 
 
-def overhead(runs: int, scratch: Path) -> dict[str, Any]:
+def _podman_by_hand(
+    container: Any, install: Path, image: str
+) -> Callable[[list[str], dict[str, str], Path], list[str]]:
+    """How one runs `codex exec` in a container of ``image`` by hand: its native binary from the install,
+    the rollout's directory mounted, the host's network to reach the model."""
+    from harnesses.codex import native_binary
+
+    binary = str(native_binary(install))
+
+    def wrap(args: list[str], env: dict[str, str], home: Path) -> list[str]:
+        argv = [container.engine, "run", "--rm", "--network", "host", "-v", f"{home}:{home}"]
+        argv += ["-v", f"{install}:{install}:ro"]
+        argv += ["--runtime", container.runtime] if container.runtime else []
+        for ulimit in container.ulimits:
+            argv += ["--ulimit", ulimit]
+        for key in ("HOME", "CODEX_HOME", "BENCH_KEY"):
+            argv += ["-e", f"{key}={env[key]}"]
+        return [*argv, "--entrypoint", binary, image, *args]
+
+    return wrap
+
+
+def overhead(runs: int, scratch: Path, container: Any = None) -> dict[str, Any]:
     """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
-    speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides."""
+    speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides.
+    ``container`` (a ContainerSandboxConfig): the executor's sandboxes are containers so configured, and
+    each hand-rolled `codex exec` runs in a container of the same image."""
     import ray
 
     from executor.config import load_config
@@ -155,8 +188,8 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
         async def finish_removals(self) -> None:
             """Wait for the last sandbox's deletion, which runs after its row: not during the next direct
             run, which must not share the machine with it."""
-            assert isinstance(self.provider, LocalSandboxProvider)  # this part's config: local sandboxes
-            await self.provider.finish_removals()
+            if isinstance(self.provider, LocalSandboxProvider):  # a container is removed at its stop
+                await self.provider.finish_removals()
 
     install = CodexHarness().ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
@@ -164,6 +197,10 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     cfg = load_config(
         _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
     )
+    wrap = None
+    if container is not None:
+        cfg = cfg.model_copy(update={"sandbox": container.model_copy(update={"root": str(scratch / "sb")})})
+        wrap = _podman_by_hand(container, install, container.image)
     direct: list[float] = []
     direct_codex: list[float] = []
     rows: list[dict[str, Any]] = []
@@ -178,7 +215,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
             .remote(cfg.model_dump_json(), str(scratch / "out" / "a"), 0)
         )
         for i, task in enumerate(load_tasks(tasks)):
-            _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex)
+            _direct_runs(range(i, i + 1), model, codex_js, scratch, direct, direct_codex, wrap)
             rows.extend(batch_from_wire(ray.get(worker.run.remote(task.model_dump_json(), 0, 1))).to_pylist())
             ray.get(worker.finish_removals.remote())
     finally:
@@ -528,6 +565,7 @@ def run_all(
     cold_runs: int = 5,
     cold_rollouts: int = 10,
     cold_concurrency: int = 1,
+    container: Any = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -539,7 +577,7 @@ def run_all(
                 f"resume scan of {d['rows']:,} rows {d['resume_scan_s']:.2f} s"
             )
         if "a" in parts:
-            out["a"] = a = overhead(runs, scratch)
+            out["a"] = a = overhead(runs, scratch, container)
             echo(
                 f"(a) overhead, {runs} sequential Codex rollouts: "
                 f"direct median {a['direct_median_s']:.3f} s (codex exec alone "
