@@ -61,7 +61,9 @@ class SlurmSandboxConfig(ProviderConfig):
         default_factory=list
     )  # e.g. ["--cpus-per-task=2", "--mem=4G", "--oversubscribe"]
     python: str = "python3"  # on the compute node (inside the image with apptainer); >= 3.11
-    apptainer_image: str | None = None  # run the agent inside this image (the root is bound in)
+    # Run the agent inside this image (the root is bound in); a task's own `image` wins, handed to
+    # apptainer as it is (a .sif path, docker://..., oras://...).
+    apptainer_image: str | None = None
     apptainer_args: list[str] = Field(default_factory=list)
     agent_host: str = "127.0.0.1"  # the agent's bind address; not loopback: it advertises the node name
     start_timeout_s: float = 300.0  # queueing included
@@ -153,7 +155,7 @@ class SlurmSandboxProvider:
         self.cfg = config
         self.name = "slurm"
 
-    def _job_script(self, session_dir: Path, control: Path, ttl_s: float) -> str:
+    def _job_script(self, session_dir: Path, control: Path, ttl_s: float, image: str | None = None) -> str:
         agent = [
             self.cfg.python,
             str(control / "agent.py"),
@@ -163,9 +165,9 @@ class SlurmSandboxProvider:
             "--ttl-s", f"{ttl_s:.0f}",
             "--host", self.cfg.agent_host,
         ]  # fmt: skip
-        if self.cfg.apptainer_image:
+        if image := image or self.cfg.apptainer_image:
             bind = ["--bind", f"{session_dir}:{session_dir}"]
-            agent = ["apptainer", "exec", *bind, *self.cfg.apptainer_args, self.cfg.apptainer_image, *agent]
+            agent = ["apptainer", "exec", *bind, *self.cfg.apptainer_args, image, *agent]
         line = shlex.join(agent)
         if self.cfg.agent_host not in ("127.0.0.1", "localhost", "::1"):
             line += ' --advertise "$(hostname)"'
@@ -187,7 +189,7 @@ class SlurmSandboxProvider:
         fd = os.open(control / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
-        (control / "job.sh").write_text(self._job_script(session_dir, control, spec.ttl_s))
+        (control / "job.sh").write_text(self._job_script(session_dir, control, spec.ttl_s, spec.image))
         return control, token
 
     def _submit(self, spec: SandboxSpec, session_dir: Path, control: Path, owner_name: str) -> str:
@@ -210,6 +212,11 @@ class SlurmSandboxProvider:
         return proc.stdout.strip().split(";")[0]
 
     async def start(self, spec: SandboxSpec) -> RemoteSandbox:
+        if spec.build_context is not None:
+            where = spec.build_context
+            raise SandboxStartError(
+                f"a task's build ({where}) needs sandbox.provider 'container'; give an image"
+            )
         for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
             if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
                 raise SandboxStartError(f"{label} {value!r} cannot name a directory")

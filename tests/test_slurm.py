@@ -96,6 +96,19 @@ async def test_start_exec_files_stop_and_no_job_left(tmp_path):
     assert not Path(sandbox.root).exists()  # keep is off
 
 
+async def test_a_tasks_image_runs_the_agent_through_apptainer(tmp_path):
+    provider = SlurmSandboxConfig(keep=True, start_timeout_s=60).build(tmp_path / "sb")
+    run_id = f"slurm-image-{os.getpid()}"
+    with pytest.raises(SandboxStartError, match="before its agent was ready"):
+        # No apptainer on this machine: the job says so; what it ran is what is checked.
+        await provider.start(SandboxSpec(run_id=run_id, session_id="s1", ttl_s=300, image="docker://task:1"))
+    job = (tmp_path / "sb" / run_id / "s1" / "control" / "job.sh").read_text()
+    assert "exec apptainer exec --bind" in job and " docker://task:1 python3 " in job
+    with pytest.raises(SandboxStartError, match=r"needs sandbox\.provider 'container'"):
+        await provider.start(SandboxSpec(run_id=run_id, session_id="s2", ttl_s=300, build_context="/x"))
+    assert _jobs(run_id) == []
+
+
 def _agent_pid(root: str) -> int:
     return int(json.loads((Path(root) / "control" / "ready.json").read_text())["pid"])
 
