@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
 RUN_TAG, SESSION_TAG, TTL_TAG = "rollout:run", "rollout:session", "rollout:ttl"
+IMAGE_TAG = "rollout:image"
 OWNER_TAG_PREFIX = "rollout:owner:"  # host, boot, pid, ticks, record (sandboxes/owner.py)
 # ECS's limits: 50 tags a task, keys of 128 characters, values of 256. Ours: 8 tags, keys under 30, and
 # values short but for the run and session ids (cut to fit; the run is also in startedBy).
@@ -84,6 +85,29 @@ class EcsSandboxConfig(ProviderConfig):
 def started_by(run_id: str) -> str:
     """ECS allows 36 characters of [A-Za-z0-9_/-] here; a digest of the run id fits any run id."""
     return "rollout-" + hashlib.sha256(run_id.encode()).hexdigest()[:20]
+
+
+def _family(task_definition: str) -> str:
+    """The family of ``family[:revision]`` or of a task definition's ARN."""
+    return task_definition.rsplit("/", 1)[-1].split(":", 1)[0]
+
+
+def image_family_prefix(task_definition: str, run_id: str) -> str:
+    """The families a run registers for its tasks' images begin so: ``rollout gc`` finds them by it."""
+    return f"{_family(task_definition)}-{started_by(run_id)}-"
+
+
+def image_family(task_definition: str, run_id: str, image: str) -> str:
+    """The run's task definition family for ``image``: the base's, one per run and distinct image."""
+    return image_family_prefix(task_definition, run_id) + hashlib.sha256(image.encode()).hexdigest()[:16]
+
+
+# What a registered task definition carries that RegisterTaskDefinition takes again.
+_REGISTER_KEYS = (
+    "taskRoleArn", "executionRoleArn", "networkMode", "volumes", "placementConstraints",
+    "requiresCompatibilities", "cpu", "memory", "pidMode", "ipcMode", "proxyConfiguration",
+    "inferenceAccelerators", "ephemeralStorage", "runtimePlatform",
+)  # fmt: skip
 
 
 class TokenBucket:
@@ -150,6 +174,79 @@ class EcsSandboxProvider:
         self.client = client
         self.resolve: AddressResolver = resolve or (lambda task: default_address(task, config.agent_port))
         self.bucket = TokenBucket(config.launch_rate_per_s, config.launch_burst)
+        self._definitions: dict[str, str] = {}  # image -> the ARN of its task definition, this run's
+        self._definition_locks: dict[str, asyncio.Lock] = {}
+
+    async def task_definition(self, spec: SandboxSpec) -> str:
+        """The task definition a session runs: the configured one, or for a task's own image one
+        registered from it with that image, once per run and image (found again by its family by other
+        workers and after a restart), so ECS's API sees a handful of calls per distinct image."""
+        if spec.build_context is not None:
+            raise SandboxStartError(
+                f"a task's build ({spec.build_context}) needs sandbox.provider 'container'; give an image"
+            )
+        if not spec.image:
+            return self.cfg.task_definition
+        if (arn := self._definitions.get(spec.image)) is not None:
+            return arn
+        async with self._definition_locks.setdefault(spec.image, asyncio.Lock()):
+            if spec.image not in self._definitions:
+                try:
+                    self._definitions[spec.image] = await self._register(spec.run_id, spec.image)
+                except SandboxError as exc:
+                    raise SandboxStartError(f"task definition for image {spec.image!r}: {exc}") from exc
+            return self._definitions[spec.image]
+
+    async def _register(self, run_id: str, image: str) -> str:
+        family = image_family(self.cfg.task_definition, run_id, image)
+        try:
+            found = (await self._call("describe_task_definition", taskDefinition=family))["taskDefinition"]
+            if found.get("status") == "ACTIVE":
+                return found["taskDefinitionArn"]
+        except SandboxError:
+            pass  # none yet
+        base = (await self._call("describe_task_definition", taskDefinition=self.cfg.task_definition))[
+            "taskDefinition"
+        ]
+        containers = [dict(c) for c in base.get("containerDefinitions", [])]
+        ours = [c for c in containers if c.get("name") == self.cfg.container_name]
+        if not ours:
+            raise SandboxError(
+                f"{self.cfg.task_definition} has no container named {self.cfg.container_name!r}"
+            )
+        ours[0]["image"] = image
+        answer = await self._call(
+            "register_task_definition",
+            family=family,
+            containerDefinitions=containers,
+            tags=[
+                {"key": RUN_TAG, "value": run_id[:TAG_VALUE_MAX]},
+                {"key": IMAGE_TAG, "value": image[:256]},
+            ],
+            **{k: base[k] for k in _REGISTER_KEYS if k in base},
+        )
+        log.info("ecs: registered %s for image %s", family, image)
+        return answer["taskDefinition"]["taskDefinitionArn"]
+
+    def deregister_images(self, run_id: str) -> list[str]:
+        """Deregister the task definitions ``run_id`` registered for its tasks' images."""
+        prefix = image_family_prefix(self.cfg.task_definition, run_id)
+        bound = {"PaginationConfig": {"MaxItems": 10_000}}
+        families: list[str] = []
+        # ListTaskDefinitions takes a whole family name; ListTaskDefinitionFamilies a prefix.
+        for page in self.client.get_paginator("list_task_definition_families").paginate(
+            familyPrefix=prefix, status="ACTIVE", **bound
+        ):
+            families.extend(f for f in page.get("families", []) if f.startswith(prefix))
+        arns: list[str] = []
+        for family in families:
+            for page in self.client.get_paginator("list_task_definitions").paginate(
+                familyPrefix=family, status="ACTIVE", **bound
+            ):
+                arns.extend(page.get("taskDefinitionArns", []))
+        for arn in arns:
+            self.client.deregister_task_definition(taskDefinition=arn)
+        return arns
 
     # -- API calls, retried when ECS says so -----------------------------------------------------------
 
@@ -169,7 +266,9 @@ class EcsSandboxProvider:
             await asyncio.sleep(random.uniform(0, min(8.0, 0.2 * 2**attempt)))
         raise AssertionError("unreachable")
 
-    def _run_task_args(self, spec: SandboxSpec, token: str, owner: Owner) -> dict[str, Any]:
+    def _run_task_args(
+        self, spec: SandboxSpec, token: str, owner: Owner, task_definition: str | None = None
+    ) -> dict[str, Any]:
         cfg = self.cfg
         tags = {
             RUN_TAG: spec.run_id,
@@ -187,7 +286,7 @@ class EcsSandboxProvider:
         ]  # fmt: skip
         args: dict[str, Any] = {
             "cluster": cfg.cluster,
-            "taskDefinition": cfg.task_definition,
+            "taskDefinition": task_definition or cfg.task_definition,
             "count": 1,
             "startedBy": started_by(spec.run_id),
             "clientToken": uuid.uuid4().hex,  # the same for every retry of this launch
@@ -202,6 +301,11 @@ class EcsSandboxProvider:
                 ]
             },
         }
+        # A task's own CPUs and memory, as ECS counts them (CPU units, MiB), where the launch type allows.
+        if spec.cpus:
+            args["overrides"]["cpu"] = str(int(spec.cpus * 1024))
+        if spec.memory_limit_mb:
+            args["overrides"]["memory"] = str(spec.memory_limit_mb)
         if cfg.capacity_provider_strategy:
             args["capacityProviderStrategy"] = cfg.capacity_provider_strategy
         elif cfg.launch_type:
@@ -223,10 +327,11 @@ class EcsSandboxProvider:
             owner = Owner.current(hold(self.root))  # once per process: later calls are a lookup and an fstat
         except OSError as exc:
             raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
+        definition = await self.task_definition(spec)
         await self.bucket.acquire()
         token = secrets.token_urlsafe(32)
         try:
-            answer = await self._call("run_task", **self._run_task_args(spec, token, owner))
+            answer = await self._call("run_task", **self._run_task_args(spec, token, owner, definition))
         except SandboxError as exc:
             raise SandboxStartError(str(exc)) from exc
         tasks, failures = answer.get("tasks", []), answer.get("failures", [])
@@ -312,7 +417,8 @@ class EcsSandboxProvider:
 
     def reap(self, run_id: str | None, *, everything: bool = False, now: float | None = None) -> list[str]:
         """Stop the rollout tasks past their TTL or whose owner this machine proves dead by its record
-        under the root; ``everything``: all of ``run_id``'s."""
+        under the root; ``everything``: all of ``run_id``'s, and the task definitions it registered for
+        its tasks' images are deregistered."""
         if everything and run_id is None:
             raise ValueError("reaping everything needs a run id")
         now = time.time() if now is None else now
@@ -343,4 +449,6 @@ class EcsSandboxProvider:
                         cluster=self.cfg.cluster, task=task["taskArn"], reason="rollout: reaped"
                     )
                     stopped.append(task["taskArn"])
+        if everything and run_id is not None:  # the run is over: its images' task definitions go too
+            stopped += self.deregister_images(run_id)
         return stopped

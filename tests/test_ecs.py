@@ -234,6 +234,52 @@ def _dead_owner(root: Path) -> Owner:
     return owner
 
 
+async def test_a_task_definition_per_image_registered_once_reused_and_deregistered_by_gc(ecs, containers):
+    provider = EcsSandboxProvider(_config(), client=ecs, resolve=containers.resolve)
+    calls: list[str] = []
+    real_call = provider._call
+
+    async def counted(op: str, **kwargs: Any) -> dict[str, Any]:
+        calls.append(op)
+        return await real_call(op, **kwargs)
+
+    provider._call = counted  # type: ignore[method-assign]
+    images = ["registry.example/task-a:1", "registry.example/task-b:2", "registry.example/task-a:1"]
+    limits = {"cpus": 0.5, "memory_limit_mb": 768}
+    specs = [
+        SandboxSpec(run_id="img-run", session_id=f"s{i}", ttl_s=600, image=image, **limits)
+        for i, image in enumerate(images)
+    ]
+    sandboxes = [await provider.start(spec) for spec in specs]
+    try:
+        seen = {}
+        for sb, image in zip(sandboxes, images, strict=True):
+            task = ecs.describe_tasks(cluster=CLUSTER, tasks=[sb.descriptor()["task_arn"]])["tasks"][0]
+            definition = ecs.describe_task_definition(taskDefinition=task["taskDefinitionArn"])[
+                "taskDefinition"
+            ]
+            assert definition["containerDefinitions"][0]["image"] == image
+            assert (task["overrides"]["cpu"], task["overrides"]["memory"]) == ("512", "768")
+            seen.setdefault(image, set()).add(task["taskDefinitionArn"])
+        assert all(len(arns) == 1 for arns in seen.values()) and len(seen) == 2
+        assert calls.count("register_task_definition") == 2  # one per distinct image, not per session
+        # Another worker of the run finds them registered.
+        other = EcsSandboxProvider(_config(), client=ecs, resolve=containers.resolve)
+        assert await other.task_definition(specs[1]) in seen[images[1]]
+    finally:
+        for sb in sandboxes:
+            await sb.stop()
+    with pytest.raises(SandboxStartError, match="needs sandbox"):
+        await provider.start(SandboxSpec(run_id="img-run", session_id="b", ttl_s=600, build_context="/ctx"))
+    reaped = provider.reap("img-run", everything=True)
+    assert sorted(a for a in reaped if ":task-definition/" in a) == sorted(
+        a for arns in seen.values() for a in arns
+    )
+    active = ecs.list_task_definitions(status="ACTIVE")["taskDefinitionArns"]
+    assert [a for a in active if "sandbox-rollout-" in a] == []
+    assert any(a.endswith("/sandbox:1") for a in active)  # the configured one is the user's: kept
+
+
 def _run_tagged(client: Any, run_id: str, owner: Owner) -> str:
     tags = [{"key": RUN_TAG, "value": run_id}, {"key": TTL_TAG, "value": "9999999999"}]
     tags += [{"key": OWNER_TAG_PREFIX + k, "value": v} for k, v in owner.encode().items()]
