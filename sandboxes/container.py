@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from harnesses.install import default_cache_root
 from sandboxes import netns
@@ -80,6 +80,12 @@ class ContainerSandboxConfig(ProviderConfig):
     memory_mb: int | None = Field(default=None, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
     build_timeout_s: float = Field(default=1800.0, gt=0)
+
+    @model_validator(mode="after")
+    def _engine_installed(self) -> ContainerSandboxConfig:
+        if shutil.which(self.engine) is None:
+            raise ValueError(f"sandbox.engine {self.engine!r} is not installed on this machine")
+        return self
 
     @property
     def needs_gateway_socket(self) -> bool:
@@ -136,11 +142,16 @@ def list_containers(engine: str, run_id: str | None = None) -> list[tuple[str, d
     return found
 
 
+def _rm(engine: str, container: str) -> list[str]:
+    # docker rm has no stop timeout; podman's default (10 s) would wait on an agent already told to stop.
+    return ["rm", "-f", "-t", "1", container] if engine == "podman" else ["rm", "-f", container]
+
+
 def remove(engine: str, container: str) -> bool:
     """Remove the container, running or not; True once it is gone. Tried a few times: an engine busy with
     other containers' removals can refuse one for a moment."""
     for attempt in range(REMOVE_ATTEMPTS):
-        proc = _engine(engine, ["rm", "-f", "-t", "1", container], REMOVE_TIMEOUT_S)
+        proc = _engine(engine, _rm(engine, container), REMOVE_TIMEOUT_S)
         if proc.returncode == 0 or _engine(engine, ["inspect", "--format", "{{.Id}}", container]).returncode:
             return True
         log.info(

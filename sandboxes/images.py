@@ -96,13 +96,14 @@ class Images:
         self.pull_timeout_s = pull_timeout_s
         self._info: dict[str, ImageInfo] = {}
         self._failed: dict[str, str] = {}
+        self._built: dict[str, str] = {}  # a context's path -> its tag: hashed once per process
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def resolve(self, image: str | None, build_context: str | None) -> ImageInfo:
         """The image a sandbox runs: ``build_context`` built (once), else ``image``. ImageError if it
         cannot be had."""
         if build_context is not None:
-            ref = await self._built(Path(build_context))
+            ref = await self._build(Path(build_context))
         elif image:
             ref = image
         else:
@@ -147,20 +148,24 @@ class Images:
             raise ImageError(f"image {ref!r} is not on this host and cannot be pulled: {why}")
         return info
 
-    async def _built(self, context: Path) -> str:
+    async def _build(self, context: Path) -> str:
         if not (context / "Dockerfile").is_file():
             raise ImageError(f"build context {context}: no Dockerfile in it")
         key = str(context.resolve())
         if key in self._failed:
             raise ImageError(self._failed[key])
+        if key in self._built:
+            return self._built[key]
         async with self._locks.setdefault(key, asyncio.Lock()):
             if key in self._failed:
                 raise ImageError(self._failed[key])
-            try:
-                return await asyncio.to_thread(self._build_once, context)
-            except ImageError as exc:
-                self._failed[key] = str(exc)
-                raise
+            if key not in self._built:
+                try:
+                    self._built[key] = await asyncio.to_thread(self._build_once, context)
+                except ImageError as exc:
+                    self._failed[key] = str(exc)
+                    raise
+            return self._built[key]
 
     def _build_once(self, context: Path) -> str:
         digest = context_digest(context)

@@ -34,6 +34,14 @@ def rollout_run(config: Path, env: dict[str, str], timeout: float = 300) -> subp
 
 
 @pytest.fixture(scope="session")
+def test_images() -> Any:
+    """The container tests' images (sandboxes/testing/images.py), built once per machine and recipe."""
+    from sandboxes.testing.images import ensure_test_images
+
+    return ensure_test_images()
+
+
+@pytest.fixture(scope="session")
 def codex_installed() -> Path:
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root

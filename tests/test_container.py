@@ -27,7 +27,7 @@ from sandboxes.container import (
     list_containers,
     reap_containers,
 )
-from sandboxes.testing.images import MARKER_PATH, MARKER_TEXT, TestImages, ensure_test_images, podman_usable
+from sandboxes.testing.images import MARKER_PATH, MARKER_TEXT, TestImages, podman_usable
 
 pytestmark = [
     pytest.mark.integration,
@@ -37,11 +37,6 @@ pytestmark = [
 REPO = Path(__file__).parents[1]
 # What this machine's podman needs as root (issue 16): crun refuses hybrid cgroups, rlimits cannot rise.
 HOST_ARGS = {"runtime": "runc", "ulimits": ["nofile=1024:1024", "nproc=1024:1024"]}
-
-
-@pytest.fixture(scope="session")
-def test_images() -> TestImages:
-    return ensure_test_images()
 
 
 @pytest.fixture

@@ -39,13 +39,6 @@ FOLLOW_INSTRUCTION = "eval \"$(printf '%s\\n' \"$ROLLOUT_PROMPT\" | sed -n 's/^R
 QUICK = {"retry": True, "max_attempts": 2, "backoff_base_s": 0.1, "backoff_cap_s": 0.2}
 
 
-@pytest.fixture(scope="module")
-def test_images():
-    from sandboxes.testing.images import ensure_test_images
-
-    return ensure_test_images()
-
-
 def write_config(tmp_path: Path, run_id: str, tasks: Path, **extra: object) -> Path:
     config = {
         "run_id": run_id,
