@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from harnesses.install import default_cache_root
 from sandboxes import netns
@@ -81,12 +81,6 @@ class ContainerSandboxConfig(ProviderConfig):
     start_timeout_s: float = Field(default=120.0, gt=0)
     build_timeout_s: float = Field(default=1800.0, gt=0)
 
-    @model_validator(mode="after")
-    def _engine_installed(self) -> ContainerSandboxConfig:
-        if shutil.which(self.engine) is None:
-            raise ValueError(f"sandbox.engine {self.engine!r} is not installed on this machine")
-        return self
-
     @property
     def needs_gateway_socket(self) -> bool:
         return True
@@ -105,6 +99,9 @@ def _engine(
 ) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run([engine, *argv], capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        # Checked here, on the worker's machine: the driver's (a cluster's head) may have no engine.
+        raise SandboxError(f"sandbox.engine {engine!r} is not installed on this machine") from None
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxError(f"{engine} {argv[0]}: {exc}") from exc
 
