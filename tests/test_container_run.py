@@ -20,10 +20,9 @@ import pytest
 import yaml
 
 from executor.store import read_table
-from harnesses.install import default_cache_root
 from sandboxes.container import list_containers
 from sandboxes.testing.images import podman_usable
-from tests.test_container import HOST_ARGS
+from tests.test_container import HOST_ARGS, builds_of, remove_built
 from tests.test_run import assert_demo_outcomes
 
 pytestmark = [
@@ -131,8 +130,8 @@ def test_harbor_tasks_as_they_are(tmp_path):
         (i, a, "retry" if a == 1 else "mask") for i in range(4) for a in (1, 2)
     ]
     # One build of its context for 4 samples and their retries.
-    builds = (default_cache_root() / "images" / "builds.log").read_text().splitlines()
-    assert sum(str(tasks / "always-crashes" / "environment") in line for line in builds) == 1
+    assert len(builds_of(tasks / "always-crashes" / "environment")) == 1
+    remove_built(tasks / "always-crashes" / "environment")
 
     def one_line(task: str, kind: str, text: str) -> None:
         for r in by_task[task]:
