@@ -239,14 +239,15 @@ class ContainerSandboxProvider:
         )
 
     def _harness_mounts(self) -> list[str]:
-        mounts = []
+        paths: list[Path] = []
         with contextlib.suppress(OSError):
             for entry in sorted(os.scandir(self.cache_root), key=lambda e: e.name):
                 path = Path(entry.path)
                 if entry.name in _CACHE_SKIP or not entry.is_dir() or self.root.is_relative_to(path):
                     continue
-                mounts += ["-v", f"{path}:{path}:ro"]
-        return mounts
+                paths.append(path)
+        paths += _venv_interpreters(self.cache_root / "venv")
+        return [arg for path in paths for arg in ("-v", f"{path}:{path}:ro")]
 
     def _run_argv(
         self, spec: SandboxSpec, image: ImageInfo, name: str, session_dir: Path, owner_name: str
@@ -390,6 +391,19 @@ class ContainerSandboxProvider:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
             raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+
+
+def _venv_interpreters(venvs: Path) -> list[Path]:
+    """The installations the cache's virtualenvs run on (a venv's python is a link to its interpreter):
+    mounted read-only too, a Python harness (Hermes) runs in any image with a compatible C library."""
+    homes: set[Path] = set()
+    with contextlib.suppress(OSError):
+        for cfg in venvs.glob("*/pyvenv.cfg"):
+            for line in cfg.read_text(encoding="utf-8").splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and Path(value.strip()).is_absolute():
+                    homes.add(Path(value.strip()).parent)  # <prefix>/bin -> <prefix>
+    return sorted(home for home in homes if home.is_dir() and home != Path("/") and home != Path("/usr"))
 
 
 def _socket_path(path: Path, name: str) -> str:
