@@ -149,7 +149,7 @@ def _start(cfg: RunConfig) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from executor import phases
-    from executor.driver import connect_ray, stop_own_ray
+    from executor.driver import connect_ray, leave_ray
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-harness") as pool:
         harness = pool.submit(_ensure_harness, cfg)
@@ -158,8 +158,7 @@ def _start(cfg: RunConfig) -> None:
         try:
             harness.result()
         except typer.Exit:
-            if own:
-                stop_own_ray([])
+            leave_ray(own, [])
             raise
     phases.mark("harness")
 
@@ -502,6 +501,62 @@ def gc(
     for sandbox_id in reaped:
         console.print(f"ended {sandbox_id}", highlight=False)
     console.print(f"{cfg.sandbox.provider}: {len(reaped)} sandboxes ended", highlight=False)
+
+
+@app.command()
+def up(
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="A run config whose workers to warm now; without one the first run warms them."),
+    ] = None,
+    idle_timeout: Annotated[
+        float, typer.Option(min=1, max=7 * 86400, help="Seconds without a run after which it stops itself.")
+    ] = 1800.0,
+) -> None:
+    """Start a warm local executor: `rollout run` attaches to it in a fraction of a second."""
+    from executor import warm
+
+    cfg = None
+    if config is not None:
+        from executor.config import load_config
+
+        try:
+            cfg = load_config(config)
+        except InputError as exc:
+            _fail_input(str(exc))
+    try:
+        record, started = warm.up(idle_timeout)
+        if cfg is not None:
+            from executor.driver import worker_options
+            from executor.worker import RemoteSandboxWorker
+
+            ids = warm.prewarm(cfg, RemoteSandboxWorker, worker_options(cfg))
+            console.print(f"warmed {len(ids)} workers for {config}", highlight=False)
+    except (warm.WarmError, InputError) as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    state = "up" if started else "already up"
+    console.print(
+        f"warm executor {state}: pid {record.pid}, cluster {record.gcs_address}, stops after "
+        f"{record.idle_timeout_s:.0f} s without a run; `rollout run` attaches to it, `rollout down` stops it",
+        highlight=False,
+    )
+
+
+@app.command()
+def down() -> None:
+    """Stop the warm executor `rollout up` started (after the run attached to it, if one is)."""
+    from executor import warm
+
+    try:
+        record = warm.down()
+    except warm.WarmError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(
+        f"warm executor stopped (pid {record.pid})" if record else "no warm executor was running",
+        highlight=False,
+    )
 
 
 @model_app.command("serve")
