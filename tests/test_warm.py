@@ -68,9 +68,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
-    up = _rollout(env, "up", "--idle-timeout", "600")
+    # With a config: its workers are built now, and the first run finds them ready.
+    up = _rollout(env, "up", str(_config(tmp_path, "one", 2)), "--idle-timeout", "600")
     assert up.returncode == 0, up.stderr[-3000:]
-    assert "warm executor up" in up.stdout
+    assert "warm executor up" in up.stdout and "warmed 1 workers" in up.stdout
     record = warm.live_record(tmp_path / "warm")
     assert record is not None
     again = _rollout(env, "up")
@@ -130,8 +131,8 @@ def _released(lock: Path, bound_s: float) -> bool:
 
 def test_it_stops_itself_when_idle_and_a_killed_one_is_never_attached(tmp_path, env):
     directory = tmp_path / "warm"
-    assert _rollout(env, "up", "--idle-timeout", "1").returncode == 0
-    assert warm.live_record(directory) is not None
+    up = _rollout(env, "up", "--idle-timeout", "1")
+    assert up.returncode == 0 and "warm executor up" in up.stdout  # it may be idle and gone already
     assert _released(directory / warm.DAEMON_LOCK, bound_s=120)
     assert warm.live_record(directory) is None and _gone(env["RAY_TMPDIR"]) == []
 
