@@ -416,7 +416,7 @@ def conformance(
 
 @app.command()
 def bench(
-    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e.")] = "abcd",
+    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e, f.")] = "abcd",
     runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
@@ -429,6 +429,13 @@ def bench(
     ] = 5,
     cold_rollouts: Annotated[int, typer.Option(min=1, help="(e) one-tool Codex rollouts per cold run.")] = 10,
     cold_concurrency: Annotated[int, typer.Option(min=1, help="(e) sessions at once in a cold run.")] = 1,
+    scale_sessions: Annotated[
+        int, typer.Option(min=1, max=100_000, help="(f) sessions of a sleeping null harness, all at once.")
+    ] = 1000,
+    scale_workers: Annotated[int, typer.Option(min=1, max=1000, help="(f) worker actors.")] = 8,
+    scale_sleep: Annotated[
+        float, typer.Option(min=0, max=3600, help="(f) seconds each session sleeps.")
+    ] = 30.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
     markdown_out: Annotated[
         Path | None,
@@ -448,8 +455,8 @@ def bench(
         except (OSError, ValueError) as exc:
             _fail_input(f"--markdown {markdown_out}: {exc}")
 
-    if not set(parts) <= set("abcde") or not parts:
-        _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
+    if not set(parts) <= set("abcdef") or not parts:
+        _fail_input(f"--parts {parts!r}: use letters from 'abcdef'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
     figures = run_all(
@@ -463,6 +470,7 @@ def bench(
         cold_runs=cold_runs,
         cold_rollouts=cold_rollouts,
         cold_concurrency=cold_concurrency,
+        scale=(scale_sessions, scale_workers, scale_sleep),
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

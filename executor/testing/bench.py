@@ -575,6 +575,7 @@ def run_all(
     cold_runs: int = 5,
     cold_rollouts: int = 10,
     cold_concurrency: int = 1,
+    scale: tuple[int, int, float] = (1000, 8, 30.0),
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -621,6 +622,11 @@ def run_all(
         if "e" in parts:
             out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch)
             echo(_phase_line(e))
+        if "f" in parts:
+            from executor.testing import bench_scale
+
+            out["f"] = f = bench_scale.scale(*scale, scratch)
+            echo(bench_scale.line(f))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
