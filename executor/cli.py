@@ -96,13 +96,10 @@ def run(
     from executor.driver import Driver
     from executor.runs import RunLockedError, check_free
 
-    if not no_preflight:
-        _preflight(cfg, preflight_timeout)
-    phases.mark("preflight")
     try:
         # Before Ray starts: a run another driver holds is refused at once, with nothing started.
         check_free(Path(cfg.out) / (cfg.run_id or ""))
-        _start(cfg)
+        _start(cfg, None if no_preflight else preflight_timeout)
         summary = Driver(cfg).run()
     except RunLockedError as exc:
         from rich.markup import escape
@@ -142,20 +139,24 @@ def _exit_when_done(code: int) -> None:
     os._exit(code)
 
 
-def _start(cfg: RunConfig) -> None:
-    """Start Ray (or join the configured cluster) while the harness install is checked: each can take
-    seconds cold, neither needs the other. Nothing of the run is written yet, so an install that fails
-    stops the cluster started for it and leaves nothing behind."""
+def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
+    """Start Ray (or join the configured cluster) while the endpoint is checked and the harness install
+    is: each can take seconds cold, none needs the others. Nothing of the run is written yet, so a check
+    that fails stops the cluster started for it and leaves nothing behind."""
     from concurrent.futures import ThreadPoolExecutor
 
     from executor import phases
     from executor.driver import connect_ray, leave_ray
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-harness") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollout-check") as pool:
+        checked = pool.submit(_preflight, cfg, preflight_timeout_s) if preflight_timeout_s else None
         harness = pool.submit(_ensure_harness, cfg)
         own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
         phases.mark("ray_up")
         try:
+            if checked is not None:
+                checked.result()
+            phases.mark("preflight")
             harness.result()
         except typer.Exit:
             leave_ray(own, [])
@@ -164,8 +165,8 @@ def _start(cfg: RunConfig) -> None:
 
 
 def _preflight(cfg: RunConfig, timeout_s: float) -> None:
-    """Check the endpoint before anything starts or is written: a wrong URL, key or model would fail
-    every session alike. One line and exit code 2 when it would."""
+    """Check the endpoint before anything is written: a wrong URL, key or model would fail every
+    session alike. One line and exit code 2 when it would."""
     from rich.markup import escape
 
     from executor.preflight import PreflightError, preflight

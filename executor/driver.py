@@ -142,6 +142,8 @@ def start_local_ray() -> str:
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=False,
+        # Its INFO line would be the only output of a run the preflight refuses in one line.
+        logging_level=logging.WARNING,
         _node_ip_address="127.0.0.1",
     )
     return str(ray.get_runtime_context().gcs_address)

@@ -448,9 +448,9 @@ def store(rows: int, scratch: Path) -> dict[str, Any]:
 PHASES = (
     "cli",
     "config",
+    "ray_up",
     "preflight",
     "harness",
-    "ray_up",
     "workers_created",
     "first_worker_ready",
     "first_row",
