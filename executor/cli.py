@@ -96,13 +96,10 @@ def run(
     from executor.driver import Driver
     from executor.runs import RunLockedError, check_free
 
-    if not no_preflight:
-        _preflight(cfg, preflight_timeout)
-    phases.mark("preflight")
     try:
         # Before Ray starts: a run another driver holds is refused at once, with nothing started.
         check_free(Path(cfg.out) / (cfg.run_id or ""))
-        _start(cfg)
+        _start(cfg, None if no_preflight else preflight_timeout)
         summary = Driver(cfg).run()
     except RunLockedError as exc:
         from rich.markup import escape
@@ -142,31 +139,34 @@ def _exit_when_done(code: int) -> None:
     os._exit(code)
 
 
-def _start(cfg: RunConfig) -> None:
-    """Start Ray (or join the configured cluster) while the harness install is checked: each can take
-    seconds cold, neither needs the other. Nothing of the run is written yet, so an install that fails
-    stops the cluster started for it and leaves nothing behind."""
+def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
+    """Start Ray (or join the configured cluster) while the endpoint is checked and the harness install
+    is: each can take seconds cold, none needs the others. Nothing of the run is written yet, so a check
+    that fails stops the cluster started for it and leaves nothing behind."""
     from concurrent.futures import ThreadPoolExecutor
 
     from executor import phases
-    from executor.driver import connect_ray, stop_own_ray
+    from executor.driver import connect_ray, leave_ray
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-harness") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollout-check") as pool:
+        checked = pool.submit(_preflight, cfg, preflight_timeout_s) if preflight_timeout_s else None
         harness = pool.submit(_ensure_harness, cfg)
         own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
         phases.mark("ray_up")
         try:
+            if checked is not None:
+                checked.result()
+            phases.mark("preflight")
             harness.result()
         except typer.Exit:
-            if own:
-                stop_own_ray([])
+            leave_ray(own, [])
             raise
     phases.mark("harness")
 
 
 def _preflight(cfg: RunConfig, timeout_s: float) -> None:
-    """Check the endpoint before anything starts or is written: a wrong URL, key or model would fail
-    every session alike. One line and exit code 2 when it would."""
+    """Check the endpoint before anything is written: a wrong URL, key or model would fail every
+    session alike. One line and exit code 2 when it would."""
     from rich.markup import escape
 
     from executor.preflight import PreflightError, preflight
@@ -429,7 +429,7 @@ def conformance(
 
 @app.command()
 def bench(
-    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e.")] = "abcd",
+    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e, f.")] = "abcd",
     runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
@@ -442,6 +442,13 @@ def bench(
     ] = 5,
     cold_rollouts: Annotated[int, typer.Option(min=1, help="(e) one-tool Codex rollouts per cold run.")] = 10,
     cold_concurrency: Annotated[int, typer.Option(min=1, help="(e) sessions at once in a cold run.")] = 1,
+    scale_sessions: Annotated[
+        int, typer.Option(min=1, max=100_000, help="(f) sessions of a sleeping null harness, all at once.")
+    ] = 1000,
+    scale_workers: Annotated[int, typer.Option(min=1, max=1000, help="(f) worker actors.")] = 8,
+    scale_sleep: Annotated[
+        float, typer.Option(min=0, max=3600, help="(f) seconds each session sleeps.")
+    ] = 30.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
     markdown_out: Annotated[
         Path | None,
@@ -472,8 +479,8 @@ def bench(
         except (OSError, ValueError) as exc:
             _fail_input(f"--markdown {markdown_out}: {exc}")
 
-    if not set(parts) <= set("abcde") or not parts:
-        _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
+    if not set(parts) <= set("abcdef") or not parts:
+        _fail_input(f"--parts {parts!r}: use letters from 'abcdef'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
     figures = run_all(
@@ -488,6 +495,7 @@ def bench(
         cold_rollouts=cold_rollouts,
         cold_concurrency=cold_concurrency,
         container=container,
+        scale=(scale_sessions, scale_workers, scale_sleep),
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))
@@ -526,6 +534,62 @@ def gc(
     for sandbox_id in reaped:
         console.print(f"ended {sandbox_id}", highlight=False)
     console.print(f"{cfg.sandbox.provider}: {len(reaped)} sandboxes ended", highlight=False)
+
+
+@app.command()
+def up(
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="A run config whose workers to warm now; without one the first run warms them."),
+    ] = None,
+    idle_timeout: Annotated[
+        float, typer.Option(min=1, max=7 * 86400, help="Seconds without a run after which it stops itself.")
+    ] = 1800.0,
+) -> None:
+    """Start a warm local executor: `rollout run` attaches to it in a fraction of a second."""
+    from executor import warm
+
+    cfg = None
+    if config is not None:
+        from executor.config import load_config
+
+        try:
+            cfg = load_config(config)
+        except InputError as exc:
+            _fail_input(str(exc))
+    try:
+        record, started = warm.up(idle_timeout)
+        if cfg is not None:
+            from executor.driver import worker_options
+            from executor.worker import RemoteSandboxWorker
+
+            ids = warm.prewarm(cfg, RemoteSandboxWorker, worker_options(cfg))
+            console.print(f"warmed {len(ids)} workers for {config}", highlight=False)
+    except (warm.WarmError, InputError) as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    state = "up" if started else "already up"
+    console.print(
+        f"warm executor {state}: pid {record.pid}, cluster {record.gcs_address}, stops after "
+        f"{record.idle_timeout_s:.0f} s without a run; `rollout run` attaches to it, `rollout down` stops it",
+        highlight=False,
+    )
+
+
+@app.command()
+def down() -> None:
+    """Stop the warm executor `rollout up` started (after the run attached to it, if one is)."""
+    from executor import warm
+
+    try:
+        record = warm.down()
+    except warm.WarmError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(
+        f"warm executor stopped (pid {record.pid})" if record else "no warm executor was running",
+        highlight=False,
+    )
 
 
 @model_app.command("serve")

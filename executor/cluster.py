@@ -34,6 +34,12 @@ def cluster_address(configured: str | None) -> str | None:
     return None if address == LOCAL else address
 
 
+def asks_own_cluster(configured: str | None) -> bool:
+    """True when the run asked for a local cluster of its own (``local``): then not even the warm
+    executor of ``rollout up`` is used."""
+    return (configured or os.environ.get("RAY_ADDRESS") or None) == LOCAL
+
+
 def ray_working_dir(path: Path) -> Path | None:
     """The copy of a Ray job's working directory that ``path`` lies in, if it lies in one."""
     for inner in (path, *path.parents):

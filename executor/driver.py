@@ -27,9 +27,9 @@ from ray.exceptions import (
     TaskCancelledError,
 )
 
-from executor import phases
+from executor import phases, warm
 from executor.admission import OBSERVED_FIELDS, Admission
-from executor.cluster import LOCAL, cluster_address
+from executor.cluster import LOCAL, asks_own_cluster, cluster_address
 from executor.config import RunConfig
 from executor.progress import Progress
 from executor.reaper import reap_quietly
@@ -100,13 +100,16 @@ class RunSummary:
 
 # The GCS address of the local cluster this process started, while it runs: that one is ours to stop.
 _own_gcs: str | None = None
+# This process's hold on the warm executor it attached to (executor/warm.py), while attached.
+_warm_lease: warm.Lease | None = None
 
 
 def connect_ray(cfg: RunConfig) -> bool:
-    """Join the cluster ``cfg`` or ``RAY_ADDRESS`` names (see ``cluster_address``), else start a local one
-    of our own. True when connected to a local cluster this process started (then it is ours to stop, by
-    ``stop_own_ray``), False when joined."""
-    global _own_gcs
+    """Join the cluster ``cfg`` or ``RAY_ADDRESS`` names (see ``cluster_address``), else attach to the
+    warm executor ``rollout up`` left running, else start a local one of our own. True when connected to
+    a local cluster this process started (then it is ours to stop, by ``stop_own_ray``), False when
+    joined or attached (``leave_ray`` lets go of either)."""
+    global _own_gcs, _warm_lease
     if ray.is_initialized():
         return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -114,7 +117,23 @@ def connect_ray(cfg: RunConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    # A local cluster of our own: loopback only, no token to distribute, no dashboard to pay for.
+    if not asks_own_cluster(cfg.ray_address) and (lease := warm.attach()) is not None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the warm executor's cluster was started
+        try:
+            ray.init(address=lease.record.gcs_address, log_to_driver=False)
+        except Exception:
+            lease.release()
+            raise
+        _warm_lease = lease
+        return False
+    _own_gcs = start_local_ray()
+    return True
+
+
+def start_local_ray() -> str:
+    """Start a local cluster of this process's own; its GCS address."""
+    # Loopback only, no token to distribute, no dashboard to pay for.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(
@@ -123,10 +142,29 @@ def connect_ray(cfg: RunConfig) -> bool:
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=False,
+        # Its INFO line would be the only output of a run the preflight refuses in one line.
+        logging_level=logging.WARNING,
         _node_ip_address="127.0.0.1",
     )
-    _own_gcs = ray.get_runtime_context().gcs_address
-    return True
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def attached_lease() -> warm.Lease | None:
+    """The warm executor this process is attached to, if it is."""
+    return _warm_lease
+
+
+def leave_ray(own: bool, workers: list[Any]) -> None:
+    """Once the run's work is safe: stop the cluster we started, or let go of the warm executor (its
+    workers keep what they built, the next run gets them warm). A joined cluster is left as it is."""
+    global _warm_lease
+    if own:
+        stop_own_ray(workers)
+    elif _warm_lease is not None:
+        warm.release(workers)
+        ray.shutdown()  # our driver's connection only: the warm cluster runs on
+        _warm_lease.release()
+        _warm_lease = None
 
 
 def stop_own_ray(workers: list[Any]) -> None:
@@ -154,6 +192,18 @@ def stop_own_ray(workers: list[Any]) -> None:
             log.debug("ending Ray's autoscaler monitor early failed: %s", exc)
     ray.shutdown()
     _own_gcs = None
+
+
+def worker_options(cfg: RunConfig) -> dict[str, Any]:
+    """How the run's worker actors are placed and restarted."""
+    return {
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "max_concurrency": cfg.concurrency.sessions_per_worker + 8,
+        "resources": cfg.concurrency.worker_resources or None,
+        "scheduling_strategy": "SPREAD",
+    }
 
 
 def decide_row(
@@ -223,6 +273,7 @@ class Driver:
         self._stopped: str | None = None
         self._stopped_by: str | None = None
         self._own_ray = False  # a local cluster this driver started: stopped when the run ends
+        self._binding: tuple[tuple[str, str], ...] = ()  # the run, sent with each session to warm workers
         self._workers: list[Any] = []
         self._submitted_at: dict[ray.ObjectRef, float] = {}
         self._worker_died_at: dict[int, float] = {}
@@ -239,8 +290,7 @@ class Driver:
                 return self._run_locked()
             finally:
                 # Under the lock still: the next driver of this run starts once our sandboxes are gone.
-                if self._own_ray:
-                    stop_own_ray(self._workers)
+                leave_ray(self._own_ray, self._workers)
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg
@@ -334,15 +384,13 @@ class Driver:
     def _start_workers(self) -> list[Any]:
         """The worker actors, created at once: each starts its process while the driver goes on."""
         cfg = self.cfg
+        options = worker_options(cfg)
+        if attached_lease() is not None:
+            # Every session names its run: a warm worker serves run after run (see SandboxWorker.run).
+            self._binding = ((cfg.model_dump_json(), str(self.run_dir)),)
+            return warm.workers(cfg, str(self.run_dir), self.worker_class, options)
         return [
-            self.worker_class.options(
-                num_cpus=0,
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=cfg.concurrency.sessions_per_worker + 8,
-                resources=cfg.concurrency.worker_resources or None,
-                scheduling_strategy="SPREAD",
-            ).remote(cfg.model_dump_json(), str(self.run_dir), i)
+            self.worker_class.options(**options).remote(cfg.model_dump_json(), str(self.run_dir), i)
             for i in range(cfg.concurrency.workers)
         ]
 
@@ -388,7 +436,9 @@ class Driver:
 
     def _submit(self, workers: list[Any], req: SessionRequest) -> None:
         index = min(range(len(workers)), key=self._load.__getitem__)
-        ref = workers[index].run.remote(req.task.model_dump_json(), req.sample_index, req.attempt)
+        ref = workers[index].run.remote(
+            req.task.model_dump_json(), req.sample_index, req.attempt, *self._binding
+        )
         self._inflight[ref] = (req, index)
         self._submitted_at[ref] = time.monotonic()
         self._load[index] += 1

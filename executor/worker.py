@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
+import hashlib
+import hmac
 import logging
 import os
 import secrets
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -41,13 +45,21 @@ class SandboxWorker:
     """Thin host around ``run_session``; everything with state lives in the session's objects."""
 
     def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
-        self.cfg = RunConfig.model_validate_json(config_json)
-        self.run_dir = Path(run_dir)
+        self._bind(config_json, run_dir)
         self.worker_id = f"w{worker_index}-{os.getpid()}"
         self._ctx: SessionContext | None = None
         self._start_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(self.cfg.concurrency.sessions_per_worker)
         self._ready_monotonic = time.monotonic()  # this process imported, the actor constructed
+        # Sessions running per context, so that a context a new run replaced is closed once they end.
+        self._running: dict[int, int] = {}
+        self._idle = asyncio.Condition()
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def _bind(self, config_json: str, run_dir: str) -> None:
+        self._binding = (config_json, run_dir)
+        self.cfg = RunConfig.model_validate_json(config_json)
+        self.run_dir = Path(run_dir)
 
     async def _context(self) -> SessionContext:
         async with self._start_lock:
@@ -87,15 +99,80 @@ class SandboxWorker:
             gc.freeze()
             return self._ctx
 
-    async def run(self, task_json: str, sample_index: int, attempt: int) -> bytes:
-        """The session's row, as ``executor.schema.batch_to_wire`` sends it."""
+    async def run(
+        self, task_json: str, sample_index: int, attempt: int, binding: tuple[str, str] | None = None
+    ) -> bytes:
+        """The session's row, as ``executor.schema.batch_to_wire`` sends it. ``binding``, the run's
+        (config JSON, run directory), comes with every session of a warm worker (executor/warm.py): the
+        worker serves run after run, and Ray restarts a crashed one with the first run's arguments."""
+        if binding is not None and tuple(binding) != self._binding:
+            await self._rebind(*binding)
         ctx = await self._context()
         req = SessionRequest(
-            self.cfg.run_id or "", Task.model_validate_json(task_json), sample_index, attempt
+            ctx.config.run_id or "", Task.model_validate_json(task_json), sample_index, attempt
         )
-        async with self._slots:
-            row = await run_session(req, ctx)
+        key = id(ctx)
+        self._running[key] = self._running.get(key, 0) + 1
+        try:
+            async with self._slots:
+                row = await run_session(req, ctx)
+        finally:
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+                async with self._idle:
+                    self._idle.notify_all()
         return batch_to_wire(rows_to_batch([row]))
+
+    async def _rebind(self, config_json: str, run_dir: str) -> None:
+        """Serve another run: what the worker built once (gateway, scripted model, provider, harness) is
+        kept where the new config builds the same; the run's own parts are new. Sessions of the run
+        before (a driver that died) finish on the context they started with, which is closed after."""
+        async with self._start_lock:
+            if (config_json, run_dir) == self._binding:
+                return
+            old_cfg, old = self.cfg, self._ctx
+            self._bind(config_json, run_dir)
+            if old is None:
+                return
+            cfg = self.cfg
+            if built_once(cfg) == built_once(old_cfg):
+                self._ctx = dataclasses.replace(
+                    old,
+                    config=cfg,
+                    evidence_root=self.run_dir / "evidence",
+                    workspaces=PreparedWorkspaces(cfg.sandbox.root_dir(), cfg.run_id or ""),
+                )
+                closers = [old.workspaces.aclose] if old.workspaces is not None else []
+            else:
+                self._ctx = None
+                self._slots = asyncio.Semaphore(cfg.concurrency.sessions_per_worker)
+                closers = _closers(old)
+        task = asyncio.create_task(self._retire(id(old), closers))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, key: int, closers: list[Callable[[], Awaitable[None]]]) -> None:
+        async with self._idle:
+            await self._idle.wait_for(lambda: key not in self._running)
+        await _close_all(closers)
+
+    async def prepare(self) -> str:
+        """Build what the sessions share now, not at the first session (``rollout up CONFIG``)."""
+        await self._context()
+        return self.worker_id
+
+    async def key_matches(self, nonce: bytes, digest: bytes) -> bool:
+        """Whether this process sees the run's API key: its HMAC under ``nonce`` is ``digest``. A warm
+        worker reads the key from the environment ``rollout up`` ran in, not the run's."""
+        return hmac.compare_digest(key_digest(self.cfg.model.api_key_env, nonce), digest)
+
+    async def release(self) -> None:
+        """The run is over (no session of it runs): let go of its prepared workspaces, keep the rest."""
+        async with self._start_lock:
+            ctx = self._ctx
+        if ctx is not None and ctx.workspaces is not None:
+            await _close_all([ctx.workspaces.aclose])
 
     @property
     def provider(self) -> SandboxProvider | None:
@@ -111,20 +188,39 @@ class SandboxWorker:
         and the scripted model. Only called once no session runs; idempotent."""
         async with self._start_lock:  # a context being built finishes first, then is closed
             ctx, self._ctx = self._ctx, None
-        if ctx is None:
-            return
-        closers = [getattr(ctx.provider, "aclose", None), ctx.gateway.stop]
-        if ctx.workspaces is not None:
-            closers.append(ctx.workspaces.aclose)
-        if ctx.scripted is not None:
-            closers.append(ctx.scripted.stop)
-        for close in closers:
-            if close is None:
-                continue
-            try:
-                await close()
-            except Exception as exc:  # one failing part must not keep the others open
-                log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
+        if ctx is not None:
+            await _close_all(_closers(ctx))
+
+
+def key_digest(env_name: str | None, nonce: bytes) -> bytes:
+    """The HMAC of the API key this process's environment holds: compared, never the key itself."""
+    value = os.environ.get(env_name, "") if env_name else ""
+    return hmac.new(nonce, value.encode(), hashlib.sha256).digest()
+
+
+def built_once(cfg: RunConfig) -> str:
+    """The parts of a config a worker's context is built from (its gateway, model, provider, harness)."""
+    return cfg.model_dump_json(include={"model", "gateway", "sandbox", "harness"})
+
+
+def _closers(ctx: SessionContext) -> list[Callable[[], Awaitable[None]]]:
+    closers: list[Callable[[], Awaitable[None]] | None] = [
+        getattr(ctx.provider, "aclose", None),
+        ctx.gateway.stop,
+    ]
+    if ctx.workspaces is not None:
+        closers.append(ctx.workspaces.aclose)
+    if ctx.scripted is not None:
+        closers.append(ctx.scripted.stop)
+    return [c for c in closers if c is not None]
+
+
+async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:
+    for close in closers:
+        try:
+            await close()
+        except Exception as exc:  # one failing part must not keep the others open
+            log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
 
 
 def _gateway_socket(cfg: RunConfig) -> str | None:

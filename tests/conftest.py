@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Runs under test never attach to a warm executor (`rollout up`) a developer left running.
+os.environ["ROLLOUT_WARM_DIR"] = tempfile.mkdtemp(prefix="rollout-warm-test-")
 from sandboxes.testing.leaks import processes_under  # noqa: F401  (its home; tests import it from here)
 
 REPO = Path(__file__).parents[1]

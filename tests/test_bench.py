@@ -35,8 +35,8 @@ def test_the_fixed_costs_part_times_every_phase_of_a_real_cold_run(tmp_path):
     order = (
         "cli",
         "config",
-        "preflight",
         "ray_up",
+        "preflight",
         "workers_created",
         "first_row",
         "last_row",
@@ -45,6 +45,11 @@ def test_the_fixed_costs_part_times_every_phase_of_a_real_cold_run(tmp_path):
     )
     assert [run[n] for n in order] == sorted(run[n] for n in order)
     assert run["left_sandbox_processes"] == 0
+    # The same run attached to the warm executor `rollout up` started, and the same rollouts by hand.
+    (warm,) = e["all_warm"]
+    assert [warm[n] for n in order] == sorted(warm[n] for n in order)
+    assert warm["left_sandbox_processes"] == 0
+    assert e["by_hand_median_s"] > 0
     assert "first_row" in _phase_line(e)
 
 

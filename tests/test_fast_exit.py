@@ -24,8 +24,8 @@ SCRIPT = [
     {"type": "shell", "command": "cat greeting.txt > hello.txt"},
     {"type": "text", "text": "Copied it."},
 ]
-# The harness check runs beside Ray's start, so it has no place of its own in this order.
-PHASES_IN_ORDER = ("cli", "config", "preflight", "ray_up", "first_row", "last_row", "summary")
+# The endpoint and harness checks run beside Ray's start; the preflight is marked once both are done.
+PHASES_IN_ORDER = ("cli", "config", "ray_up", "preflight", "first_row", "last_row", "summary")
 
 
 @pytest.fixture

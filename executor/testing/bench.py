@@ -485,9 +485,9 @@ def store(rows: int, scratch: Path) -> dict[str, Any]:
 PHASES = (
     "cli",
     "config",
+    "ray_up",
     "preflight",
     "harness",
-    "ray_up",
     "workers_created",
     "first_worker_ready",
     "first_row",
@@ -497,21 +497,23 @@ PHASES = (
 )
 
 
-def _cold_run(config: Path, run_id: str, sandboxes: Path) -> dict[str, float]:
+def _one_run(config: Path, run_id: str, sandboxes: Path, env: dict[str, str]) -> dict[str, float]:
     """One `rollout run` in a fresh process: each phase's time after the spawn, and what it left."""
     from executor.store import read_table
     from sandboxes.testing.leaks import processes_under
 
     argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
     spawned = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2], env=env
+    )
     exited = time.monotonic()
     run_dir = config.parent / "out" / run_id
     if proc.returncode != 0:
-        raise RuntimeError(f"cold run {run_id} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"run {run_id} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     rows = read_table(run_dir, ["reward"]).to_pydict()["reward"]
     if any(r != 1.0 for r in rows):
-        raise RuntimeError(f"cold run {run_id} did not solve every task: {rows}")
+        raise RuntimeError(f"run {run_id} did not solve every task: {rows}")
     marks = json.loads((run_dir / "summary.json").read_text()).get("phases", {})
     origin = marks.pop("origin_monotonic", None)
     out = {name: origin + at - spawned for name, at in marks.items()} if origin is not None else {}
@@ -520,34 +522,79 @@ def _cold_run(config: Path, run_id: str, sandboxes: Path) -> dict[str, float]:
     return out
 
 
-def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> dict[str, Any]:
-    """``runs`` cold runs of ``rollouts`` one-tool Codex rollouts; the median of each phase's time."""
-    tasks = _write_tasks(scratch / "e.jsonl", rollouts, model_script=SCRIPT, verify=VERIFY)
-    extra = f"concurrency: {{workers: 1, sessions_per_worker: {concurrency}}}\n"
-    config = _write_config(scratch, "e", tasks, extra)
-    timings = [_cold_run(config, f"e{i}", scratch / "sb") for i in range(runs)]
-    medians = {
+def _rollout(env: dict[str, str], *args: str) -> None:
+    argv = [sys.executable, "-m", "executor.cli", *args]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2], env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"rollout {args[0]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def _medians(timings: list[dict[str, float]]) -> dict[str, float]:
+    return {
         name: statistics.median(t[name] for t in timings)
         for name in (*PHASES, "left_sandbox_processes")
         if all(name in t for t in timings)
     }
+
+
+def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> dict[str, Any]:
+    """``runs`` cold runs of ``rollouts`` one-tool Codex rollouts, each followed by one attached to a warm
+    executor (`rollout up`) and by the same rollouts by hand; the median of each phase's time."""
+    from harnesses.codex import CodexHarness
+    from harnesses.install import default_cache_root
+
+    tasks = _write_tasks(scratch / "e.jsonl", rollouts, model_script=SCRIPT, verify=VERIFY)
+    extra = f"concurrency: {{workers: 1, sessions_per_worker: {concurrency}}}\n"
+    config = _write_config(scratch, "e", tasks, extra)
+    cold_env = {**os.environ, "ROLLOUT_WARM_DIR": str(scratch / "no-warm")}
+    warm_env = {**os.environ, "ROLLOUT_WARM_DIR": str(scratch / "warm")}
+    codex_js = (
+        CodexHarness().ensure_installed(default_cache_root()) / "node_modules/@openai/codex/bin/codex.js"
+    )
+    cold: list[dict[str, float]] = []
+    warm: list[dict[str, float]] = []
+    by_hand: list[float] = []
+    _rollout(warm_env, "up", str(config), "--idle-timeout", "900")
+    model = _ModelThread()
+    try:
+        # Interleaved, so the VM's drift hits all three alike.
+        for i in range(runs):
+            cold.append(_one_run(config, f"e{i}", scratch / "sb", cold_env))
+            warm.append(_one_run(config, f"w{i}", scratch / "sb", warm_env))
+            t0 = time.perf_counter()
+            _direct_runs(range(i * rollouts, (i + 1) * rollouts), model, codex_js, scratch, [], [])
+            by_hand.append(time.perf_counter() - t0)
+    finally:
+        model.stop()
+        _rollout(warm_env, "down")
     return {
         "rollouts": rollouts,
         "runs": runs,
         "concurrency": concurrency,
-        "median_s": medians,
-        "all": timings,
+        "median_s": _medians(cold),
+        "warm_median_s": _medians(warm),
+        "by_hand_median_s": statistics.median(by_hand),
+        "all": cold,
+        "all_warm": warm,
     }
 
 
 def _phase_line(e: dict[str, Any]) -> str:
     # In the order they fell: phases that run side by side (the harness check, Ray's start) may swap.
-    order = sorted((n for n in PHASES if n in e["median_s"]), key=e["median_s"].__getitem__)
-    marks = ", ".join(f"{n} {e['median_s'][n]:.2f}" for n in order)
+    left = max(m.get("left_sandbox_processes", 0) for m in (e["median_s"], e["warm_median_s"]))
+
+    def marks(medians: dict[str, float]) -> str:
+        order = sorted((n for n in PHASES if n in medians), key=medians.__getitem__)
+        return ", ".join(f"{n} {medians[n]:.2f}" for n in order)
+
     return (
-        f"(e) fixed costs, {e['runs']} cold `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
-        f"concurrency {e['concurrency']}; median seconds after the spawn: {marks}; "
-        f"sandbox processes left {e['median_s'].get('left_sandbox_processes', 0):.0f}"
+        f"(e) fixed costs, {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
+        f"concurrency {e['concurrency']}, each in a fresh process; median seconds after the spawn: "
+        f"cold {marks(e['median_s'])}; attached to a warm executor {marks(e['warm_median_s'])}; "
+        f"the same rollouts by hand {e['by_hand_median_s']:.2f} s; sandbox processes left "
+        f"{left:.0f}"
     )
 
 
@@ -566,6 +613,7 @@ def run_all(
     cold_rollouts: int = 10,
     cold_concurrency: int = 1,
     container: Any = None,
+    scale: tuple[int, int, float] = (1000, 8, 30.0),
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -612,6 +660,11 @@ def run_all(
         if "e" in parts:
             out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch)
             echo(_phase_line(e))
+        if "f" in parts:
+            from executor.testing import bench_scale
+
+            out["f"] = f = bench_scale.scale(*scale, scratch)
+            echo(bench_scale.line(f))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
@@ -675,14 +728,23 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
     if e := figures.get("e"):
         lines += [
             "",
-            f"(e) fixed costs: {e['runs']} cold `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
-            f"concurrency {e['concurrency']}, each in a fresh process; median seconds after the spawn:",
+            f"(e) fixed costs: {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
+            f"concurrency {e['concurrency']}, each in a fresh process, cold and attached to a warm executor "
+            f"(`rollout up`), interleaved; median seconds after the spawn. The same rollouts by hand "
+            f"(fresh workspace and config, `codex exec`, the verifier, one after another): "
+            f"{e['by_hand_median_s']:.2f} s.",
             "",
-            "| phase | s |",
-            "|---|---|",
+            "| phase | cold | warm |",
+            "|---|---|---|",
         ]
-        order = sorted((n for n in PHASES if n in e["median_s"]), key=e["median_s"].__getitem__)
-        lines += [f"| {PHASE_NAMES.get(n, n)} | {e['median_s'][n]:.2f} |" for n in order]
+        cold, warm = e["median_s"], e.get("warm_median_s", {})
+        order = sorted((n for n in PHASES if n in cold), key=cold.__getitem__)
+        lines += [
+            f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | {warm[n]:.2f} |"
+            if n in warm
+            else f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | |"
+            for n in order
+        ]
     return "\n".join(lines)
 
 

@@ -1,0 +1,157 @@
+"""The warm executor: `rollout up` leaves a local cluster whose workers serve run after run, `rollout run`
+attaches to it (and only to it: never a stray cluster), `rollout down` or the idle timeout stops it with
+nothing left running. How fast an attached run is, is `rollout bench --parts e`'s to measure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from executor import warm
+from executor.store import read_table
+from tests.conftest import REPO, processes_under, rollout_run
+from tests.test_fast_exit import _config, _gone
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The environment of a shell with its own warm directory and Ray temp dir (every Ray process of the
+    warm cluster names the latter on its command line, so what is left of it can be found)."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rr-warm-", dir="/tmp"))
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    shell = {**base, "ROLLOUT_WARM_DIR": str(tmp_path / "warm"), "RAY_TMPDIR": str(ray_tmp)}
+    yield shell
+    record = warm.live_record(tmp_path / "warm")
+    if record is not None:  # a failed test's daemon: ours, ended by its pid
+        os.kill(record.pid, signal.SIGKILL)
+    _gone(str(ray_tmp))
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _rollout(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+
+
+def _run(tmp_path: Path, env: dict[str, str], run_id: str, extra: str = "") -> tuple[set[str], str]:
+    """One `rollout run` of two tasks; the worker ids its rows name, and its stderr."""
+    proc = rollout_run(_config(tmp_path, run_id, 2, extra), env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = read_table(tmp_path / "out" / run_id, ["worker_id", "reward"]).to_pydict()
+    assert table["reward"] == [1.0, 1.0]
+    return set(table["worker_id"]), proc.stderr
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
+    # With a config: its workers are built now, and the first run finds them ready.
+    up = _rollout(env, "up", str(_config(tmp_path, "one", 2)), "--idle-timeout", "600")
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert "warm executor up" in up.stdout and "warmed 1 workers" in up.stdout
+    record = warm.live_record(tmp_path / "warm")
+    assert record is not None
+    again = _rollout(env, "up")
+    assert "already up" in again.stdout and warm.live_record(tmp_path / "warm") == record
+
+    first, _ = _run(tmp_path, env, "one")
+    second, _ = _run(tmp_path, env, "two")
+    assert first == second and len(first) == 1  # the same worker process served both runs
+    (worker_id,) = first
+    worker_pid = int(worker_id.rsplit("-", 1)[1])
+
+    # A run that asks for a cluster of its own gets one, warm executor or not.
+    own, _ = _run(tmp_path, env, "own", extra="ray_address: local\n")
+    assert own.isdisjoint(first)
+
+    # Another config builds other workers: fresh ones, and the old set is ended.
+    changed, _ = _run(tmp_path, env, "changed", extra="gateway: {max_attempts_per_request: 2}\n")
+    assert changed.isdisjoint(first)
+    assert not _pid_alive(worker_pid)
+
+    # One run at a time: while the lease is held, a run starts a cluster of its own and says why.
+    lease = warm.attach(tmp_path / "warm")
+    assert lease is not None
+    try:
+        busy, stderr = _run(tmp_path, env, "busy", extra="gateway: {max_attempts_per_request: 2}\n")
+    finally:
+        lease.release()
+    assert busy.isdisjoint(changed)
+    assert "busy with another run" in stderr
+
+    down = _rollout(env, "down")
+    assert down.returncode == 0 and f"stopped (pid {record.pid})" in down.stdout
+    assert warm.live_record(tmp_path / "warm") is None
+    assert not (tmp_path / "warm" / warm.RECORD).exists()
+    assert _gone(env["RAY_TMPDIR"]) == []
+    assert processes_under(str(tmp_path / "sandboxes")) == []
+    assert "no warm executor" in _rollout(env, "down").stdout
+
+
+def _released(lock: Path, bound_s: float) -> bool:
+    """Whether the daemon lets go of its lock (it exits) within ``bound_s``."""
+    fd = os.open(lock, os.O_RDONLY)
+    import fcntl
+
+    done = threading.Event()
+
+    def wait() -> None:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    try:
+        return done.wait(bound_s)
+    finally:
+        os.close(fd)
+
+
+def test_it_stops_itself_when_idle_and_a_killed_one_is_never_attached(tmp_path, env):
+    directory = tmp_path / "warm"
+    up = _rollout(env, "up", "--idle-timeout", "1")
+    assert up.returncode == 0 and "warm executor up" in up.stdout  # it may be idle and gone already
+    assert _released(directory / warm.DAEMON_LOCK, bound_s=120)
+    assert warm.live_record(directory) is None and _gone(env["RAY_TMPDIR"]) == []
+
+    assert _rollout(env, "up", "--idle-timeout", "600").returncode == 0
+    record = warm.live_record(directory)
+    assert record is not None
+    os.kill(record.pid, signal.SIGKILL)
+    assert _released(directory / warm.DAEMON_LOCK, bound_s=60)
+    # Its record is left behind, stale: a run starts its own cluster, `down` clears the record.
+    assert (directory / warm.RECORD).exists()
+    ids, _ = _run(tmp_path, env, "after-kill")
+    assert ids
+    assert _gone(env["RAY_TMPDIR"]) == []  # the killed daemon's cluster went with it
+    assert "no warm executor" in _rollout(env, "down").stdout
+    assert not (directory / warm.RECORD).exists()
+
+
+def test_bad_input_to_up_is_one_line(tmp_path, env):
+    proc = _rollout(env, "up", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "missing.yaml" in proc.stderr
+    assert warm.live_record(tmp_path / "warm") is None
