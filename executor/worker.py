@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from executor.config import RunConfig
 from executor.reaper import reap_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
+from executor.storage import Location, locate
 from executor.tasks import Task
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
@@ -42,7 +44,9 @@ class SandboxWorker:
 
     def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
         self.cfg = RunConfig.model_validate_json(config_json)
-        self.run_dir = Path(run_dir)
+        self.run_dir = locate(run_dir)
+        # A run on an object store: each launch's evidence is written to this node's scratch, then put there.
+        self._scratch: Path | None = None
         self.worker_id = f"w{worker_index}-{os.getpid()}"
         self._ctx: SessionContext | None = None
         self._start_lock = asyncio.Lock()
@@ -66,6 +70,7 @@ class SandboxWorker:
             gateway = Gateway(upstream, key, cfg.gateway)
             await gateway.start(host=gateway_host(cfg), unix_path=_gateway_socket(cfg))
             root = cfg.sandbox.root_dir()
+            evidence_root, evidence_store = self._evidence_places()
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
             await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
@@ -74,7 +79,8 @@ class SandboxWorker:
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
-                evidence_root=self.run_dir / "evidence",
+                evidence_root=evidence_root,
+                evidence_store=evidence_store,
                 cache_root=default_cache_root(),
                 node_id=ray.get_runtime_context().get_node_id(),
                 worker_id=self.worker_id,
@@ -86,6 +92,13 @@ class SandboxWorker:
             # session's model traffic through the gateway, every ~20 rollouts).
             gc.freeze()
             return self._ctx
+
+    def _evidence_places(self) -> tuple[Path, Location | None]:
+        """Where sessions write evidence, and where it goes after (None: it stays there)."""
+        if self.run_dir.local is not None:
+            return self.run_dir.local / "evidence", None
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"rollout-evidence-{self.cfg.run_id}-"))
+        return self._scratch, self.run_dir / "evidence"
 
     async def run(self, task_json: str, sample_index: int, attempt: int) -> bytes:
         """The session's row, as ``executor.schema.batch_to_wire`` sends it."""
@@ -111,6 +124,8 @@ class SandboxWorker:
         and the scripted model. Only called once no session runs; idempotent."""
         async with self._start_lock:  # a context being built finishes first, then is closed
             ctx, self._ctx = self._ctx, None
+        if self._scratch is not None:
+            await asyncio.to_thread(shutil.rmtree, self._scratch, True)
         if ctx is None:
             return
         closers = [getattr(ctx.provider, "aclose", None), ctx.gateway.stop]
