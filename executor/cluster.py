@@ -54,6 +54,7 @@ def check_out(out: str) -> None:
     if ray_working_dir(path) is not None:
         raise InputError(
             f"out {path}: inside Ray's copy of the job's working directory (ray job submit --working-dir), "
-            "which Ray deletes after the job; give --out (or out:) an object-store URI (s3://BUCKET/runs) "
-            "or an absolute path on a filesystem the whole cluster shares (/shared/runs)"
+            "which Ray deletes after the job; give --out (or out:) an object-store URI, e.g. "
+            "--out s3://BUCKET/runs, or an absolute path on a filesystem the whole cluster shares, e.g. "
+            "--out /shared/runs"
         )
