@@ -16,6 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from executor.report import write_report
+from executor.runs import list_runs
 from executor.schema import rows_to_batch
 from executor.session import SessionRequest, run_session
 from executor.storage import locate
@@ -127,10 +129,9 @@ def test_a_run_on_s3_is_written_resumed_and_read_back_from_the_uri(tmp_path, s3,
     status = _cli(s3_env, "status", f"{uri}/r", "--json", cwd=tmp_path)
     assert status.returncode == 0, status.stderr[-3000:]
     assert json.loads(status.stdout)["state"] == "complete" and json.loads(status.stdout)["final"] == 6
-    listed = _cli(s3_env, "runs", uri, cwd=tmp_path)
-    assert listed.returncode == 0 and "complete" in listed.stdout, listed.stderr[-3000:]
-    report = _cli(s3_env, "report", f"{uri}/r", cwd=tmp_path)
-    assert report.returncode == 0 and "r/report.html" in report.stdout, report.stderr[-3000:]
+    # `rollout runs` and `rollout report` are these two calls on the URI (their CLIs: test_runs, test_report).
+    assert [(r.run_id, r.state, r.final) for r in list_runs(uri)] == [("r", "complete", 6)]
+    assert str(write_report(f"{uri}/r")) == f"{uri}/r/report.html"
     assert "runs/r/report.html" in s3.keys(bucket)
     export = _cli(s3_env, "export", f"{uri}/r", "--train", str(tmp_path / "train.parquet"), cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
