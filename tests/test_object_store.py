@@ -38,6 +38,15 @@ AGENT = (
     'echo "aws vars: $(env | grep -c ^AWS_)"; touch done.txt; echo done'
 )
 
+# Takes a run's lock, says so, and holds it until killed.
+HOLD = """
+import sys
+from executor.runs import run_lock
+with run_lock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
@@ -114,6 +123,19 @@ def test_a_run_on_s3_is_written_resumed_and_read_back_from_the_uri(tmp_path, s3,
     assert not (tmp_path / "s3:").exists() and not (REPO / "s3:").exists()
     assert not list(Path(tempfile.gettempdir()).glob("rollout-evidence-r-*")), "a worker's scratch was left"
     assert not processes_under(str(tmp_path / "sandboxes"))
+
+    # A driver SIGKILLed while it held the run leaves its lock on S3: the next driver takes it over.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, f"{uri}/r"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=s3_env,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    holder.kill()
+    holder.wait(timeout=30)
+    assert "runs/r/driver.json" in s3.keys(bucket)
 
     # Resumed from the URI with a second sample each: only the new pairs run, and the parts written
     # before stay as they were.
