@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +303,7 @@ def _aws_settings() -> tuple[str | None, str | None]:
 def _object_fs(scheme: str, bucket: str, endpoint: str | None, region: str | None) -> pafs.FileSystem:
     if scheme == "gs":
         try:
-            return pafs.GcsFileSystem(retry_time_limit_seconds=REQUEST_S)
+            return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=REQUEST_S))
         except (AttributeError, ImportError) as exc:  # a pyarrow built without GCS
             raise InputError(f"gs://{bucket}: this pyarrow has no GCS filesystem ({exc})") from None
     if not region and not endpoint:

@@ -233,3 +233,20 @@ async def test_a_failed_evidence_upload_is_a_gap_on_the_row_not_a_lost_row(tmp_p
     assert len(gaps) == 1 and len(gaps[0]) < 300, row["evidence_gaps"]
     assert row["evidence_dir"].startswith("s3://evidence/runs/r/evidence/t0.s0.a1.")
     assert not list((tmp_path / "evidence").iterdir()), "the scratch copy was left"
+
+
+def test_a_uri_names_its_store_and_a_bad_one_is_one_line(tmp_path, s3_env):
+    from executor.tasks import InputError
+
+    assert locate(f"file://{tmp_path}/runs").local == tmp_path / "runs"
+    assert locate(tmp_path / "runs").uri == str(tmp_path / "runs")
+    remote = locate("s3://bkt/runs/")
+    assert (remote.scheme, remote.path, (remote / "r").uri) == ("s3", "bkt/runs", "s3://bkt/runs/r")
+    with pytest.raises(TypeError):
+        os.fspath(remote)  # never taken for a local path by mistake
+    for bad, said in (("s3://", "no bucket"), ("hdfs://n/runs", "hdfs:// storage is not supported")):
+        with pytest.raises(InputError, match=said):
+            locate(bad)
+    once = locate(tmp_path / "x" / "part")
+    assert once.create(b"first") and not once.create(b"second")
+    assert once.read_bytes() == b"first"
