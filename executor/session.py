@@ -6,6 +6,7 @@ Tests call it without Ray; the worker actor is a thin host around it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
@@ -171,6 +172,10 @@ async def ship_evidence(row: Row, local: Path, dest: Location) -> None:
                 await asyncio.sleep(EVIDENCE_UPLOAD_PAUSE_S * 2**attempt)
     finally:
         await asyncio.to_thread(shutil.rmtree, local, True)
+        # The scratch root too once no launch is in it: a worker of a joined cluster is never closed, it
+        # ends with the job. On the loop, so no launch directory is made meanwhile (launch_dir is too).
+        with contextlib.suppress(OSError):
+            local.parent.rmdir()
 
 
 async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
