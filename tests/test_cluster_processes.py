@@ -105,6 +105,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             dashboard = f"http://127.0.0.1:{head_ports['dashboard-port']}"
             _wait("dashboard", lambda: _dashboard_up(dashboard), procs, logs)
             nodes: dict[str, Path] = {}
+            starts: dict[str, subprocess.Popen[bytes]] = {}
             for name in ("a", "b"):
                 temp = root / f"n{name}"
                 scratch = root / f"scratch-{name}"  # this node's TMPDIR: the worker's evidence scratch
@@ -122,7 +123,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                         {**base_env, "TMPDIR": str(scratch)},
                     )
                 )
-                nodes[name] = temp
+                nodes[name], starts[name] = temp, procs[-1]
             for temp in nodes.values():
                 _wait(f"raylet under {temp}", lambda t=temp: _raylet_pid(t) is not None, procs, logs)
 
@@ -155,10 +156,13 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             sandboxes = str(root / "sandboxes")
             # Mid-run for certain: all four sessions (two per worker actor) are inside the agent.
             _wait("four sessions mid-run", lambda: _gated_sessions(sandboxes) >= 4, procs, logs)
-            victim = next(n for n, t in nodes.items() if _hosts_a_worker(dashboard, n))
+            victim, workers = next((n, w) for n in nodes if (w := _worker_pids(dashboard, n)))
             raylet = _raylet_pid(nodes[victim])
             assert raylet is not None
             os.kill(raylet, signal.SIGKILL)
+            procs.remove(starts[victim])  # its `ray start --block` ends with its raylet
+            # Its worker process ends with it; only then may the agents go on, so those sessions never end.
+            _wait("the killed node's worker to end", lambda: not any(_alive(p) for p in workers), procs, logs)
             gate.touch()
             submit.wait(timeout=BOUND_S)
             said = (logs / "submit.log").read_text()
@@ -187,10 +191,18 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _hosts_a_worker(dashboard: str, node: str) -> bool:
-    """Whether a SandboxWorker actor is alive on the node that advertises ``node_<node>``."""
+def _worker_pids(dashboard: str, node: str) -> list[int]:
+    """The pids of the SandboxWorker actors alive on the node that advertises ``node_<node>``."""
     from ray.util.state import list_actors, list_nodes
 
     ids = {n.node_id for n in list_nodes(address=dashboard) if f"node_{node}" in (n.resources_total or {})}
     actors = list_actors(address=dashboard, filters=[("state", "=", "ALIVE")])
-    return any(a.node_id in ids and a.class_name == "SandboxWorker" for a in actors)
+    return [a.pid for a in actors if a.node_id in ids and a.class_name == "SandboxWorker" and a.pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
