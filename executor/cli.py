@@ -16,6 +16,7 @@ from executor.tasks import InputError
 
 if TYPE_CHECKING:
     from executor.config import RunConfig
+    from executor.storage import Location
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Distributed rollouts of coding-agent harnesses."
@@ -62,6 +63,7 @@ def run(
     from executor import phases
     from executor.cluster import check_out
     from executor.config import load_config, local_path
+    from executor.storage import check_writable, is_object_uri, locate
 
     phases.mark("cli")
 
@@ -84,9 +86,12 @@ def run(
     try:
         for key in ("tasks", "out"):
             if key in overrides:
-                overrides[key] = str(Path(local_path(str(overrides[key]), f"--{key}")).resolve())
+                given = local_path(str(overrides[key]), f"--{key}", objects_ok=key == "out")
+                overrides[key] = given if is_object_uri(given) else str(Path(given).resolve())
         cfg = load_config(config, overrides)
         check_out(cfg.out)  # before anything is written: not where Ray deletes it after the job
+        if is_object_uri(cfg.out):  # a missing bucket, an endpoint not reached, keys refused: now
+            check_writable(locate(cfg.out) / (cfg.run_id or ""))
         cfg.model.api_key()
         _validate_tasks(Path(cfg.tasks))
     except InputError as exc:
@@ -98,14 +103,14 @@ def run(
 
     try:
         # Before Ray starts: a run another driver holds is refused at once, with nothing started.
-        check_free(Path(cfg.out) / (cfg.run_id or ""))
+        check_free(locate(cfg.out) / (cfg.run_id or ""))
         _start(cfg, None if no_preflight else preflight_timeout)
         summary = Driver(cfg).run()
     except RunLockedError as exc:
         from rich.markup import escape
 
         _fail_input(escape(str(exc)))  # another driver holds the run: nothing was written
-    _print_counts(Path(summary.run_dir))
+    _print_counts(summary.run_dir)
     if summary.stopped:
         Console(stderr=True).print(
             f"[bold red]run stopped:[/] {summary.stopped}", highlight=False, soft_wrap=True
@@ -189,9 +194,28 @@ def _validate_tasks(path: Path) -> None:
         raise InputError(f"{path}: no tasks")
 
 
+RUN_DIR_HELP = "A run directory (OUT/RUN_ID): a path, or a URI (s3://BUCKET/runs/RUN_ID)."
+
+
+def _run_dir(value: str) -> Location:
+    """The run directory ``value`` names, with rows in it; else one line and exit 2."""
+    from executor.storage import describe_error, locate
+
+    try:
+        found = locate(value)
+        if (found / "rows").is_dir():
+            return found
+    except InputError as exc:
+        _fail_input(str(exc))
+    except OSError as exc:  # an object store not reached, or refusing us
+        _fail_input(f"{value}: cannot read it ({describe_error(exc)})")
+    _fail_input(f"{value}: not a run directory (no rows/ inside)")
+    raise AssertionError  # _fail_input exits
+
+
 @app.command()
 def status(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    run_dir: Annotated[str, typer.Argument(help=RUN_DIR_HELP)],
     slowest: Annotated[int, typer.Option(min=0, max=1000, help="How many slowest rollouts to list.")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as one JSON object.")] = False,
 ) -> None:
@@ -202,16 +226,14 @@ def status(
 
     from executor.status import print_status, status_data
 
-    if not (run_dir / "rows").is_dir():
-        _fail_input(f"{run_dir}: not a run directory (no rows/ inside)")
-    data = status_data(run_dir, slowest=slowest)
+    data = status_data(_run_dir(run_dir), slowest=slowest)
     if as_json:
         print(json.dumps(data))
     else:
         print_status(data, console)
 
 
-def _print_counts(run_dir: Path) -> None:
+def _print_counts(run_dir: str) -> None:
     from executor.status import counts_table, status_data
 
     console.print(counts_table(status_data(run_dir, slowest=0)))
@@ -257,16 +279,25 @@ def _ensure_harness(cfg: RunConfig) -> None:
 
 @app.command()
 def runs(
-    out_root: Annotated[Path, typer.Argument(help="An output root holding run directories.")] = Path("runs"),
+    out_root: Annotated[
+        str, typer.Argument(help="An output root holding run directories: a path, or s3://BUCKET/runs.")
+    ] = "runs",
 ) -> None:
     """The runs under OUT_ROOT with their state (running, complete, stopped, ...) and counts."""
     import datetime
 
     from executor.runs import list_runs
+    from executor.storage import describe_error, locate
 
-    if not out_root.is_dir():
-        _fail_input(f"{out_root}: no such directory")
-    found = list_runs(out_root)
+    try:
+        root = locate(out_root)
+        if not root.is_dir():
+            _fail_input(f"{out_root}: no such directory")
+        found = list_runs(root)
+    except InputError as exc:
+        _fail_input(str(exc))
+    except OSError as exc:
+        _fail_input(f"{out_root}: cannot read it ({describe_error(exc)})")
     if not found:
         console.print(f"{out_root}: no runs", highlight=False)
         return
@@ -296,7 +327,7 @@ def runs(
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    run_dir: Annotated[str, typer.Argument(help=RUN_DIR_HELP)],
     out: Annotated[Path | None, typer.Option(help="HTML file to write (default RUN_DIR/report.html).")] = (
         None
     ),
@@ -305,7 +336,7 @@ def report(
     from executor.report import write_report
 
     try:
-        path = write_report(run_dir, out)
+        path = write_report(_run_dir(run_dir), out)
     except InputError as exc:
         _fail_input(str(exc))
     console.print(f"report -> {path}", highlight=False)
@@ -313,7 +344,7 @@ def report(
 
 @app.command()
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    run_dir: Annotated[str, typer.Argument(help=RUN_DIR_HELP)],
     train: Annotated[Path, typer.Option(help="File to write (Parquet, or JSON lines with --format jsonl).")],
     fmt: Annotated[str, typer.Option("--format", help="parquet or jsonl.")] = "parquet",
     all_rows: Annotated[
@@ -326,7 +357,7 @@ def export(
     if fmt not in ("parquet", "jsonl"):
         _fail_input(f"--format: {fmt!r} is not one of parquet, jsonl")
     try:
-        rows = write_export(run_dir, train, fmt, include_all=all_rows)  # type: ignore[arg-type]
+        rows = write_export(_run_dir(run_dir), train, fmt, include_all=all_rows)  # type: ignore[arg-type]
     except InputError as exc:
         _fail_input(str(exc))
     console.print(f"{rows} rows -> {train}", highlight=False)
@@ -334,7 +365,7 @@ def export(
 
 @app.command()
 def replay(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (OUT/RUN_ID).")],
+    run_dir: Annotated[str, typer.Argument(help=RUN_DIR_HELP)],
     rollout_id: Annotated[str, typer.Argument(help="The row's rollout id (TASK.sN.aN).")],
     model_url: Annotated[str | None, typer.Option(help="Another OpenAI-compatible endpoint (…/v1).")] = None,
     model: Annotated[str | None, typer.Option(help="Model name to request.")] = None,
@@ -355,7 +386,7 @@ def replay(
         overrides["model.api_key_env"] = api_key_env
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        result = run_replay(run_dir, rollout_id, overrides)
+        result = run_replay(_run_dir(run_dir), rollout_id, overrides)
     except InputError as exc:
         _fail_input(str(exc))
     table = Table(title=f"replay of {rollout_id}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from executor.storage import is_object_uri
 from executor.tasks import InputError
 
 # The address that means "a local cluster of this process's own", as ray.init takes it.
@@ -51,11 +52,15 @@ def ray_working_dir(path: Path) -> Path | None:
 def check_out(out: str) -> None:
     """Refuse an output root inside Ray's copy of a job's working directory: a relative ``out`` of a
     run submitted with ``ray job submit --working-dir`` resolves there, and Ray deletes that copy with
-    the job's runtime environment, rows and all, while reporting the job a success."""
+    the job's runtime environment, rows and all, while reporting the job a success. An object-store URI
+    lies in no working directory."""
+    if is_object_uri(out):
+        return
     path = Path(out).absolute()
     if ray_working_dir(path) is not None:
         raise InputError(
             f"out {path}: inside Ray's copy of the job's working directory (ray job submit --working-dir), "
-            "which Ray deletes after the job; give --out (or out:) an absolute path on a filesystem the "
-            "whole cluster shares, e.g. --out /shared/runs"
+            "which Ray deletes after the job; give --out (or out:) an object-store URI, e.g. "
+            "--out s3://BUCKET/runs, or an absolute path on a filesystem the whole cluster shares, e.g. "
+            "--out /shared/runs"
         )

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from executor.admission import AdmissionConfig
+from executor.storage import is_object_uri
 from executor.tasks import InputError, location_of
 from harnesses.gateway import GatewayConfig
 from harnesses.registry import HARNESSES
@@ -180,8 +181,8 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
     raw.setdefault("run_id", path.stem)
     for key in ("tasks", "out"):
         if isinstance(raw.get(key), str):
-            raw[key] = local_path(raw[key], f"{path}: {key}")
-            if not Path(raw[key]).is_absolute():
+            raw[key] = local_path(raw[key], f"{path}: {key}", objects_ok=key == "out")
+            if not is_object_uri(raw[key]) and not Path(raw[key]).is_absolute():
                 raw[key] = str((path.parent / raw[key]).resolve())
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
@@ -194,18 +195,17 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
 _URI_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def local_path(value: str, where: str) -> str:
-    """A path given as a path or a ``file://`` URI, as a path. Any other URI (``s3://``) is refused: taken
-    as a path it would quietly become a local directory named ``s3:``, and the run would look written."""
+def local_path(value: str, where: str, *, objects_ok: bool = False) -> str:
+    """A path given as a path or a ``file://`` URI, as a path; with ``objects_ok`` an object-store URI
+    (``s3://``, ``gs://``: executor/storage.py) as it is. Any other URI is refused: taken as a path it
+    would quietly become a local directory named ``s3:``, and the run would look written."""
     match = _URI_RE.match(value)
-    if match is None:
+    if match is None or (objects_ok and is_object_uri(value)):
         return value
     if match.group(1).lower() == "file":
         return value[len(match.group(0)) :] or "/"
-    raise InputError(
-        f"{where} {value[:200]}: {match.group(1)}:// storage is not supported yet; "
-        "give a path (on a filesystem every node shares, for a cluster)"
-    )
+    instead = "a path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX" if objects_ok else "a path"
+    raise InputError(f"{where} {value[:200]}: {match.group(1)}:// storage is not supported; give {instead}")
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

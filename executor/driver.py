@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
+from executor.storage import describe_error, locate
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
@@ -263,7 +263,7 @@ class Driver:
         assert cfg.run_id
         self.cfg = cfg
         self.worker_class = worker_class
-        self.run_dir = Path(cfg.out) / cfg.run_id
+        self.run_dir = locate(cfg.out) / cfg.run_id
         self.store = RunStore(self.run_dir)
         self.rng = random.Random()
         self._seq = itertools.count()
@@ -587,19 +587,16 @@ class Driver:
         self._inflight.clear()
 
     def _write_config(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "config.yaml.tmp"
-        tmp.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-        os.replace(tmp, self.run_dir / "config.yaml")
+        self.run_dir.mkdir()
+        config = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
+        (self.run_dir / "config.yaml").write_text(config)
         # A copy of the tasks beside the config, so `rollout replay` finds a row's task after the file moved.
         snapshot = self.run_dir / ("tasks.parquet" if self.cfg.tasks.endswith(".parquet") else "tasks.jsonl")
         if Path(self.cfg.tasks).is_dir():  # Harbor task directories: the tasks as they were read
-            with open(snapshot.with_name(snapshot.name + ".tmp"), "w", encoding="utf-8") as f:
-                tasks = load_tasks(Path(self.cfg.tasks))
-                f.writelines(t.model_dump_json(exclude_none=True) + "\n" for t in tasks)
+            tasks = load_tasks(Path(self.cfg.tasks))
+            snapshot.write_text("".join(t.model_dump_json(exclude_none=True) + "\n" for t in tasks))
         else:
-            shutil.copyfile(self.cfg.tasks, snapshot.with_name(snapshot.name + ".tmp"))
-        os.replace(snapshot.with_name(snapshot.name + ".tmp"), snapshot)
+            snapshot.put_file(Path(self.cfg.tasks))
 
     def _summarize(self) -> RunSummary:
         table = read_table(
@@ -639,13 +636,10 @@ class Driver:
         )
         phases.mark("summary")
         summary.phases = phases.report()
-        tmp = self.run_dir / "summary.json.tmp"
         try:
-            tmp.write_text(json.dumps(summary.__dict__, indent=2))
-            os.replace(tmp, self.run_dir / "summary.json")
+            (self.run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         except OSError as exc:  # a full disk must not hide the summary the caller prints
-            tmp.unlink(missing_ok=True)
-            log.error("summary.json not written: %s", exc.strerror or exc)
+            log.error("summary.json not written: %s", exc.strerror or describe_error(exc))
         return summary
 
     def _count_expected(self) -> int:

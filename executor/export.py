@@ -23,6 +23,7 @@ import yaml
 
 from executor.row import columns
 from executor.schema import ROW_SCHEMA, upgrade
+from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
 
@@ -63,35 +64,37 @@ def trainable(batch: pa.RecordBatch) -> pa.Array:
     )
 
 
-def task_index(run_dir: Path) -> dict[str, tuple[str, str]]:
+def task_index(run_dir: Where) -> dict[str, tuple[str, str]]:
     """task id -> (prompt, metadata JSON), from the run's task snapshot, else the config's task file."""
-    path = task_file(run_dir)
-    if path is None:
+    found = task_file(run_dir)
+    if found is None:
         return {}
-    return {t.id: (t.prompt, json.dumps(t.metadata, sort_keys=True)) for t in load_tasks(path)}
+    with local_copy(found) as path:
+        return {t.id: (t.prompt, json.dumps(t.metadata, sort_keys=True)) for t in load_tasks(path)}
 
 
-def task_file(run_dir: Path) -> Path | None:
+def task_file(where: Where) -> Location | None:
+    run_dir = locate(where)
     for name in ("tasks.jsonl", "tasks.parquet"):
         if (run_dir / name).is_file():
             return run_dir / name
     configured = run_config(run_dir).get("tasks")
-    return Path(configured) if configured and Path(configured).is_file() else None
+    return locate(configured) if configured and Path(configured).is_file() else None
 
 
-def run_config(run_dir: Path) -> dict[str, Any]:
+def run_config(run_dir: Where) -> dict[str, Any]:
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+        data = yaml.safe_load((locate(run_dir) / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.RecordBatch]:
+def export_batches(run_dir: Where, include_all: bool = False) -> Iterator[pa.RecordBatch]:
     schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
     tasks = task_index(run_dir)
     model = (run_config(run_dir).get("model") or {}).get("name")
-    for batch in iter_batches(run_dir / "rows", [*_TRAIN_COLUMNS, *_ALL_COLUMNS]):
+    for batch in iter_batches(locate(run_dir) / "rows", [*_TRAIN_COLUMNS, *_ALL_COLUMNS]):
         batch = upgrade(batch)  # a run resumed across a schema change has older part files too
         if not include_all:
             batch = batch.filter(trainable(batch))
@@ -109,8 +112,9 @@ def export_batches(run_dir: Path, include_all: bool = False) -> Iterator[pa.Reco
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def export(run_dir: Path, out: Path, fmt: Format = "parquet", include_all: bool = False) -> int:
+def export(where: Where, out: Path, fmt: Format = "parquet", include_all: bool = False) -> int:
     """Write the export to ``out`` (whole, then renamed into place); return the number of rows."""
+    run_dir = locate(where)
     if not (run_dir / "rows").is_dir():
         raise InputError(f"{run_dir}: not a run directory (no rows/ inside)")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ Everything comes from the run directory: the resolved config (``config.yaml``), 
 file the config names), and the row itself (harness name and version, sample index, attempt). The
 session runs in this process through ``executor.session.run_session`` (no Ray), in a local sandbox,
 against the run's endpoint, or another one (``--model-url``). Its evidence and row go to
-``RUN_DIR/replays/<rollout_id>.<stamp>/``, never among the run's own rows.
+``RUN_DIR/replays/<rollout_id>.<stamp>/``, never among the run's own rows (for a run on an object store,
+``./replays/<run_id>/<rollout_id>.<stamp>/`` here: the replay runs here).
 
 Why a task snapshot rather than the task inside every row: a task's workspace can be large, and a row
 is written once per attempt (samples x attempts copies); one copy per run is enough for replay.
@@ -31,6 +32,7 @@ from executor.config import RunConfig
 from executor.driver import decide_row
 from executor.export import task_file
 from executor.session import SessionContext, SessionRequest, run_session
+from executor.storage import Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, Task, load_tasks
 from harnesses.gateway import Gateway
@@ -47,7 +49,8 @@ COMPARED = ("status", "failure_kind", "reward", "verified", "tool_calls")
 SHOWN = ("decision", "http_status", "model_calls", "input_tokens", "output_tokens", "t_agent_s")
 
 
-def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_run_config(where: Where, overrides: dict[str, Any] | None = None) -> RunConfig:
+    run_dir = locate(where)
     path = run_dir / "config.yaml"
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -69,7 +72,8 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> R
         raise InputError(f"{path}: {where}: {first['msg']}") from None
 
 
-def find_row(run_dir: Path, rollout_id: str) -> dict[str, Any]:
+def find_row(where: Where, rollout_id: str) -> dict[str, Any]:
+    run_dir = locate(where)
     for batch in iter_batches(run_dir / "rows"):
         hit = batch.filter(pc.equal(batch.column("rollout_id"), rollout_id))
         if hit.num_rows:
@@ -77,14 +81,15 @@ def find_row(run_dir: Path, rollout_id: str) -> dict[str, Any]:
     raise InputError(f"{run_dir}: no row with rollout id {rollout_id!r} (see `rollout status {run_dir}`)")
 
 
-def find_task(run_dir: Path, task_id: str) -> Task:
-    path = task_file(run_dir)
-    if path is None:
+def find_task(run_dir: Where, task_id: str) -> Task:
+    found = task_file(run_dir)
+    if found is None:
         raise InputError(f"{run_dir}: no task snapshot (tasks.jsonl) and the config's task file is gone")
-    for task in load_tasks(path):
-        if task.id == task_id:
-            return task
-    raise InputError(f"{path}: no task with id {task_id!r}")
+    with local_copy(found) as path:
+        for task in load_tasks(path):
+            if task.id == task_id:
+                return task
+    raise InputError(f"{found}: no task with id {task_id!r}")
 
 
 @contextlib.asynccontextmanager
@@ -160,13 +165,16 @@ def describe_tool_calls(calls: list[tuple[Any, ...]]) -> str:
 
 
 async def replay(
-    run_dir: Path, rollout_id: str, overrides: dict[str, Any] | None = None, out_dir: Path | None = None
+    where: Where, rollout_id: str, overrides: dict[str, Any] | None = None, out_dir: Path | None = None
 ) -> ReplayResult:
+    run_dir = locate(where)
     cfg = load_run_config(run_dir, overrides)
     row = find_row(run_dir, rollout_id)
     task = find_task(run_dir, row["task_id"])
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{time.monotonic_ns() % 10_000:04d}"
-    out_dir = out_dir or run_dir / "replays" / f"{rollout_id}.{stamp}"
+    # The replay runs here: a run on an object store has its replays here too.
+    replays = run_dir.local / "replays" if run_dir.local else Path("replays", run_dir.name).absolute()
+    out_dir = out_dir or replays / f"{rollout_id}.{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     # Its own run id: the replay's sandbox never shares a directory with the run's (which may still go).
     req = SessionRequest(f"{cfg.run_id}.replay-{stamp}", task, row["sample_index"], row["attempt"])
@@ -184,7 +192,7 @@ async def replay(
     return ReplayResult(row, replayed, Path(replayed["evidence_dir"]), differences)
 
 
-def run_replay(run_dir: Path, rollout_id: str, overrides: dict[str, Any] | None = None) -> ReplayResult:
-    if not (run_dir / "rows").is_dir():
+def run_replay(run_dir: Where, rollout_id: str, overrides: dict[str, Any] | None = None) -> ReplayResult:
+    if not (locate(run_dir) / "rows").is_dir():
         raise InputError(f"{run_dir}: not a run directory (no rows/ inside)")
     return asyncio.run(replay(run_dir, rollout_id, overrides))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 from executor.export import run_config
 from executor.row import columns
 from executor.status import status_data
+from executor.storage import Location, Where, locate
 from executor.store import read_table
 from executor.tasks import InputError
 
@@ -446,8 +446,9 @@ def build_plots(rows: list[dict[str, Any]]) -> list[Plot]:
     ]
 
 
-def render(run_dir: Path) -> str:
+def render(where: Where) -> str:
     """The whole report as one HTML document."""
+    run_dir = locate(where)
     if not (run_dir / "rows").is_dir():
         raise InputError(f"{run_dir}: not a run directory (no rows/ inside)")
     rows = read_table(run_dir, _COLUMNS).to_pylist()
@@ -508,11 +509,10 @@ def render(run_dir: Path) -> str:
     return "".join(parts)
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> Path:
-    out = out or run_dir / "report.html"
+def write_report(run_dir: Where, out: Where | None = None) -> Path | Location:
+    """The report, written whole to ``out`` (default: the run's own ``report.html``, wherever the run
+    lives); returned as a local path when it is one."""
     text = render(run_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    target = locate(out) if out is not None else locate(run_dir) / "report.html"
+    target.write_text(text)
+    return target.local or target

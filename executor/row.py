@@ -193,7 +193,9 @@ class Row:
     reasoning_tokens: int | None = col("int64", "as the harness reported them; null when unknown")
     workspace_diff: str | None = col("large_string", "the agent's changes to the workspace, as a git diff")
     evidence_gaps: list[str] = col(
-        "list<string>", "what could not be observed, e.g. usage_unavailable, worker_lost", empty_list=True
+        "list<string>",
+        "what could not be observed or kept, e.g. usage_unavailable, worker_lost, evidence_upload_failed",
+        empty_list=True,
     )
     stdout_tail: str | None = col("large_string", "the end of the harness's stdout")
     stderr_tail: str | None = col("large_string", "the end of the harness's stderr")
@@ -215,7 +217,9 @@ class Row:
     )
     retry_delay_s: float | None = col("double", "for a retry, the delay before the next attempt")
     # where and when
-    evidence_dir: str | None = col("string", "the directory of this launch's evidence", "train")
+    evidence_dir: str | None = col(
+        "string", "the directory of this launch's evidence (a URI for a run on an object store)", "train"
+    )
     started_at: datetime | None = col("timestamp[ms, tz=UTC]", "when the attempt started", "train")
     # timings
     t_setup_s: float | None = col(

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from executor.storage import Location, Where, locate
 from executor.store import iter_batches, part_files
 from sandboxes.owner import boot_id, start_ticks
 
@@ -87,7 +88,7 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def describe_owner(run_dir: Path, owner: dict[str, Any]) -> str:
+def describe_owner(run_dir: Location, owner: dict[str, Any]) -> str:
     """The refusal's one line; values from the file are bounded and escaped, it may hold anything."""
     started = owner.get("started_at")
     try:
@@ -103,12 +104,15 @@ def describe_owner(run_dir: Path, owner: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Hold ``run_dir`` for this process until the block ends (however it ends), else RunLockedError.
+def run_lock(where: Where) -> Iterator[dict[str, Any]]:
+    """Hold the run directory ``where`` for this process until the block ends (however it ends), else
+    RunLockedError.
 
-    Nothing else in ``run_dir`` is touched before the lock is held. A lock whose owner is dead (see
-    ``owner_alive``) is taken over, as a dead worker's sandboxes are reaped."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    Nothing else in the run directory is touched before the lock is held. A lock whose owner is dead (see
+    ``owner_alive``) is taken over, as a dead worker's sandboxes are reaped. On an object store the lock
+    is as exclusive as ``Location.create`` is there (a conditional PUT on S3)."""
+    run_dir = locate(where)
+    run_dir.mkdir()
     record = _acquire(run_dir, _owner_record())
     try:
         yield record
@@ -116,15 +120,17 @@ def run_lock(run_dir: Path) -> Iterator[dict[str, Any]]:
         _release(run_dir / MARKER, record["token"])
 
 
-def check_free(run_dir: Path) -> None:
-    """RunLockedError if a live driver holds ``run_dir`` now; reads only. For a look before costly
-    start-up (a Ray cluster): ``run_lock`` still decides, since the lock may be taken after this look."""
+def check_free(where: Where) -> None:
+    """RunLockedError if a live driver holds the run directory ``where`` now; reads only. For a look
+    before costly start-up (a Ray cluster): ``run_lock`` still decides, since the lock may be taken after
+    this look."""
+    run_dir = locate(where)
     owner, inode = _read_lock(run_dir / MARKER)
     if inode is not None and owner_alive(owner):
         raise RunLockedError(describe_owner(run_dir, owner))
 
 
-def _acquire(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+def _acquire(run_dir: Location, record: dict[str, Any]) -> dict[str, Any]:
     path = run_dir / MARKER
     for _ in range(LOCK_TRIES):
         if _create_exclusively(path, record):
@@ -138,81 +144,55 @@ def _acquire(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     raise RunLockedError(f"{run_dir}: could not take {MARKER} in {LOCK_TRIES} rounds (other drivers racing)")
 
 
-def _create_exclusively(path: Path, record: dict[str, Any]) -> bool:
-    """Create the lock with its content whole, or return False if it exists. The content goes to a
-    name of our own first and is then hard-linked to the lock's name: the link is the exclusive create
-    (like O_EXCL, and atomic on NFS too), and a reader never sees a lock half written."""
-    tmp = path.with_name(f".{MARKER}.{record['pid']}.{record['token']}.tmp")
-    try:
-        with tmp.open("x") as fh:
-            fh.write(json.dumps(record))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
+def _create_exclusively(path: Location, record: dict[str, Any]) -> bool:
+    """Create the lock with its content whole, or return False if it exists (``Location.create``): a
+    reader never sees a lock half written."""
+    return path.create(json.dumps(record).encode())
 
 
-def _read_lock(path: Path) -> tuple[dict[str, Any], tuple[int, int] | None]:
-    """The lock's content and identity (device, inode); identity None if there is no lock now."""
-    try:
-        with path.open("rb") as fh:
-            st = os.fstat(fh.fileno())
-            raw = fh.read(64 * 1024)
-    except FileNotFoundError:
+def _read_lock(path: Location) -> tuple[dict[str, Any], object | None]:
+    """The lock's content and identity (see ``Location.read_identified``); identity None if there is
+    no lock now."""
+    found = path.read_identified(64 * 1024)
+    if found is None:
         return {}, None
+    raw, identity = found
     try:
         data = json.loads(raw)
     except ValueError:
         data = {}  # not ours (we write it whole): nobody can be shown to own it
-    return (data if isinstance(data, dict) else {}), (st.st_dev, st.st_ino)
+    return (data if isinstance(data, dict) else {}), identity
 
 
-def _remove_stale(path: Path, inode: tuple[int, int]) -> None:
+def _remove_stale(path: Location, identity: object) -> None:
     """Remove the dead owner's lock, and only it: another driver may have taken it over and made a new
-    one since we read it. The rename moves one file aside atomically; if it was not the one we judged,
-    it goes back (a link: never over a lock made meanwhile)."""
-    aside = path.with_name(f".{MARKER}.stale.{os.getpid()}.{secrets.token_hex(4)}")
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return
-    try:
-        st = aside.stat()
-        if (st.st_dev, st.st_ino) != inode:
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, path)
-    finally:
-        aside.unlink(missing_ok=True)
+    one since we read it."""
+    path.remove_if(identity)
 
 
-def _release(path: Path, token: str) -> None:
+def _release(path: Location, token: str) -> None:
     """Remove the lock if it is still ours (the token says so); never another driver's."""
     owner, inode = _read_lock(path)
     if inode is not None and owner.get("token") == token:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        path.unlink()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Location) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def is_run_dir(path: Path) -> bool:
+def is_run_dir(path: Location) -> bool:
     return path.is_dir() and ((path / "rows").is_dir() or (path / "config.yaml").is_file())
 
 
 @dataclass
 class RunInfo:
     run_id: str
-    path: Path
+    path: Location
     state: str
     rows: int
     final: int  # (task, sample) pairs with a final row
@@ -222,8 +202,9 @@ class RunInfo:
     stopped: str | None = None
 
 
-def run_state(run_dir: Path) -> tuple[str, dict[str, Any]]:
+def run_state(where: Where) -> tuple[str, dict[str, Any]]:
     """The run's state and its summary (empty when it has none)."""
+    run_dir = locate(where)
     summary = _read_json(run_dir / "summary.json")
     marker = _read_json(run_dir / MARKER)
     if marker:
@@ -237,7 +218,8 @@ def run_state(run_dir: Path) -> tuple[str, dict[str, Any]]:
     return "complete", summary
 
 
-def run_info(run_dir: Path) -> RunInfo:
+def run_info(where: Where) -> RunInfo:
+    run_dir = locate(where)
     state, summary = run_state(run_dir)
     rows = 0
     decisions: dict[str, int] = {}
@@ -251,7 +233,7 @@ def run_info(run_dir: Path) -> RunInfo:
             if is_final:
                 final.add((task, sample))
     parts = part_files(run_dir / "rows")
-    updated = max((p.stat().st_mtime for p in parts), default=None)
+    updated = max((m for p in parts if (m := p.mtime()) is not None), default=None)
     # While a driver runs (or after it died) the summary, if any, is of an earlier pass: stale.
     pending = summary.get("pending") if state not in ("running", "interrupted") else None
     return RunInfo(
@@ -267,7 +249,7 @@ def run_info(run_dir: Path) -> RunInfo:
     )
 
 
-def list_runs(out_root: Path) -> list[RunInfo]:
+def list_runs(out_root: Where) -> list[RunInfo]:
     """Every run directory directly under ``out_root``, most recently updated first."""
-    runs = [run_info(p) for p in sorted(out_root.iterdir()) if is_run_dir(p)]
+    runs = [run_info(p) for p in locate(out_root).children() if is_run_dir(p)]
     return sorted(runs, key=lambda r: r.updated_at or 0.0, reverse=True)

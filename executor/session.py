@@ -6,11 +6,13 @@ Tests call it without Ray; the worker actor is a thin host around it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
 import math
 import secrets
+import shutil
 import signal
 import time
 from collections.abc import Awaitable
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from executor import harbor
 from executor.config import RunConfig
 from executor.row import Message, ModelCall, Row, ToolCall
+from executor.storage import Location, describe_error
 from executor.tasks import Task, Verifier
 from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
@@ -46,6 +49,11 @@ if TYPE_CHECKING:  # test machinery: only a run with the scripted provider has o
 log = logging.getLogger(__name__)
 
 EVIDENCE_COPY_LIMIT = 16 * 1024 * 1024
+# A launch's evidence put to the run's object store: tries, the pause before the second (doubling), and
+# the bound on each try; the SDK retries each request within a try too.
+EVIDENCE_UPLOAD_TRIES = 3
+EVIDENCE_UPLOAD_PAUSE_S = 0.5
+EVIDENCE_UPLOAD_TIMEOUT_S = 120.0
 MAX_DIFF_CHARS = 200_000
 DEADLINE_STALL_SHARE = 0.25
 AGENT_TIME_TICK_S = 0.05  # the shortest wait of the agent-time watch
@@ -108,6 +116,9 @@ class SessionContext:
     evidence_root: Path
     cache_root: Path
     node_id: str = ""
+    # Where a launch's evidence goes once its session ends, when the run is not on this node's disk (the
+    # run's evidence/ on an object store); the row names it there. None: it stays in evidence_root.
+    evidence_store: Location | None = None
     worker_id: str = ""
     # Workspaces laid out once per worker and copied in; None lays each out inside its sandbox.
     workspaces: PreparedWorkspaces | None = None
@@ -137,14 +148,41 @@ class _Timer:
 
 async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any]:
     """Run one attempt to the end and return its row's columns (decision columns left for the driver)."""
-    return (await _run(req, ctx)).to_dict()
+    launch_id = launch_dir(ctx.evidence_root, req.rollout_id)
+    row = await _run(req, ctx, launch_id)
+    if ctx.evidence_store is not None:
+        await ship_evidence(row, ctx.evidence_root / launch_id, ctx.evidence_store / launch_id)
+    return row.to_dict()
 
 
-async def _run(req: SessionRequest, ctx: SessionContext) -> Row:
+async def ship_evidence(row: Row, local: Path, dest: Location) -> None:
+    """Put a launch's evidence from this node's scratch to the run's storage, in a thread (never on the
+    loop the gateway serves from), bounded and retried; then remove the scratch copy. What could not be
+    put is an evidence gap on the row: the row itself is kept."""
+    try:
+        for attempt in range(EVIDENCE_UPLOAD_TRIES):
+            try:
+                await asyncio.wait_for(asyncio.to_thread(dest.upload_tree, local), EVIDENCE_UPLOAD_TIMEOUT_S)
+                return
+            except (OSError, TimeoutError) as exc:
+                if attempt + 1 == EVIDENCE_UPLOAD_TRIES:
+                    cause = "timed out" if isinstance(exc, TimeoutError) else describe_error(exc)
+                    row.evidence_gaps.append(f"evidence_upload_failed: {cause[:200]}")
+                    log.warning("evidence of %s not put to %s: %s", row.rollout_id, dest, cause)
+                    return
+                await asyncio.sleep(EVIDENCE_UPLOAD_PAUSE_S * 2**attempt)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, local, True)
+        # The scratch root too once no launch is in it: a worker of a joined cluster is never closed, it
+        # ends with the job. On the loop, so no launch directory is made meanwhile (launch_dir is too).
+        with contextlib.suppress(OSError):
+            local.parent.rmdir()
+
+
+async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
     cfg = ctx.config
     started = datetime.now(UTC)
     timer = _Timer()
-    launch_id = launch_dir(ctx.evidence_root, req.rollout_id)
     evidence_dir = ctx.evidence_root / launch_id
     deadline = req.task.deadline_s or cfg.limits.deadline_s
     wall = cfg.limits.wall_s(deadline)
@@ -162,7 +200,7 @@ async def _run(req: SessionRequest, ctx: SessionContext) -> Row:
         sandbox_provider=ctx.provider.name,
         node_id=ctx.node_id,
         worker_id=ctx.worker_id,
-        evidence_dir=str(evidence_dir),
+        evidence_dir=str(ctx.evidence_store / launch_id if ctx.evidence_store else evidence_dir),
         started_at=started,
     )
     spec = SandboxSpec(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -15,6 +14,7 @@ from rich.table import Table
 
 from executor.row import columns
 from executor.runs import run_state
+from executor.storage import Where, locate
 from executor.store import iter_batches
 
 COLUMNS = list(columns("status"))
@@ -57,17 +57,18 @@ class _Tally:
         }
 
 
-def _batches(run_dir: Path) -> Iterator[pa.RecordBatch]:
+def _batches(run_dir: Where) -> Iterator[pa.RecordBatch]:
     """The status columns, error messages cut short in Arrow: a million rows of 16k-character messages
     must not all become Python strings."""
-    for batch in iter_batches(run_dir / "rows", COLUMNS):
+    for batch in iter_batches(locate(run_dir) / "rows", COLUMNS):
         i = batch.schema.get_field_index("error_message")
         cut = pc.utf8_slice_codeunits(batch.column(i), 0, 4 * EXAMPLE_CHARS)
         yield batch.set_column(i, "error_message", cut)
 
 
-def status_data(run_dir: Path, slowest: int = 5) -> dict[str, Any]:
+def status_data(where: Where, slowest: int = 5) -> dict[str, Any]:
     """Everything ``rollout status`` shows, as plain data (``--json``)."""
+    run_dir = locate(where)
     rows = [row for batch in _batches(run_dir) for row in batch.to_pylist()]
     state, summary = run_state(run_dir)
     overall = _Tally()

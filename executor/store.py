@@ -1,23 +1,20 @@
-"""The Arrow store: a run directory of whole Parquet part files. Each is written under a temporary name of
-its own, then linked to its part name, which fails if that name exists: a part file is created, never
-replaced, and a crash never leaves a torn file under a part name."""
+"""The Arrow store: a run directory of whole Parquet part files, local or on an object store
+(``executor.storage``). Each part is created whole under a name that must not exist yet (a link from a
+private temporary on a local disk, a conditional PUT on S3): a part file is created, never replaced, and
+a crash never leaves a torn file under a part name."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from executor.schema import ROW_SCHEMA, stored_names, upgrade
+from executor.storage import Location, Where, describe_error, locate, parquet_bytes
 
 _PART = re.compile(r"^part-(\d{6,})\.parquet$")
 RESUME_COLUMNS = ["task_id", "sample_index", "attempt", "decision", "final"]
@@ -42,10 +39,8 @@ class ResumeState:
     rows: int = 0
 
 
-def part_files(rows_dir: Path) -> list[Path]:
-    if not rows_dir.is_dir():
-        return []
-    return sorted(p for p in rows_dir.iterdir() if _PART.match(p.name))
+def part_files(rows_dir: Where) -> list[Location]:
+    return [p for p in locate(rows_dir).children() if _PART.match(p.name)]
 
 
 class RunStore:
@@ -56,9 +51,9 @@ class RunStore:
     removed, at the first flush. The driver flushes only while it holds the run's lock
     (``executor.runs.run_lock``), so a driver refused the lock has written and removed nothing."""
 
-    def __init__(self, run_dir: Path, flush_rows: int = 512, flush_interval_s: float = 2.0) -> None:
-        self.run_dir = run_dir
-        self.rows_dir = run_dir / "rows"
+    def __init__(self, run_dir: Where, flush_rows: int = 512, flush_interval_s: float = 2.0) -> None:
+        self.run_dir = locate(run_dir)
+        self.rows_dir = self.run_dir / "rows"
         self._next: int | None = None  # the next part number, known once the directory is opened
         self._buffer: list[pa.RecordBatch] = []
         self._buffered_rows = 0
@@ -87,7 +82,8 @@ class RunStore:
         try:
             self._next = self._write_part(table, self._open()) + 1
         except OSError as exc:
-            raise StoreError(f"{self.rows_dir}: could not write a part file ({exc.strerror or exc})") from exc
+            cause = exc.strerror or describe_error(exc)
+            raise StoreError(f"{self.rows_dir}: could not write a part file ({cause})") from exc
         self.rows_written += table.num_rows
         self._buffer.clear()
         self._buffered_rows = 0
@@ -95,49 +91,39 @@ class RunStore:
     def _open(self) -> int:
         """The next part number; the first time, make the directory and remove stale temporaries."""
         if self._next is None:
-            self.rows_dir.mkdir(parents=True, exist_ok=True)
+            self.rows_dir.mkdir()
             # Every temporary here is a dead writer's, never a live one's: only the holder of the run's
-            # lock writes part files, and that is us (see the class's docstring).
-            for stale in self.rows_dir.glob("*.tmp"):
-                stale.unlink(missing_ok=True)
+            # lock writes part files, and that is us (see the class's docstring). An object store has none.
+            for stale in self.rows_dir.children():
+                if stale.name.endswith(".tmp"):
+                    stale.unlink()
             existing = part_files(self.rows_dir)
             self._next = int(_PART.match(existing[-1].name).group(1)) + 1 if existing else 0
         return self._next
 
     def _write_part(self, table: pa.Table, number: int) -> int:
-        """Write ``table`` whole under a name of our own, then link it to the first free part name from
-        ``number`` on; returns the number it took. A link never replaces a file, where a rename would."""
-        tmp = self.rows_dir / f".part.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-        try:
-            with tmp.open("xb") as fh:
-                pq.write_table(table, fh, compression="zstd")
-                fh.flush()
-                os.fsync(fh.fileno())
-            for candidate in range(number, number + PART_NAME_TRIES):
-                try:
-                    os.link(tmp, self.rows_dir / f"part-{candidate:06d}.parquet")
-                except FileExistsError:
-                    continue
-                _fsync_dir(self.rows_dir)  # the new name survives a power cut, not just the data
+        """Create ``table`` whole under the first free part name from ``number`` on; returns the number
+        it took. A name that exists is never replaced."""
+        data = parquet_bytes(table)
+        for candidate in range(number, number + PART_NAME_TRIES):
+            if (self.rows_dir / f"part-{candidate:06d}.parquet").create(data):
                 return candidate
-            raise FileExistsError(
-                f"part-{number:06d} to part-{number + PART_NAME_TRIES - 1:06d} all exist: "
-                "is another driver writing to this run?"
-            )
-        finally:
-            tmp.unlink(missing_ok=True)
+        raise FileExistsError(
+            f"part-{number:06d} to part-{number + PART_NAME_TRIES - 1:06d} all exist: "
+            "is another driver writing to this run?"
+        )
 
     def resume_state(self) -> ResumeState:
         return scan(self.rows_dir)
 
 
-def iter_batches(rows_dir: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+def iter_batches(rows_dir: Where, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     """``columns`` (all of the schema's when None) of every row, in that order. Part files of an older
     schema version read as this one (a resumed run spans both): a column added since reads as null, one
     renamed since under today's name."""
     names = list(columns) if columns is not None else list(ROW_SCHEMA.names)
     for path in part_files(rows_dir):
-        part = pq.ParquetFile(path)
+        part = path.parquet()
         stored = stored_names(names, part.schema_arrow.names)
         for batch in part.iter_batches(columns=stored, batch_size=65_536):
             yield _complete(upgrade(batch), names)
@@ -154,24 +140,15 @@ def _complete(batch: pa.RecordBatch, names: list[str]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([ROW_SCHEMA.field(n) for n in names]))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def iter_rows_newest_first(rows_dir: Path, columns: list[str]) -> Iterator[tuple[Any, ...]]:
+def iter_rows_newest_first(rows_dir: Where, columns: list[str]) -> Iterator[tuple[Any, ...]]:
     """``columns`` of every row, from the last written back to the first: part files newest first,
     one read at a time, so a caller that needs only the tail stops without reading the rest."""
     for path in reversed(part_files(rows_dir)):
-        table = pq.ParquetFile(path).read(columns=columns)
+        table = path.parquet().read(columns=columns)
         yield from reversed(list(zip(*(table.column(c).to_pylist() for c in columns), strict=True)))
 
 
-def scan(rows_dir: Path) -> ResumeState:
+def scan(rows_dir: Where) -> ResumeState:
     """Read only the identity and decision columns of every part file."""
     state = ResumeState()
     for batch in iter_batches(rows_dir, RESUME_COLUMNS):
@@ -195,7 +172,7 @@ def scan(rows_dir: Path) -> ResumeState:
     return state
 
 
-def read_table(run_dir: Path, columns: list[str] | None = None) -> pa.Table:
-    batches = list(iter_batches(run_dir / "rows", columns))
+def read_table(run_dir: Where, columns: list[str] | None = None) -> pa.Table:
+    batches = list(iter_batches(locate(run_dir) / "rows", columns))
     schema = pa.schema([ROW_SCHEMA.field(c) for c in columns]) if columns else ROW_SCHEMA
     return pa.Table.from_batches(batches, schema=schema)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import hashlib
 import hmac
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +25,7 @@ from executor.config import RunConfig
 from executor.reaper import reap_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
+from executor.storage import locate
 from executor.tasks import Task
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
@@ -59,7 +62,24 @@ class SandboxWorker:
     def _bind(self, config_json: str, run_dir: str) -> None:
         self._binding = (config_json, run_dir)
         self.cfg = RunConfig.model_validate_json(config_json)
-        self.run_dir = Path(run_dir)
+        self.run_dir = locate(run_dir)
+
+    def _run_parts(self) -> dict[str, Any]:
+        """The parts of a session context that are the run's own: its config, where its evidence is
+        written (and put after: a run on an object store writes to this node's scratch first), and its
+        prepared workspaces."""
+        cfg = self.cfg
+        if self.run_dir.local is not None:
+            evidence_root, evidence_store = self.run_dir.local / "evidence", None
+        else:
+            evidence_root = Path(tempfile.mkdtemp(prefix=f"rollout-evidence-{cfg.run_id}-"))
+            evidence_store = self.run_dir / "evidence"
+        return {
+            "config": cfg,
+            "evidence_root": evidence_root,
+            "evidence_store": evidence_store,
+            "workspaces": PreparedWorkspaces(cfg.sandbox.root_dir(), cfg.run_id or ""),
+        }
 
     async def _context(self) -> SessionContext:
         async with self._start_lock:
@@ -81,16 +101,14 @@ class SandboxWorker:
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
             await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
-                config=cfg,
                 provider=_provider(cfg, root, gateway),
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
-                evidence_root=self.run_dir / "evidence",
                 cache_root=default_cache_root(),
                 node_id=ray.get_runtime_context().get_node_id(),
                 worker_id=self.worker_id,
-                workspaces=PreparedWorkspaces(root, cfg.run_id or ""),
+                **self._run_parts(),
             )
             warm_up()
             # Ray's, pyarrow's and pydantic's objects live as long as the worker: out of the collector's
@@ -137,13 +155,8 @@ class SandboxWorker:
                 return
             cfg = self.cfg
             if built_once(cfg) == built_once(old_cfg):
-                self._ctx = dataclasses.replace(
-                    old,
-                    config=cfg,
-                    evidence_root=self.run_dir / "evidence",
-                    workspaces=PreparedWorkspaces(cfg.sandbox.root_dir(), cfg.run_id or ""),
-                )
-                closers = [old.workspaces.aclose] if old.workspaces is not None else []
+                self._ctx = dataclasses.replace(old, **self._run_parts())
+                closers = _run_closers(old)
             else:
                 self._ctx = None
                 self._slots = asyncio.Semaphore(cfg.concurrency.sessions_per_worker)
@@ -171,8 +184,8 @@ class SandboxWorker:
         """The run is over (no session of it runs): let go of its prepared workspaces, keep the rest."""
         async with self._start_lock:
             ctx = self._ctx
-        if ctx is not None and ctx.workspaces is not None:
-            await _close_all([ctx.workspaces.aclose])
+        if ctx is not None:
+            await _close_all(_run_closers(ctx))
 
     @property
     def provider(self) -> SandboxProvider | None:
@@ -203,16 +216,25 @@ def built_once(cfg: RunConfig) -> str:
     return cfg.model_dump_json(include={"model", "gateway", "sandbox", "harness"})
 
 
+def _run_closers(ctx: SessionContext) -> list[Callable[[], Awaitable[None]]]:
+    """What of a context was its run's: the prepared workspaces and, for a run on an object store,
+    this node's evidence scratch (normally emptied as each launch's evidence is put)."""
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if ctx.workspaces is not None:
+        closers.append(ctx.workspaces.aclose)
+    if ctx.evidence_store is not None:
+        closers.append(functools.partial(asyncio.to_thread, shutil.rmtree, ctx.evidence_root, True))
+    return closers
+
+
 def _closers(ctx: SessionContext) -> list[Callable[[], Awaitable[None]]]:
     closers: list[Callable[[], Awaitable[None]] | None] = [
         getattr(ctx.provider, "aclose", None),
         ctx.gateway.stop,
     ]
-    if ctx.workspaces is not None:
-        closers.append(ctx.workspaces.aclose)
     if ctx.scripted is not None:
         closers.append(ctx.scripted.stop)
-    return [c for c in closers if c is not None]
+    return [c for c in closers if c is not None] + _run_closers(ctx)
 
 
 async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:

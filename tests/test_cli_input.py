@@ -44,7 +44,12 @@ GOOD = json.dumps({"id": "a", "prompt": "p"})
         ("tasks: tasks.jsonl\nout: out\nharness: {name: claude}\n", [GOOD], "unknown harness 'claude'"),
         ("tasks: tasks.jsonl\nout: out\nconcurency: {workers: 2}\n", [GOOD], "concurency: Extra inputs"),
         ("tasks: missing.jsonl\nout: out\n", [GOOD], "missing.jsonl: task file not found"),
-        ("tasks: tasks.jsonl\nout: s3://runs/x\n", [GOOD], "out s3://runs/x: s3:// storage is not supported"),
+        # s3:// and gs:// are run storage (tests/test_object_store.py); another scheme is refused.
+        (
+            "tasks: tasks.jsonl\nout: hdfs://runs/x\n",
+            [GOOD],
+            "out hdfs://runs/x: hdfs:// storage is not supported",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, config, tasks, expected):
@@ -57,12 +62,12 @@ def test_bad_input_exits_2_with_one_line(tmp_path, config, tasks, expected):
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-def test_an_object_store_out_on_the_command_line_is_refused_and_nothing_is_written(tmp_path):
+def test_an_unsupported_storage_out_on_the_command_line_is_refused_and_nothing_is_written(tmp_path):
     cfg = _setup(tmp_path, "tasks: tasks.jsonl\nout: out\n", [GOOD])
-    proc = _rollout("run", str(cfg), "--out", "gs://bucket/runs", cwd=tmp_path)
+    proc = _rollout("run", str(cfg), "--out", "hdfs://bucket/runs", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "--out gs://bucket/runs: gs:// storage is not supported" in lines[0]
+    assert len(lines) == 1 and "--out hdfs://bucket/runs: hdfs:// storage is not supported" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.jsonl"]
 
 
