@@ -48,6 +48,13 @@ class SandboxSpec(BaseModel):
     cpus: float | None = None
 
 
+def check_session_names(spec: SandboxSpec) -> None:
+    """A spec's run and session ids each name one directory of the sandbox root, and nothing else."""
+    for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
+        if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
+            raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+
+
 class ExecResult(BaseModel):
     """What one command did."""
 

@@ -42,11 +42,11 @@ from pydantic import Field
 
 from harnesses.install import default_cache_root
 from sandboxes import netns
-from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
+from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
-from sandboxes.remote import RemoteSandbox, agent_files
+from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
 
 log = logging.getLogger(__name__)
 
@@ -304,9 +304,7 @@ class ContainerSandboxProvider:
         return token
 
     async def start(self, spec: SandboxSpec) -> ContainerSandbox:
-        for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
-            if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
-                raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+        check_session_names(spec)
         default = None if spec.build_context else self.cfg.image
         image = await self.images.resolve(spec.image or default, spec.build_context)
         session_dir = self.root / spec.run_id / spec.session_id
@@ -320,12 +318,13 @@ class ContainerSandboxProvider:
         name = f"rollout-{uuid.uuid4().hex[:16]}"
         argv = self._run_argv(spec, image, name, session_dir, owner_name)
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
-        try:
+
+        async def build() -> ContainerSandbox:
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
             if proc.returncode != 0:
                 raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
             await self._wait_ready(name, session_dir / "control")
-            sandbox = ContainerSandbox(
+            return ContainerSandbox(
                 workdir=image.workdir if image.workdir not in ("", "/") else None,
                 image=image.ref,
                 runs=self._runs,
@@ -343,13 +342,10 @@ class ContainerSandboxProvider:
                 extra={"container": name, "image": image.ref, "engine": self.engine},
                 transport=httpx.AsyncHTTPTransport(uds=socket_path),
             )
-            await sandbox.health()
-            return sandbox
-        except BaseException as exc:
-            await asyncio.shield(self._teardown(name, session_dir))
-            if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
-                raise
-            raise SandboxStartError(f"container {name} ({image.ref}): agent not ready: {exc}") from exc
+
+        return await ready_or_torn_down(
+            build, lambda: self._teardown(name, session_dir), f"container {name} ({image.ref})"
+        )
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)

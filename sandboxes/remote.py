@@ -19,11 +19,18 @@ import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
-from sandboxes.base import TAIL_BYTES, ExecResult, SandboxError, SandboxLostError, SandboxSpec
+from sandboxes.base import (
+    TAIL_BYTES,
+    ExecResult,
+    SandboxError,
+    SandboxLostError,
+    SandboxSpec,
+    SandboxStartError,
+)
 from sandboxes.environment import base_environment, merge_environment, xdg_dirs
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,26 @@ class Teardown(Protocol):
     """How a provider ends what it started (job, task); idempotent and bounded."""
 
     async def __call__(self) -> None: ...
+
+
+_Sandbox = TypeVar("_Sandbox", bound="RemoteSandbox")
+
+
+async def ready_or_torn_down(
+    build: Callable[[], Awaitable[_Sandbox]], teardown: Callable[[], Awaitable[None]], what: str
+) -> _Sandbox:
+    """The sandbox ``build`` makes once its agent answers; on any failure (or cancellation) on the way,
+    what was started is torn down first, and an error that is no SandboxStartError becomes one that
+    names ``what``."""
+    try:
+        sandbox = await build()
+        await sandbox.health()
+        return sandbox
+    except BaseException as exc:
+        await asyncio.shield(teardown())
+        if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
+            raise
+        raise SandboxStartError(f"{what}: agent not ready: {exc}") from exc
 
 
 class RemoteSandbox:

@@ -35,10 +35,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
+from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
-from sandboxes.remote import RemoteSandbox, agent_files
+from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,7 @@ class SlurmSandboxProvider:
             raise SandboxStartError(
                 f"a task's build ({where}) needs sandbox.provider 'container'; give an image"
             )
-        for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
-            if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
-                raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+        check_session_names(spec)
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             # Once per process (later calls are a lookup and an fstat); on the shared root, so that a
@@ -234,9 +232,10 @@ class SlurmSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         job_id = await asyncio.to_thread(self._submit, spec, session_dir, control, owner_name)
-        try:
+
+        async def build() -> RemoteSandbox:
             ready = await self._wait_ready(job_id, control)
-            sandbox = RemoteSandbox(
+            return RemoteSandbox(
                 sandbox_id=f"slurm-{job_id}",
                 provider_name=self.name,
                 spec=spec,
@@ -248,13 +247,10 @@ class SlurmSandboxProvider:
                 marker_token=uuid.uuid4().hex,
                 extra={"job_id": job_id, "node": ready.get("node")},
             )
-            await sandbox.health()
-            return sandbox
-        except BaseException as exc:
-            await asyncio.shield(self._teardown(job_id, session_dir))
-            if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
-                raise
-            raise SandboxStartError(f"slurm job {job_id}: agent not ready: {exc}") from exc
+
+        return await ready_or_torn_down(
+            build, lambda: self._teardown(job_id, session_dir), f"slurm job {job_id}"
+        )
 
     async def _wait_ready(self, job_id: str, control: Path) -> dict[str, object]:
         ready_path = control / "ready.json"
