@@ -130,18 +130,13 @@ def attach(directory: Path | None = None) -> Lease | None:
     record = live_record(directory)
     if record is None:
         return None
+    from harnesses.install import flock_within
+
     fd = _open_lock(directory / LEASE_LOCK)
-    deadline = time.monotonic() + LEASE_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                log.warning("the warm executor (pid %d) is busy with another run", record.pid)
-                return None
-            time.sleep(0.02)
+    if not flock_within(fd, time.monotonic() + LEASE_WAIT_S, pause_s=0.02):
+        os.close(fd)
+        log.warning("the warm executor (pid %d) is busy with another run", record.pid)
+        return None
     # The daemon removes its record while it holds the lease to stop: read it again under the lease.
     if live_record(directory) != record:
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -268,6 +268,19 @@ def _installed_binary(prefix: Path, binary: Path, what: str) -> Path:
     return binary
 
 
+def flock_within(fd: int, deadline: float, pause_s: float = LOCK_POLL_S) -> bool:
+    """Take an exclusive flock on ``fd`` unless ``deadline`` (monotonic) passes first: flock itself
+    waits without a bound or not at all."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(pause_s, max(deadline - time.monotonic(), 0.0)))
+
+
 @contextlib.contextmanager
 def _locked(path: Path, deadline: float, what: str) -> Iterator[None]:
     """An exclusive flock, waited for no longer than ``deadline``.
@@ -277,14 +290,8 @@ def _locked(path: Path, deadline: float, what: str) -> Iterator[None]:
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise InstallError(f"timed out waiting for another install of {what} to finish") from None
-                time.sleep(LOCK_POLL_S)
+        if not flock_within(fd, deadline):
+            raise InstallError(f"timed out waiting for another install of {what} to finish")
         try:
             yield
         finally:
