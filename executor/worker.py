@@ -23,7 +23,7 @@ from executor.tasks import Task
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from sandboxes.base import SandboxProvider
+from sandboxes.base import HidesPaths, SandboxProvider
 from sandboxes.prepared import PreparedWorkspaces
 
 if TYPE_CHECKING:  # test machinery: loaded below only when a run asks for it
@@ -70,7 +70,7 @@ class SandboxWorker:
             await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
                 config=cfg,
-                provider=_provider(cfg, root, gateway),
+                provider=_provider(cfg, root, gateway, self.run_dir),
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
@@ -135,9 +135,11 @@ def _gateway_socket(cfg: RunConfig) -> str | None:
     return os.path.join(tempfile.gettempdir(), f"rollout-gw-{os.getpid()}-{secrets.token_hex(4)}.sock")
 
 
-def _provider(cfg: RunConfig, root: Path, gateway: Gateway) -> SandboxProvider:
+def _provider(cfg: RunConfig, root: Path, gateway: Gateway, run_dir: Path) -> SandboxProvider:
     forward = (urlsplit(gateway.url).port or 0, gateway.unix_path) if gateway.unix_path else None
     provider: SandboxProvider = cfg.sandbox.build(root, forward)
+    if isinstance(provider, HidesPaths):  # a sandbox that sees the host must not see the run's directory
+        provider.hide(run_dir)
     if cfg.sandbox.inject_start_failures:
         from sandboxes.testing.faults import FlakyStartProvider
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,6 +107,14 @@ class Sandbox(Protocol):
     async def stop(self) -> None: ...
 
     def descriptor(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class HidesPaths(Protocol):
+    """A provider whose sandboxes see the worker's host: ``hide`` keeps a path (the run's directory)
+    out of their sight."""
+
+    def hide(self, path: Path) -> None: ...
 
 
 class SandboxProvider(Protocol):

@@ -28,8 +28,6 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
-PR_CAPBSET_DROP = 24
-CAP_SYS_ADMIN = 21
 NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's processes
 
 
@@ -86,7 +84,7 @@ class PidNamespace:
         os.close(self.hold)  # the init ends with the server, not with us
         proctree.libc_call("setns", self.mount_ns, CLONE_NEWNS)
         os.close(self.mount_ns)
-        proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+        proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
 
 
 def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
@@ -99,7 +97,7 @@ def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
     proctree.libc_call("unshare", CLONE_NEWNS)
     proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
     proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-    proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+    proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
     # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
     signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
     os.write(ready_w, b"1")

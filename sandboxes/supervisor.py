@@ -113,13 +113,21 @@ class _Pump:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A loopback-only network namespace is per command: the supervisor forks an init into it, which runs the
-# gateway forwarder and the command, and writes the command's raw wait status to a pipe.
+# Namespaces per command (a loopback-only network, root's filesystem view) and the sandbox user: the
+# supervisor forks an init into them, which runs the gateway forwarder and the command, and writes the
+# command's raw wait status to a pipe.
 
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
+PR_SET_NO_NEW_PRIVS = 38
 
 
-def _start_network_init(
+def needs_init(p: dict[str, Any]) -> bool:
+    return bool(p.get("network_forward") or p.get("view") or p.get("user") or p.get("cgroup_procs"))
+
+
+def _start_init(
     p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
 ) -> tuple[_Forked, int]:
     status_r, status_w = os.pipe()
@@ -133,7 +141,7 @@ def _start_network_init(
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, target)
                 os.close(fd)
-            code = _network_init(p, env, status_w)
+            code = _init(p, env, status_w)
         except BaseException as exc:  # a forked child must never return into the supervisor
             os.write(2, f"sandbox isolation: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
         finally:
@@ -150,23 +158,39 @@ class _Forked:
         self.returncode: int | None = None
 
 
-def _network_init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
-    proctree.libc_call("unshare", CLONE_NEWNET)
-    # Run by path with -I, our directory is not on sys.path; netns.py is our sibling.
+def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
+    # Run by path with -I, our directory is not on sys.path; netns.py and fsview.py are our siblings.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import netns
+    forward, view, user = p.get("network_forward"), p.get("view"), p.get("user")
+    if p.get("cgroup_procs"):  # the sandbox's process cap (sandboxes/pidlimit.py), before /sys is read-only
+        with open(p["cgroup_procs"], "w") as procs:
+            procs.write("0")
+    flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
+    if flags:
+        proctree.libc_call("unshare", flags)
+    if view:
+        import fsview
 
-    port, socket_path = p["network_forward"]
-    netns.start_forwarder(int(port), str(socket_path))
-    import subprocess  # netns has imported it already
+        fsview.apply(view)
+    if forward:
+        import netns
 
+        netns.start_forwarder(int(forward[0]), str(forward[1]))
+    if view or user:
+        # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
+        proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
+        proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+    import subprocess
+
+    ids: dict[str, Any] = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
     try:
         command = subprocess.Popen(
             p["argv"],
             cwd=p["cwd"],
             env=env,
             close_fds=True,
-            preexec_fn=_address_space_limit(p.get("memory_limit_bytes")),
+            preexec_fn=_command_limits(p),
+            **ids,
         )
     except OSError as exc:
         os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
@@ -256,20 +280,29 @@ def _popen_limited(
         stderr=err_w,
         close_fds=True,
         process_group=0,
-        preexec_fn=_address_space_limit(p["memory_limit_bytes"]),
+        preexec_fn=_command_limits(p),
     )
 
 
-def _address_space_limit(memory: int | None) -> Callable[[], None] | None:
-    """The hook that sets a command's RLIMIT_AS between fork and exec; None without a limit."""
-    if not memory:
+def _command_limits(p: dict[str, Any]) -> Callable[[], None] | None:
+    """The hook that sets a command's RLIMIT_AS (``memory_limit_bytes``) and RLIMIT_FSIZE
+    (``file_size_limit_bytes``) between fork and exec; None without either."""
+    limits = [
+        (limit_kind, int(value))
+        for limit_kind, value in (
+            (resource.RLIMIT_AS, p.get("memory_limit_bytes")),
+            (resource.RLIMIT_FSIZE, p.get("file_size_limit_bytes")),
+        )
+        if value
+    ]
+    if not limits:
         return None
-    limit = int(memory)
 
-    def set_limit() -> None:  # runs in the forked child; we are single-threaded, so this is safe
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    def set_limits() -> None:  # runs in the forked child; we are single-threaded, so this is safe
+        for kind, value in limits:
+            resource.setrlimit(kind, (value, value))
 
-    return set_limit
+    return set_limits
 
 
 def _reported_status(status_pipe: int, init_status: int) -> int:
@@ -365,9 +398,9 @@ class Supervisor:
         stdin_path = p.get("stdin_path") or os.devnull
         stdin_fd = os.open(stdin_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if p.get("network_forward"):
-                self.child, self.status_pipe = _start_network_init(p, self.env, stdin_fd, out_w, err_w)
-            elif p.get("memory_limit_bytes"):
+            if needs_init(p):
+                self.child, self.status_pipe = _start_init(p, self.env, stdin_fd, out_w, err_w)
+            elif p.get("memory_limit_bytes") or p.get("file_size_limit_bytes"):
                 self.child = _popen_limited(p, self.env, stdin_fd, out_w, err_w)
             else:
                 self.child = _Forked(_spawn(p["argv"], p["cwd"], self.env, stdin_fd, out_w, err_w))
