@@ -435,6 +435,9 @@ def bench(
         Path | None,
         typer.Option("--markdown", help="Also write the figures as tables into this page's 'bench' part."),
     ] = None,
+    isolation: Annotated[
+        str | None, typer.Option(help="(a) sandbox.isolation of the executor's side: auto, strict or off.")
+    ] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
     import json
@@ -453,6 +456,8 @@ def bench(
         _fail_input(f"--parts {parts!r}: use letters from 'abcde'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
+    if isolation not in (None, "auto", "strict", "off"):
+        _fail_input(f"--isolation {isolation!r}: use auto, strict or off")
     figures = run_all(
         parts,
         runs,
@@ -464,6 +469,7 @@ def bench(
         cold_runs=cold_runs,
         cold_rollouts=cold_rollouts,
         cold_concurrency=cold_concurrency,
+        isolation=isolation,
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

@@ -45,9 +45,10 @@ def _median_p90(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-def _write_config(scratch: Path, name: str, tasks: Path, extra: str) -> Path:
+def _write_config(scratch: Path, name: str, tasks: Path, extra: str, isolation: str | None = None) -> Path:
     path = scratch / f"{name}.yaml"
-    path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{root: {scratch / 'sb'}}}\n{extra}")
+    sandbox = f"root: {scratch / 'sb'}" + (f", isolation: {isolation}" if isolation else "")
+    path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{{sandbox}}}\n{extra}")
     return path
 
 
@@ -137,7 +138,7 @@ def _direct_runs(
             raise RuntimeError(f"direct codex run failed: {proc.stderr[-2000:]!r}")
 
 
-def overhead(runs: int, scratch: Path) -> dict[str, Any]:
+def overhead(runs: int, scratch: Path, isolation: str | None = None) -> dict[str, Any]:
     """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
     speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides."""
     import ray
@@ -162,7 +163,7 @@ def overhead(runs: int, scratch: Path) -> dict[str, Any]:
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
     tasks = _write_tasks(scratch / "a.jsonl", runs, model_script=SCRIPT, verify=VERIFY)
     cfg = load_config(
-        _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
+        _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n", isolation)
     )
     direct: list[float] = []
     direct_codex: list[float] = []
@@ -528,6 +529,7 @@ def run_all(
     cold_runs: int = 5,
     cold_rollouts: int = 10,
     cold_concurrency: int = 1,
+    isolation: str | None = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -539,7 +541,7 @@ def run_all(
                 f"resume scan of {d['rows']:,} rows {d['resume_scan_s']:.2f} s"
             )
         if "a" in parts:
-            out["a"] = a = overhead(runs, scratch)
+            out["a"] = a = overhead(runs, scratch, isolation)
             echo(
                 f"(a) overhead, {runs} sequential Codex rollouts: "
                 f"direct median {a['direct_median_s']:.3f} s (codex exec alone "
