@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from sandboxes import identity, isolation, owner, pidlimit, proctree
 from sandboxes import supervisor as sup
@@ -105,6 +105,11 @@ class LocalSandboxConfig(ProviderConfig):
     max_processes: int | None = Field(default=None, gt=0)
     max_file_mb: int | None = Field(default=None, gt=0)
     _layers: Choice | None = PrivateAttr(default=None)
+
+    @field_validator("isolation", mode="before")
+    @classmethod
+    def _off_in_yaml(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _can_isolate(self) -> LocalSandboxConfig:

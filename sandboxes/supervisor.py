@@ -121,6 +121,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
+MAX_FD = 1 << 16  # what a command's init may hold open; the command gets only stdio
 
 
 def needs_init(p: dict[str, Any]) -> bool:
@@ -172,30 +173,18 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         import fsview
 
         fsview.apply(view)
+    listener = None
     if forward:
         import netns
 
-        netns.start_forwarder(int(forward[0]), str(forward[1]))
+        listener = netns.listen(int(forward[0]))
     if view or user:
         # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
-    import subprocess
-
-    ids: dict[str, Any] = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
-    try:
-        command = subprocess.Popen(
-            p["argv"],
-            cwd=p["cwd"],
-            env=env,
-            close_fds=True,
-            preexec_fn=_command_limits(p),
-            **ids,
-        )
-    except OSError as exc:
-        os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
-        os.write(status_fd, str((127 if isinstance(exc, FileNotFoundError) else 126) << 8).encode())
-        return 0
+    command = _fork_exec(p, env, user)
+    if listener is not None:  # threads only once the command is forked: a fork copies none of them
+        netns.serve(listener, str(forward[1]))
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     reaped = False
@@ -203,7 +192,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     def pass_on(signum: int, _frame: object) -> None:
         if not reaped:  # once reaped, its pid may name another process
             try:
-                os.kill(command.pid, signum)
+                os.kill(command, signum)
             except ProcessLookupError:
                 pass
 
@@ -211,10 +200,39 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         signal.signal(sig, pass_on)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    _pid, status = os.waitpid(command.pid, 0)
+    _pid, status = os.waitpid(command, 0)
     reaped = True
     os.write(status_fd, str(status).encode())
     return 0
+
+
+def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | None) -> int:
+    """Start the command as Popen would (its limits, the sandbox user, default signals, only stdio), by
+    fork and exec: the init never imports `subprocess`, ~10 ms a command. A failed start exits 127 (not
+    found) or 126, saying why on stderr, as a shell would."""
+    limits = _command_limits(p)
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 126
+    try:
+        for sig in (*_RESTORED_SIGNALS, *STOP_SIGNALS, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.chdir(p["cwd"])
+        if limits is not None:
+            limits()
+        if user:
+            os.setgroups([])
+            os.setresgid(user[1], user[1], user[1])
+            os.setresuid(user[0], user[0], user[0])
+        os.closerange(3, MAX_FD)
+        os.execvpe(p["argv"][0], p["argv"], os.environ if env is None else env)
+    except OSError as exc:
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
+    finally:
+        os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 import pytest
+import yaml
 
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
@@ -301,3 +302,31 @@ def test_a_host_without_the_command_is_told_which(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     why = isolation._probe([isolation.BWRAP, "true"], "sandbox.filesystem 'readonly'")
     assert why == "sandbox.filesystem 'readonly' needs the bwrap command"
+
+
+def test_strict_refuses_in_one_line_what_the_host_cannot_make(monkeypatch):
+    monkeypatch.setattr(isolation, "network_unavailable", lambda: "no unshare --net here")
+    with pytest.raises(pydantic.ValidationError) as caught:
+        LocalSandboxConfig(isolation="strict")
+    message = caught.value.errors()[0]["msg"]
+    assert "sandbox.isolation 'strict'" in message and "no unshare --net here" in message
+    assert "\n" not in message
+    with pytest.raises(pydantic.ValidationError):  # a layer switched off contradicts strict
+        LocalSandboxConfig(isolation="strict", filesystem="host")
+
+
+def test_auto_says_once_in_one_line_which_layers_it_runs_without(monkeypatch, caplog):
+    monkeypatch.setattr(isolation, "network_unavailable", lambda: "no unshare --net here")
+    isolation._warn_missing.cache_clear()
+    for _ in range(3):
+        config = LocalSandboxConfig()
+        assert not config.layers.network and not config.needs_gateway_socket
+    lines = [r.getMessage() for r in caplog.records if "sandbox.isolation 'auto'" in r.getMessage()]
+    assert len(lines) == 1 and "network (no unshare --net here)" in lines[0] and "\n" not in lines[0]
+    isolation._warn_missing.cache_clear()
+
+
+def test_off_is_the_hosts_network_filesystem_and_user():
+    layers = LocalSandboxConfig(isolation="off").layers
+    assert (layers.network, layers.filesystem, layers.user) == (False, "host", False)
+    assert LocalSandboxConfig.model_validate(yaml.safe_load("isolation: off")).isolation == "off"
