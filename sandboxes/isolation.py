@@ -267,14 +267,21 @@ def server_pid_namespace(layers: Isolation) -> bool:
     return layers.pids and layers.filesystem != "bwrap"
 
 
+def server_network(layers: Isolation) -> tuple[int, str] | None:
+    """The forward of the network namespace a sandbox's supervisor server makes once, with its PID
+    namespace, for all its commands; None where each command makes its own (or has none)."""
+    return layers.network_forward if server_pid_namespace(layers) else None
+
+
 def supervisor_params(layers: Isolation, steps: list[list[str]] | None) -> dict[str, Any]:
     """The supervisor's isolation parameters: ``network_forward`` (each command in a loopback-only
     network namespace of its own, where 127.0.0.1:port reaches the gateway's socket), ``view`` and
     ``user``; none of them when bwrap makes the namespaces."""
+    per_command = layers.network_forward if server_network(layers) is None else None
     if layers.filesystem == "bwrap":
         return {"network_forward": None}
     return {
-        "network_forward": list(layers.network_forward) if layers.network_forward else None,
+        "network_forward": list(per_command) if per_command else None,
         "view": steps if layers.filesystem == "mounts" else None,
         "user": list(layers.user) if layers.user else None,
     }

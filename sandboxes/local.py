@@ -366,6 +366,7 @@ class LocalSandboxProvider:
             marker_token=token,
             log_path=self._server_log,
             pid_namespace=isolation.server_pid_namespace(self.isolation),
+            network_forward=isolation.server_network(self.isolation),
         )
 
     async def aclose(self) -> None:
