@@ -8,8 +8,10 @@ outside, so the pids it reports are the host's, and an isolated command costs wh
     server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
             └ supervisor ── command       (one per command, each inside the namespace)
 
-A command's loopback-only network namespace is the supervisor's own business (supervisor.py); the layers
-bubblewrap adds, and which layers a sandbox gets, are in isolation.py. Standard library only: the server
+With a network forward, the init also unshares the sandbox's loopback-only network namespace and runs the
+gateway forwarder in it (netns.py), and each supervisor joins that namespace too. The filesystem view
+and the sandbox user are per command (supervisor.py); the layers bubblewrap adds, and which layers a
+sandbox gets, are in isolation.py. Standard library only: the server
 imports this module.
 """
 

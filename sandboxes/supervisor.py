@@ -211,6 +211,9 @@ def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | 
     fork and exec: the init never imports `subprocess`, ~10 ms a command. A failed start exits 127 (not
     found) or 126, saying why on stderr, as a shell would."""
     limits = _command_limits(p)
+    argv, command_env = p["argv"], os.environ if env is None else env
+    # Resolved here: past the switch to the sandbox user nothing may need a file of ours (an import, say).
+    candidates = [argv[0]] if os.sep in argv[0] else [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
     pid = os.fork()
     if pid:
         return pid
@@ -227,10 +230,19 @@ def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | 
             os.setresgid(user[1], user[1], user[1])
             os.setresuid(user[0], user[0], user[0])
         os.closerange(3, MAX_FD)
-        os.execvpe(p["argv"][0], p["argv"], os.environ if env is None else env)
-    except OSError as exc:
+        failed: OSError | None = None
+        for path in candidates:  # as execvpe: a later directory may still hold a runnable one
+            try:
+                os.execve(path, argv, command_env)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                failed = failed or exc
+        raise failed or FileNotFoundError(2, "No such file or directory", argv[0])
+    except BaseException as exc:
         code = 127 if isinstance(exc, FileNotFoundError) else 126
-        os.write(2, f"cannot run {p['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace"))
+        why = getattr(exc, "strerror", None) or exc
+        os.write(2, f"cannot run {argv[0]!r}: {why}\n".encode(errors="replace"))
     finally:
         os._exit(code)
 
