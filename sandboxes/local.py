@@ -248,6 +248,8 @@ class LocalSandboxProvider:
         self.path_prefixes = tuple(path_prefixes)
         self.supervisor_slack_s = supervisor_slack_s
         self.max_processes = max_processes  # where the host has a pids cgroup for it (pidlimit.py)
+        if max_processes:
+            pidlimit.sweep()  # what sandboxes of dead owners left
         self.max_file_bytes = max_file_mb * 1024 * 1024 if max_file_mb else None
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
@@ -670,6 +672,7 @@ class LocalSandbox:
             "log_path": str(files.log),
             **isolation.supervisor_params(self._isolation, self._view),
             "cgroup_procs": self.pids_cgroup,
+            "pids_max": self._provider.max_processes,
             "file_size_limit_bytes": self._provider.max_file_bytes,
         }
         before_files = None

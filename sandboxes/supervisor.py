@@ -164,8 +164,9 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     forward, view, user = p.get("network_forward"), p.get("view"), p.get("user")
     if p.get("cgroup_procs"):  # the sandbox's process cap (sandboxes/pidlimit.py), before /sys is read-only
-        with open(p["cgroup_procs"], "w") as procs:
-            procs.write("0")
+        import pidlimit
+
+        pidlimit.join(p["cgroup_procs"], int(p["pids_max"]))
     flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
     if flags:
         proctree.libc_call("unshare", flags)

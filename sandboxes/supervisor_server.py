@@ -171,6 +171,7 @@ def main(argv: list[str]) -> int:
     # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
     import fsview  # noqa: F401
     import netns  # noqa: F401
+    import pidlimit  # noqa: F401
 
     usage = "usage: supervisor_server.py --serve PARENT_PID [--pid-namespace [--network PORT SOCKET]]"
     options = argv[3:]
