@@ -490,6 +490,9 @@ def bench(
     container_config: Annotated[
         Path | None, typer.Option(help="(a) --provider container: a YAML sandbox section.")
     ] = None,
+    isolation: Annotated[
+        str | None, typer.Option(help="(a) sandbox.isolation of the executor's side: auto, strict or off.")
+    ] = None,
 ) -> None:
     """Measure what the executor itself costs, side by side with doing without it."""
     import json
@@ -514,6 +517,8 @@ def bench(
         _fail_input(f"--parts {parts!r}: use letters from 'abcdef'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
+    if isolation not in (None, "auto", "strict", "off"):
+        _fail_input(f"--isolation {isolation!r}: use auto, strict or off")
     figures = run_all(
         parts,
         runs,
@@ -527,6 +532,7 @@ def bench(
         cold_concurrency=cold_concurrency,
         container=container,
         scale=(scale_sessions, scale_workers, scale_sleep),
+        isolation=isolation,
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

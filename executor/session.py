@@ -198,6 +198,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         harness_version=ctx.harness.version,
         version_tested=ctx.harness.version == ctx.harness.tested_version,
         sandbox_provider=ctx.provider.name,
+        sandbox_isolation=getattr(ctx.provider, "isolation_label", None),
         node_id=ctx.node_id,
         worker_id=ctx.worker_id,
         evidence_dir=str(ctx.evidence_store / launch_id if ctx.evidence_store else evidence_dir),

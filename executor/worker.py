@@ -25,12 +25,12 @@ from executor.config import RunConfig
 from executor.reaper import reap_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
-from executor.storage import locate
+from executor.storage import Location, locate
 from executor.tasks import Task
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from sandboxes.base import SandboxProvider
+from sandboxes.base import HidesPaths, SandboxProvider
 from sandboxes.prepared import PreparedWorkspaces
 
 if TYPE_CHECKING:  # test machinery: loaded below only when a run asks for it
@@ -101,7 +101,7 @@ class SandboxWorker:
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
             await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
-                provider=_provider(cfg, root, gateway),
+                provider=_provider(cfg, root, gateway, self.run_dir),
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
@@ -155,6 +155,7 @@ class SandboxWorker:
                 return
             cfg = self.cfg
             if built_once(cfg) == built_once(old_cfg):
+                _hide_run(old.provider, self.run_dir)
                 self._ctx = dataclasses.replace(old, **self._run_parts())
                 closers = _run_closers(old)
             else:
@@ -253,9 +254,18 @@ def _gateway_socket(cfg: RunConfig) -> str | None:
     return os.path.join(tempfile.gettempdir(), f"rollout-gw-{os.getpid()}-{secrets.token_hex(4)}.sock")
 
 
-def _provider(cfg: RunConfig, root: Path, gateway: Gateway) -> SandboxProvider:
+def _hide_run(provider: SandboxProvider, run_dir: Location) -> None:
+    """A sandbox that sees the worker's host must not see the run's directory (nor, for a warm worker,
+    any run's it served): a run on an object store has none here, its evidence scratch is under the
+    hidden /tmp."""
+    if isinstance(provider, HidesPaths) and run_dir.local is not None:
+        provider.hide(run_dir.local)
+
+
+def _provider(cfg: RunConfig, root: Path, gateway: Gateway, run_dir: Location) -> SandboxProvider:
     forward = (urlsplit(gateway.url).port or 0, gateway.unix_path) if gateway.unix_path else None
     provider: SandboxProvider = cfg.sandbox.build(root, forward)
+    _hide_run(provider, run_dir)
     if cfg.sandbox.inject_start_failures:
         from sandboxes.testing.faults import FlakyStartProvider
 

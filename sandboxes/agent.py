@@ -8,7 +8,7 @@ supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
 
     python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
                      [--ttl-s N] [--rendezvous FILE] [--max-connections N]
-                     [--idle-timeout-s S] [--header-timeout-s S]
+                     [--idle-timeout-s S] [--header-timeout-s S] [--run-as USER]
 
 With no token it refuses to start. Once listening it writes ``--rendezvous`` (JSON: host, port, pid,
 paths) atomically, which is how a starter on another machine learns it is ready and where. Endpoints
@@ -70,6 +70,9 @@ STOP_GRACE_S = 1.0
 # Members are vetted above; where tarfile has extraction filters, say so rather than get a warning.
 _TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
 SUBDIRS = ("work", "home", "tmp", "logs", "run")
+# What a command user (--run-as) owns: its workspace, home and tmp, and the baseline's git directory
+# beside the workspace (sandboxes/workspace.py), made here since the user cannot write the root.
+USER_DIRS = ("work", "home", "tmp", "baseline.git")
 DEFAULT_MAX_CONNECTIONS = 64
 # Above httpx's 5 s keep-alive expiry, so the worker drops an idle connection before we cut it.
 DEFAULT_IDLE_TIMEOUT_S = 60.0
@@ -99,7 +102,10 @@ class Agent:
         max_upload_bytes: int = DEFAULT_MAX_UPLOAD,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP,
         confined: bool = True,
+        run_as: tuple | None = None,
     ) -> None:
+        """``run_as`` (uid, gid): every command runs as that unprivileged user, which owns the workspace,
+        home and tmp (and the baseline's git directory) and nothing else; the agent needs root for it."""
         if not token:
             raise ValueError("the agent needs a token")
         self.root = os.path.realpath(root)
@@ -116,6 +122,26 @@ class Agent:
         self.started_at = time.time()
         for sub in SUBDIRS:
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+        self.run_as = run_as
+        if run_as is not None:
+            # The root stays ours (the commands' results and logs, the token's neighbours): the user may
+            # pass through it to what is its own, never list or write it.
+            os.chmod(self.root, 0o711)
+            for sub in USER_DIRS:
+                path = os.path.join(self.root, sub)
+                os.makedirs(path, mode=0o700, exist_ok=True)
+                self.give(path)
+
+    def give(self, path: str) -> None:
+        """Make ``path`` (and what is under it) the command user's, links themselves and not their targets."""
+        if self.run_as is None:
+            return
+        uid, gid = self.run_as
+        os.lchown(path, uid, gid)
+        if os.path.isdir(path) and not os.path.islink(path):
+            for top, dirs, files in os.walk(path):
+                for name in dirs + files:
+                    os.lchown(os.path.join(top, name), uid, gid)
 
     # -- auth and paths ---------------------------------------------------------------------------------
 
@@ -138,12 +164,21 @@ class Agent:
 
     def upload(self, path: str, mode: int, data: bytes) -> None:
         real = self.inside(path)
+        parent = os.path.dirname(real)
+        made = []  # type: list[str]
+        while not os.path.exists(parent):
+            made.append(parent)
+            parent = os.path.dirname(parent)
         os.makedirs(os.path.dirname(real), exist_ok=True)
         self.inside(os.path.dirname(real))  # the directories just made must still be ours
         fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             os.fchmod(f.fileno(), mode)
+            if self.run_as is not None:
+                os.fchown(f.fileno(), *self.run_as)
+        for directory in made:
+            self.give(directory)
 
     def download(self, path: str, limit: int) -> bytes:
         real = self.inside(path)
@@ -179,6 +214,7 @@ class Agent:
                 # Checked again at extraction time: an earlier member may have become a symlink parent.
                 self.inside(os.path.dirname(os.path.join(base, m.name)))
                 tar.extract(m, base, set_attrs=not m.issym(), **_TRUSTED)
+        self.give(base)
         return len(members)
 
     # -- exec -------------------------------------------------------------------------------------------
@@ -228,6 +264,7 @@ class Agent:
             kill_grace_s=STOP_GRACE_S,
             nofile_limit=65_536,
             memory_limit_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
+            user=list(self.run_as) if self.run_as else None,
         )
         params_path = os.path.join(run, stem + ".params.json")
         with open(params_path, "w", encoding="utf-8") as f:
@@ -671,6 +708,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S)
     parser.add_argument("--unix-socket", help="listen on this Unix socket instead of --host/--port")
     parser.add_argument("--unconfined", action="store_true", help="requests may name paths outside --root")
+    parser.add_argument("--run-as", help="run every command as this unprivileged user (needs root)")
     args = parser.parse_args(argv)
     try:
         token = _read_token(args)
@@ -680,6 +718,22 @@ def main(argv: list | None = None) -> int:
     if not token:
         print("agent: no token (--token-file or --token-env): refusing to start", file=sys.stderr)
         return 2
+    run_as = None
+    if args.run_as:
+        import pwd
+
+        try:
+            entry = pwd.getpwnam(args.run_as)
+        except KeyError:
+            print(f"agent: --run-as {args.run_as!r}: no such user", file=sys.stderr)
+            return 2
+        if os.geteuid() != 0 or entry.pw_uid == 0:
+            print(
+                f"agent: --run-as {args.run_as!r} needs the agent as root and a user other than root",
+                file=sys.stderr,
+            )
+            return 2
+        run_as = (entry.pw_uid, entry.pw_gid)
     agent = Agent(
         args.root,
         token,
@@ -687,6 +741,7 @@ def main(argv: list | None = None) -> int:
         max_upload_bytes=args.max_upload_bytes,
         output_cap_bytes=args.output_cap_bytes,
         confined=not args.unconfined,
+        run_as=run_as,
     )
     limits = dict(
         max_connections=args.max_connections,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,11 +49,16 @@ class SandboxSpec(BaseModel):
     cpus: float | None = None
 
 
+def check_directory_name(label: str, value: str) -> None:
+    """``value`` names one directory of the sandbox root, and nothing else."""
+    if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
+        raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+
+
 def check_session_names(spec: SandboxSpec) -> None:
-    """A spec's run and session ids each name one directory of the sandbox root, and nothing else."""
-    for label, value in (("run_id", spec.run_id), ("session_id", spec.session_id)):
-        if not value or value in (".", "..") or "/" in value or "\0" in value or len(value) > 200:
-            raise SandboxStartError(f"{label} {value!r} cannot name a directory")
+    """A spec's run and session ids each name one directory of the sandbox root."""
+    check_directory_name("run_id", spec.run_id)
+    check_directory_name("session_id", spec.session_id)
 
 
 class ExecResult(BaseModel):
@@ -118,6 +124,14 @@ class Sandbox(Protocol):
     async def stop(self) -> None: ...
 
     def descriptor(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class HidesPaths(Protocol):
+    """A provider whose sandboxes see the worker's host: ``hide`` keeps a path (the run's directory)
+    out of their sight."""
+
+    def hide(self, path: Path) -> None: ...
 
 
 class SandboxProvider(Protocol):

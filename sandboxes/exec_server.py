@@ -76,11 +76,20 @@ class ExecServer:
 
     @classmethod
     async def start(
-        cls, *, cwd: str, env: dict[str, str], marker_token: str, log_path: Path, pid_namespace: bool = False
+        cls,
+        *,
+        cwd: str,
+        env: dict[str, str],
+        marker_token: str,
+        log_path: Path,
+        pid_namespace: bool = False,
+        network_forward: tuple[int, str] | None = None,
     ) -> ExecServer:
         """``env`` must carry the marker: /proc/PID/environ of the server and of every supervisor it
         forks shows it, which is how the sandbox finds its processes. ``pid_namespace``: every command
-        runs in one PID namespace, made by the server at its start (see namespaces.py)."""
+        runs in one PID namespace, made by the server at its start (see namespaces.py); with
+        ``network_forward`` (port, gateway socket), in one loopback-only network namespace too."""
+        network = ["--network", str(network_forward[0]), network_forward[1]] if network_forward else []
         # -I keeps PYTHON* variables of the sandbox's environment from steering the interpreter; -S skips
         # site start-up, which a standard-library-only script does not need.
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +101,7 @@ class ExecServer:
                 SERVER_PATH,
                 "--serve",
                 str(os.getpid()),
-                *(["--pid-namespace"] if pid_namespace else []),
+                *(["--pid-namespace", *network] if pid_namespace else []),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=server_log,

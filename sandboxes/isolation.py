@@ -1,9 +1,10 @@
 """The isolation layers of a local sandbox's commands: network, PID and filesystem namespaces.
 
-PID and network namespaces are made by the supervisor's server and the supervisor themselves: a sandbox's
-PID namespace once, by its server (sandboxes/namespaces.py), and a command's network namespace by a fork
-and a few system calls (sandboxes/supervisor.py). A read-only host filesystem needs bubblewrap, and
-``wrap`` turns the command's argv into this chain::
+As root, every layer is made by the supervisor's server and the supervisor themselves: a sandbox's PID
+namespace and its network namespace once, by its server (sandboxes/namespaces.py), and each command's
+filesystem view (sandboxes/fsview.py), process cap and user by the init its supervisor forks
+(sandboxes/supervisor.py). Without root, the view needs bubblewrap, and ``wrap`` turns the command's
+argv into this chain::
 
     supervisor
      └ isolation.py outer    host PID namespace: dies of the command's signal, or exits with its code
@@ -40,10 +41,14 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Outside the namespaces
 
 
-def _bwrap_args(session_dir: str, *, network: bool) -> list[str]:
-    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    if session_dir != "/":
-        args += ["--bind", session_dir, session_dir]
+def _bwrap_args(view: list[list[str]], *, network: bool) -> list[str]:
+    if __package__:
+        from sandboxes import fsview
+    else:  # run by path with -I: fsview.py is our sibling
+        sys.path.insert(0, os.path.dirname(ISOLATION_PATH))
+        import fsview
+
+    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *fsview.bwrap_args(view)]
     args += ["--unshare-pid", "--die-with-parent"]
     if network:
         args.append("--unshare-net")
@@ -61,7 +66,7 @@ def _die_like(code: int) -> int:
     return code
 
 
-def outer(session_dir: str, forward: list[str], argv: list[str]) -> int:
+def outer(view: list[list[str]], forward: list[str], argv: list[str]) -> int:
     status_r, status_w = os.pipe()
     os.set_inheritable(status_w, True)
     inner_argv = [sys.executable, "-I", "-S", ISOLATION_PATH, "inner", str(status_w)]
@@ -72,7 +77,7 @@ def outer(session_dir: str, forward: list[str], argv: list[str]) -> int:
     # which the command would inherit.
     for sig in _SIGNALS:
         signal.signal(sig, lambda _signum, _frame: None)
-    namespace_argv = [BWRAP, *_bwrap_args(session_dir, network=bool(forward))]
+    namespace_argv = [BWRAP, *_bwrap_args(view, network=bool(forward))]
     try:
         child = os.posix_spawnp(namespace_argv[0], [*namespace_argv, *inner_argv, "--", *argv], os.environ)
     except OSError as exc:
@@ -146,7 +151,7 @@ def inner(status_fd: int, forward: list[str], argv: list[str]) -> int:
 
 def _split(args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """Options (``--name VALUE...``) up to ``--``, and the command after it."""
-    arity = {"--readonly": 1, "--forward": 2}
+    arity = {"--view": 1, "--forward": 2}
     options: dict[str, list[str]] = {}
     i = 0
     while i < len(args) and args[i] != "--":
@@ -164,7 +169,9 @@ def main(args: list[str]) -> int:
         options, argv = _split(args[2:])
         return inner(int(args[1]), options.get("--forward", []), argv)
     options, argv = _split(args[1:])
-    return outer(options["--readonly"][0], options.get("--forward", []), argv)
+    import json
+
+    return outer(json.loads(options["--view"][0]), options.get("--forward", []), argv)
 
 
 if __name__ == "__main__":
@@ -178,10 +185,21 @@ import functools  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Any, Literal, NamedTuple  # noqa: E402
+
+from sandboxes import fsview, identity, netns  # noqa: E402
 
 PidsMode = Literal["auto", "host", "isolated"]
 FilesystemMode = Literal["host", "readonly"]
+NetworkMode = Literal["host", "isolated"]
+# auto: every layer this host allows, and one line saying which it does not; strict: every layer or no
+# run; off: the host's network and filesystem, the worker's user (a PID namespace where the host allows).
+IsolationMode = Literal["auto", "strict", "off"]
+Filesystem = Literal["host", "mounts", "bwrap"]  # how the filesystem view is made, if at all
+
+LOG = logging.getLogger(__name__)
 
 
 class IsolationUnavailable(Exception):
@@ -192,18 +210,52 @@ class Isolation(NamedTuple):
     """Which layers wrap each command of a sandbox."""
 
     pids: bool = False  # a PID namespace of its own, with a fresh /proc
-    readonly: bool = False  # bwrap: the host read-only, only the session directory writable
+    filesystem: Filesystem = "host"  # the view of sandboxes/fsview.py: by root's mounts, or by bwrap
     network_forward: tuple[int, str] | None = None  # (port, unix socket): see sandboxes/netns.py
+    user: identity.Identity | None = None  # the unprivileged user commands run as (root's mounts only)
+
+    @property
+    def label(self) -> str:
+        """The layers, as a row records them: e.g. ``network,pids,filesystem,user``; ``none``."""
+        on = {
+            "network": self.network_forward is not None,
+            "pids": self.pids,
+            "filesystem": self.filesystem != "host",
+            "user": self.user is not None,
+        }
+        return ",".join(name for name, present in on.items() if present) or "none"
 
 
-def wrap(argv: list[str], layers: Isolation, session_dir: str) -> list[str]:
-    """``argv`` inside ``layers``; ``session_dir`` is what stays writable when the host is read-only.
+def view(layers: Isolation, session_dirs: Sequence[str], hidden: Sequence[str]) -> list[list[str]] | None:
+    """The filesystem view of a sandbox whose writable directories are ``session_dirs``; ``hidden`` adds
+    to what every view hides (the sandbox root, the run directory). None without a view."""
+    if layers.filesystem == "host":
+        return None
+    homes = ["/root", "/home", "/run", "/var/tmp", "/mnt", "/media", "/srv"]
+    # The interpreter the worker runs (a harness venv's python links to it) and the harness cache, whose
+    # sandboxes directory is hidden again by ``hidden``.
+    readonly = [sys.base_prefix, str(_cache_root())]
+    if layers.network_forward is not None:
+        readonly.append(layers.network_forward[1])
+    return fsview.plan([*homes, *hidden], ["/tmp", "/dev/shm"], readonly, list(session_dirs))
 
-    Only a read-only host needs a wrapper (bwrap); PID and network namespaces alone are made by the
+
+def _cache_root() -> Any:
+    from harnesses.install import default_cache_root
+
+    return default_cache_root()
+
+
+def wrap(argv: list[str], layers: Isolation, steps: list[list[str]] | None) -> list[str]:
+    """``argv`` inside ``layers``; ``steps`` is the sandbox's ``view``.
+
+    Only bwrap needs a wrapper; PID and network namespaces, root's view and the user are made by the
     supervisor's server and the supervisor, which costs a fork instead of the wrappers' interpreters."""
-    if not layers.readonly:
+    if layers.filesystem != "bwrap":
         return argv
-    outer = [sys.executable, "-I", "-S", ISOLATION_PATH, "outer", "--readonly", session_dir]
+    import json
+
+    outer = [sys.executable, "-I", "-S", ISOLATION_PATH, "outer", "--view", json.dumps(steps or [])]
     if layers.network_forward is not None:
         port, socket_path = layers.network_forward
         outer += ["--forward", str(port), socket_path]
@@ -211,18 +263,29 @@ def wrap(argv: list[str], layers: Isolation, session_dir: str) -> list[str]:
 
 
 def server_pid_namespace(layers: Isolation) -> bool:
-    """Whether a sandbox's supervisor server makes the PID namespace all its commands run in (with a
-    read-only host, bwrap makes one per command instead)."""
-    return layers.pids and not layers.readonly
+    """Whether a sandbox's supervisor server makes the PID namespace all its commands run in (under bwrap,
+    bwrap makes one per command instead)."""
+    return layers.pids and layers.filesystem != "bwrap"
 
 
-def network_forward(layers: Isolation) -> list[Any] | None:
-    """The supervisor's ``network_forward`` parameter: each command in a loopback-only network namespace
-    of its own, where 127.0.0.1:port reaches the gateway's socket (None: the host's network, or bwrap
-    makes the namespace)."""
-    if layers.readonly or layers.network_forward is None:
-        return None
-    return list(layers.network_forward)
+def server_network(layers: Isolation) -> tuple[int, str] | None:
+    """The forward of the network namespace a sandbox's supervisor server makes once, with its PID
+    namespace, for all its commands; None where each command makes its own (or has none)."""
+    return layers.network_forward if server_pid_namespace(layers) else None
+
+
+def supervisor_params(layers: Isolation, steps: list[list[str]] | None) -> dict[str, Any]:
+    """The supervisor's isolation parameters: ``network_forward`` (each command in a loopback-only
+    network namespace of its own, where 127.0.0.1:port reaches the gateway's socket), ``view`` and
+    ``user``; none of them when bwrap makes the namespaces."""
+    per_command = layers.network_forward if server_network(layers) is None else None
+    if layers.filesystem == "bwrap":
+        return {"network_forward": None}
+    return {
+        "network_forward": list(per_command) if per_command else None,
+        "view": steps if layers.filesystem == "mounts" else None,
+        "user": list(layers.user) if layers.user else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -252,16 +315,40 @@ def pid_namespace_unavailable() -> str | None:
 @functools.cache
 def readonly_unavailable() -> str | None:
     """Why this host cannot run a command under bwrap with the host read-only, or None when it can."""
-    return _probe([BWRAP, *_bwrap_args("/", network=False), "true"], "sandbox.filesystem 'readonly'")
+    return _probe([BWRAP, *_bwrap_args([], network=False), "true"], "sandbox.filesystem 'readonly'")
+
+
+@functools.cache
+def mounts_unavailable() -> str | None:
+    """Why root's own view (a mount namespace and the new mount API) cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "not root"
+    probe = [sys.executable, "-I", "-S", fsview.__file__, "probe"]
+    return _probe(probe, "sandbox.filesystem 'readonly'")
+
+
+def network_unavailable() -> str | None:
+    try:
+        netns.check_available()
+    except netns.IsolationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def filesystem_unavailable() -> str | None:
+    """Why no view can be made here (neither root's mounts nor bwrap), or None."""
+    if mounts_unavailable() is None:
+        return None
+    return readonly_unavailable()
 
 
 def resolve_pids(mode: PidsMode, filesystem: FilesystemMode = "host") -> bool:
     """Whether commands get a PID namespace (always, with a read-only host). Raises IsolationUnavailable
     when a setting cannot be met."""
     if filesystem == "readonly":
-        if (why := readonly_unavailable()) is not None:
+        if (why := filesystem_unavailable()) is not None:
             raise IsolationUnavailable(why)
-        return True  # bwrap --proc needs --unshare-pid, whatever ``mode`` says
+        return True  # bwrap --proc needs --unshare-pid, and root's view keeps the host's /proc out
     if mode == "host":
         return False
     why = pid_namespace_unavailable()
@@ -275,6 +362,71 @@ def resolve_pids(mode: PidsMode, filesystem: FilesystemMode = "host") -> bool:
 
 @functools.cache
 def _warn_host_pids(why: str) -> None:
-    logging.getLogger(__name__).warning(
-        "sandbox.pids 'auto': sandboxed commands share the host's PID namespace (%s)", why
-    )
+    LOG.warning("sandbox.pids 'auto': sandboxed commands share the host's PID namespace (%s)", why)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a sandbox section asks for, resolved against this host: the layers to make."""
+
+    network: bool
+    pids: bool
+    filesystem: Filesystem
+    user: bool
+
+
+def choose(
+    mode: IsolationMode,
+    network: NetworkMode | None = None,
+    pids: PidsMode | None = None,
+    filesystem: FilesystemMode | None = None,
+) -> Choice:
+    """The layers for ``sandbox.isolation`` and the per-layer settings (None: as ``mode`` says). Raises
+    IsolationUnavailable (one line) for a layer asked for that this host cannot make; under ``auto``,
+    says once, in one line, which layers it runs without."""
+    if mode == "off":
+        readonly = filesystem == "readonly"
+        return Choice(
+            network=network == "isolated",
+            pids=resolve_pids(pids or "auto", filesystem or "host"),
+            filesystem=view_maker() if readonly else "host",
+            user=False,
+        )
+    missing: dict[str, str] = {}
+
+    def layer(name: str, setting: str | None, off: str, why: str | None) -> bool:
+        if setting == off:
+            if mode == "strict":
+                raise IsolationUnavailable(f"sandbox.isolation 'strict' contradicts sandbox.{name} {off!r}")
+            return False
+        if why is None:
+            return True
+        if setting is not None or mode == "strict":
+            raise IsolationUnavailable(f"sandbox.isolation {mode!r}: no {name} isolation here: {why}")
+        missing[name] = why
+        return False
+
+    if filesystem == "readonly" and pids == "host":
+        raise IsolationUnavailable(
+            "sandbox.filesystem 'readonly' always isolates pids; pids 'host' contradicts it"
+        )
+    net = layer("network", network, "host", network_unavailable())
+    fs = layer("filesystem", filesystem, "host", filesystem_unavailable())
+    pid_ns = fs or layer("pids", pids if pids != "auto" else None, "host", pid_namespace_unavailable())
+    maker = view_maker() if fs else "host"
+    who = identity.sandbox_identity()
+    if maker != "mounts":
+        who = "commands run as the worker's own user (an unprivileged one needs root's view)"
+    user = layer("user", None, "", who if isinstance(who, str) else None)
+    if missing:
+        _warn_missing(tuple(f"{name} ({why})" for name, why in missing.items()))
+    return Choice(network=net, pids=pid_ns, filesystem=maker, user=user)
+
+
+def view_maker() -> Filesystem:
+    return "mounts" if mounts_unavailable() is None else "bwrap"
+
+
+@functools.cache
+def _warn_missing(layers: tuple[str, ...]) -> None:
+    LOG.warning("sandbox.isolation 'auto': sandboxed commands run without %s", "; ".join(layers))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -42,9 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from sandboxes import isolation, owner, proctree
+from sandboxes import identity, isolation, owner, pidlimit, proctree
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -54,6 +53,8 @@ from sandboxes.base import (
     SandboxLostError,
     SandboxSpec,
     SandboxStartError,
+    check_directory_name,
+    check_session_names,
 )
 from sandboxes.environment import (
     SANDBOX_MARKER_VAR,
@@ -64,8 +65,10 @@ from sandboxes.environment import (
 )
 from sandboxes.exec_server import ExecServer, ServedExec
 from sandboxes.inline import inline_if, small_inline, small_tree
+from sandboxes.isolation import Choice, IsolationMode
 from sandboxes.owner import boot_id, start_ticks
 from sandboxes.provider_config import NetworkForward, ProviderConfig
+from sandboxes.workspace import baseline_git_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,58 +77,78 @@ _REMOVING_SUFFIX = ".removing"  # a stopped sandbox's directory, moved aside unt
 DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024 * 1024
 DEFAULT_KILL_GRACE_S = 1.0
 DEFAULT_NOFILE_LIMIT = 65_536
+DEFAULT_MAX_FILE_MB = 4096
 SUPERVISOR_SLACK_S = sup.SLACK_S
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class LocalSandboxConfig(ProviderConfig):
     provider: Literal["local"] = "local"
-    # isolated: every command in a loopback-only network namespace of its own, which reaches the
-    # gateway (and nothing else) through the gateway's Unix socket (sandboxes/netns.py).
-    network: Literal["host", "isolated"] = "host"
+    # auto: every layer below this host allows (a network namespace reaching only the gateway, a PID
+    # namespace, the filesystem view, the unprivileged user), saying once in one line which it cannot;
+    # strict: all of them, or the run does not start; off: the host's network and filesystem and the
+    # worker's user, a PID namespace where the host allows. See sandboxes/isolation.py, docs/isolation.md.
+    isolation: IsolationMode = "auto"
+    # Each layer on its own; unset: as ``isolation`` says. isolated: every command in a loopback-only
+    # network namespace of its own, which reaches the gateway (and nothing else) through the gateway's Unix
+    # socket (sandboxes/netns.py).
+    network: Literal["host", "isolated"] | None = None
     # isolated: a PID namespace per sandbox, so /proc shows only the sandbox's own processes (not the
     # worker's, whose environment holds the API key); auto: isolated when this host allows it.
-    pids: Literal["auto", "host", "isolated"] = "auto"
-    # readonly: each command under bubblewrap, the host read-only and only the session directory writable.
-    filesystem: Literal["host", "readonly"] = "host"
+    pids: Literal["auto", "host", "isolated"] | None = None
+    # readonly: the host read-only, homes, /root, /tmp, the run directory and other sandboxes hidden, only
+    # the session's own directories writable (sandboxes/fsview.py).
+    filesystem: Literal["host", "readonly"] | None = None
+    # More paths no sandboxed command may see (on top of homes, /root, /tmp, the run and sandbox roots).
+    hide: list[str] = Field(default_factory=list)
+    # Bounds on what one sandbox's commands can take from the host, unset: as ``isolation`` says (off:
+    # none). Processes and threads of the whole sandbox (a pids cgroup, root only: sandboxes/pidlimit.py),
+    # and the size of any one file a command writes (RLIMIT_FSIZE).
+    max_processes: int | None = Field(default=None, gt=0)
+    max_file_mb: int | None = Field(default=None, gt=0)
+    _layers: Choice | None = PrivateAttr(default=None)
+
+    @field_validator("isolation", mode="before")
+    @classmethod
+    def _off_in_yaml(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _can_isolate(self) -> LocalSandboxConfig:
-        if self.network == "isolated":
-            from sandboxes.netns import IsolationUnavailable, check_available
-
-            try:
-                check_available()
-            except IsolationUnavailable as exc:
-                raise ValueError(str(exc)) from None
-        if self.filesystem == "readonly" and self.pids == "host":
-            raise ValueError("sandbox.filesystem 'readonly' always isolates pids; pids 'host' contradicts it")
-        if self.pids == "isolated" or self.filesystem == "readonly":
-            try:
-                isolation.resolve_pids(self.pids, self.filesystem)
-            except isolation.IsolationUnavailable as exc:
-                raise ValueError(str(exc)) from None
+        try:
+            self._layers = isolation.choose(self.isolation, self.network, self.pids, self.filesystem)
+        except isolation.IsolationUnavailable as exc:
+            raise ValueError(str(exc)) from None
         return self
 
     @property
+    def layers(self) -> Choice:
+        assert self._layers is not None  # set by the validator
+        return self._layers
+
+    @property
     def needs_gateway_socket(self) -> bool:
-        return self.network == "isolated"
+        return self.layers.network
 
     def build(self, root: Path, network_forward: NetworkForward | None = None) -> LocalSandboxProvider:
-        if self.network == "isolated" and network_forward is None:
+        if self.layers.network and network_forward is None:
             raise ValueError("sandbox.network 'isolated' needs the gateway's port and Unix socket")
+        layers = self.layers
         return LocalSandboxProvider(
-            root, keep=self.keep, network_forward=network_forward, pids=self.pids, filesystem=self.filesystem
+            root,
+            keep=self.keep,
+            network_forward=network_forward if layers.network else None,
+            pids="isolated" if layers.pids else "host",
+            filesystem="host" if layers.filesystem == "host" else "readonly",
+            user=layers.user,
+            hidden=self.hide,
+            max_processes=self.max_processes or (None if self.isolation == "off" else pidlimit.DEFAULT_LIMIT),
+            max_file_mb=self.max_file_mb or (None if self.isolation == "off" else DEFAULT_MAX_FILE_MB),
         )
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
         # A local sandbox's owner is a process on this host: a crashed run's owners are all dead.
         return reap_stale(root, run_id)
-
-
-def _check_component(label: str, value: str) -> None:
-    if not value or len(value) > 200 or value in (".", "..") or "/" in value or "\0" in value:
-        raise SandboxStartError(f"{label} {value!r} cannot name a directory")
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -208,6 +231,10 @@ class LocalSandboxProvider:
         network_forward: NetworkForward | None = None,
         pids: isolation.PidsMode = "host",
         filesystem: isolation.FilesystemMode = "host",
+        user: bool = False,
+        hidden: Sequence[str] = (),
+        max_processes: int | None = None,
+        max_file_mb: int | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -217,24 +244,45 @@ class LocalSandboxProvider:
         self.nofile_limit = nofile_limit
         self.path_prefixes = tuple(path_prefixes)
         self.supervisor_slack_s = supervisor_slack_s
+        self.max_processes = max_processes  # where the host has a pids cgroup for it (pidlimit.py)
+        if max_processes:
+            pidlimit.sweep()  # what sandboxes of dead owners left
+        self.max_file_bytes = max_file_mb * 1024 * 1024 if max_file_mb else None
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
         # A spare starts at the lowest CPU priority while the machine may need the CPU for a harness, and
         # gets the normal one back when taken; False once this process turns out not to be allowed to.
         self._spare_nice = True
         self._removals: set[asyncio.Task[None]] = set()
-        # pids/filesystem: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
+        # pids/filesystem/user: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
         # network_forward (port, unix socket): every command runs in a loopback-only network namespace of
         # its own, where 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
+        pid_ns = isolation.resolve_pids(pids, filesystem)
+        view_maker = isolation.view_maker() if filesystem == "readonly" else "host"
+        who: identity.Identity | None = None
+        if user:
+            found = identity.sandbox_identity()
+            if isinstance(found, str) or view_maker != "mounts":
+                why = found if isinstance(found, str) else "an unprivileged user needs root's filesystem view"
+                raise isolation.IsolationUnavailable(f"sandbox user: {why}")
+            who = found
         self.isolation = isolation.Isolation(
-            pids=isolation.resolve_pids(pids, filesystem),
-            readonly=filesystem == "readonly",
-            network_forward=network_forward,
+            pids=pid_ns, filesystem=view_maker, network_forward=network_forward, user=who
         )
+        # What no command may see besides homes and /tmp: every sandbox's directory, the run's directory.
+        self.hidden: list[str] = [str(self.root), *hidden]
+
+    @property
+    def isolation_label(self) -> str:
+        """The layers every command runs under, as a row records them (``Row.sandbox_isolation``)."""
+        return self.isolation.label
+
+    def hide(self, path: Path) -> None:
+        """Keep ``path`` (the run directory) out of every later sandbox's view."""
+        self.hidden.append(str(path))
 
     async def start(self, spec: SandboxSpec) -> LocalSandbox:
-        _check_component("run_id", spec.run_id)
-        _check_component("session_id", spec.session_id)
+        check_session_names(spec)
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             owner_name = owner.hold(self.root)  # once per process: later calls are a lookup and an fstat
@@ -250,7 +298,10 @@ class LocalSandboxProvider:
             await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
         try:
-            self._make_tree(session_dir, sandbox.xdg_dirs)  # a few mkdirs: less than a hop to a thread
+            # A few mkdirs (and chowns): less than a hop to a thread.
+            self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
+            if self.max_processes:
+                sandbox.pids_cgroup = pidlimit.make(sandbox._marker_token, self.max_processes)
             sandbox._write_descriptor(create=True)
         except OSError as exc:
             await server.close(self.kill_grace_s)
@@ -313,6 +364,7 @@ class LocalSandboxProvider:
             marker_token=token,
             log_path=self._server_log,
             pid_namespace=isolation.server_pid_namespace(self.isolation),
+            network_forward=isolation.server_network(self.isolation),
         )
 
     async def aclose(self) -> None:
@@ -342,13 +394,21 @@ class LocalSandboxProvider:
         task.add_done_callback(self._removals.discard)
 
     @staticmethod
-    def _make_tree(session_dir: Path, xdg: list[str]) -> None:
+    def _make_tree(
+        session_dir: Path, xdg: list[str], writable: list[str], user: identity.Identity | None
+    ) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         for sub in ("work", "home", "tmp", "logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
         for path in xdg:
             os.makedirs(path, exist_ok=True)
+        for path in writable:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        if user is not None:
+            # The session directory stays the worker's (so its logs and results do): the sandbox user
+            # gets the directories its commands write, and reaches them only through its view.
+            identity.give([Path(p) for p in writable], user)
 
 
 class LocalSandbox:
@@ -380,10 +440,19 @@ class LocalSandbox:
         self._nofile = provider.nofile_limit
         self._slack = provider.supervisor_slack_s
         self._isolation = provider.isolation
+        self._user = provider.isolation.user
+        # The directories commands may write; under a filesystem view, all they see of the session. The
+        # baseline's git directory (sandboxes/workspace.py) is made here, as the view cannot bind what
+        # does not exist yet.
+        self.writable_dirs = [self.workdir, self.home, self.tmpdir]
+        if provider.isolation.filesystem != "host":
+            self.writable_dirs.append(baseline_git_dir(self.workdir))
+        self._view = isolation.view(provider.isolation, self.writable_dirs, provider.hidden)
         # The server was started before this sandbox existed; its marker becomes the sandbox's.
         self._server = server
         self._marker_token = server.marker_token
         self._marker = marker_entry(self._marker_token)
+        self.pids_cgroup: str | None = None  # its process cap's cgroup.procs, where the host has one
         base = base_environment(
             home=self.home,
             tmpdir=self.tmpdir,
@@ -427,6 +496,7 @@ class LocalSandbox:
             "boot_id": self._boot_id,
             "marker": self._marker_token,
             "server_pid": self._server.pid,
+            "pids_cgroup": self.pids_cgroup,
             # Live in memory only: on disk the server is the root, and every supervisor is its child.
             "supervisor_pids": sorted(self._running),
         }
@@ -454,7 +524,7 @@ class LocalSandbox:
         where = f"sandbox {self.id}"
         try:
             await small_inline(
-                len(data), write_confined, str(self.root), self.workdir, path, data, mode, where
+                len(data), write_confined, str(self.root), self.workdir, path, data, mode, where, self._user
             )
         except SandboxError:
             raise
@@ -497,10 +567,14 @@ class LocalSandbox:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: not a directory")
         target = self.workdir if dest is None else str(self._inside(dest))
         try:
-            copy = functools.partial(shutil.copytree, symlinks=True, dirs_exist_ok=True)
-            await inline_if(small_tree(src), copy, src, target)
+            await inline_if(small_tree(src), self._copy_tree, src, target)
         except (OSError, shutil.Error) as exc:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
+
+    def _copy_tree(self, src: Path, target: str) -> None:
+        shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        if self._user is not None:
+            identity.give([Path(target)], self._user)
 
     # -- exec -------------------------------------------------------------------------------------------
 
@@ -575,7 +649,7 @@ class LocalSandbox:
         if stdin is not None:
             await asyncio.to_thread(files.stdin.write_bytes, stdin)
         memory_mb = self.spec.memory_limit_mb
-        argv = isolation.wrap(argv, self._isolation, str(self.root))
+        argv = isolation.wrap(argv, self._isolation, self._view)
         params = {
             "argv": argv,
             "cwd": str(cwd_real),
@@ -592,14 +666,17 @@ class LocalSandbox:
             "nofile_limit": self._nofile,
             "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
             "log_path": str(files.log),
-            "network_forward": isolation.network_forward(self._isolation),
+            **isolation.supervisor_params(self._isolation, self._view),
+            "cgroup_procs": self.pids_cgroup,
+            "pids_max": self._provider.max_processes,
+            "file_size_limit_bytes": self._provider.max_file_bytes,
         }
         before_files = None
         if before is not None:
             before_files = self._reserve(before.name)
             # The step's environment goes through the server's pipe with the rest, never to disk.
             params["before"] = {
-                "argv": isolation.wrap(before.argv, self._isolation, str(self.root)),
+                "argv": isolation.wrap(before.argv, self._isolation, self._view),
                 "timeout_s": float(before.timeout),
                 "stdout_path": str(before_files.stdout),
                 "stderr_path": str(before_files.stderr),
@@ -740,6 +817,8 @@ class LocalSandbox:
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
+            if not pidlimit.remove(self.pids_cgroup):  # its last process may not be released yet
+                await asyncio.to_thread(pidlimit.remove, self.pids_cgroup, 2.0)
             self.descriptor_path.unlink(missing_ok=True)
             if not self._keep:
                 self._provider._remove_later(self.root, self._owner)
@@ -786,15 +865,30 @@ def confined_path(root: str, base: str, path: str, where: str) -> Path:
     return Path(real)
 
 
-def write_confined(root: str, base: str, path: str, data: bytes, mode: int, where: str) -> None:
-    """Write ``data`` at ``path`` as ``confined_path`` resolves it, making its directories; blocking."""
+def write_confined(
+    root: str,
+    base: str,
+    path: str,
+    data: bytes,
+    mode: int,
+    where: str,
+    owner: identity.Identity | None = None,
+) -> None:
+    """Write ``data`` at ``path`` as ``confined_path`` resolves it, making its directories; blocking.
+    With ``owner``, the file and the directories made for it are the owner's."""
     real = confined_path(root, base, path, where)
+    made = [p for p in (real.parent, *real.parent.parents) if not p.exists()]
     real.parent.mkdir(parents=True, exist_ok=True)
     confined_path(root, base, str(real.parent), where)  # the directories just made must still be inside
     fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         os.fchmod(f.fileno(), mode)  # the umask must not change what the caller asked for
+        if owner is not None:
+            os.fchown(f.fileno(), owner.uid, owner.gid)
+    if owner is not None:
+        for directory in made:
+            os.lchown(directory, owner.uid, owner.gid)
 
 
 def reap_stale(
@@ -809,7 +903,7 @@ def reap_stale(
     in this reaper's /proc; a dead owner's processes in a namespace it cannot see are not its to kill."""
     root = Path(root)
     if run_id is not None:
-        _check_component("run_id", run_id)
+        check_directory_name("run_id", run_id)
     pattern = f"{run_id}/*/{DESCRIPTOR_NAME}" if run_id else f"*/*/{DESCRIPTOR_NAME}"
     now = time.time() if now is None else now
     host, boot = socket.gethostname(), boot_id()
@@ -832,6 +926,7 @@ def reap_stale(
             if not _kill_tree(roots, marker, sweep=True, grace_s=grace_s):
                 log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
                 continue
+            pidlimit.remove(desc.get("pids_cgroup"), 2.0)
         elif desc.get("host") != host:
             continue  # another machine's
         path.unlink(missing_ok=True)

@@ -8,8 +8,10 @@ outside, so the pids it reports are the host's, and an isolated command costs wh
     server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
             └ supervisor ── command       (one per command, each inside the namespace)
 
-A command's loopback-only network namespace is the supervisor's own business (supervisor.py); the layers
-bubblewrap adds, and which layers a sandbox gets, are in isolation.py. Standard library only: the server
+With a network forward, the init also unshares the sandbox's loopback-only network namespace and runs the
+gateway forwarder in it (netns.py), and each supervisor joins that namespace too. The filesystem view
+and the sandbox user are per command (supervisor.py); the layers bubblewrap adds, and which layers a
+sandbox gets, are in isolation.py. Standard library only: the server
 imports this module.
 """
 
@@ -20,23 +22,25 @@ import select
 import signal
 
 if __package__:
-    from sandboxes import proctree
+    from sandboxes import netns, proctree
 else:  # imported by the server run by path, with its directory on sys.path
+    import netns
     import proctree
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
-PR_CAPBSET_DROP = 24
-CAP_SYS_ADMIN = 21
 NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's processes
 
 
 class PidNamespace:
     """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
 
-    def __init__(self) -> None:
+    def __init__(self, network: tuple[int, str] | None = None) -> None:
+        """``network`` (port, gateway socket): the init also makes the sandbox's loopback-only network
+        namespace and runs its gateway forwarder (netns.py), which every supervisor joins."""
         # Takes effect for our children only: the first is the namespace's pid 1, every later one is
         # born inside it too.
         proctree.libc_call("unshare", CLONE_NEWPID)
@@ -48,7 +52,7 @@ class PidNamespace:
             try:
                 os.close(ready_r)
                 os.close(self.hold)
-                code = _pid_namespace_init(ready_w, hold_r)
+                code = _pid_namespace_init(ready_w, hold_r, network)
             except BaseException as exc:  # a forked child must never return into the server
                 os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
             finally:
@@ -64,6 +68,7 @@ class PidNamespace:
         if ready != b"1":
             raise OSError(f"the PID namespace's init (pid {pid}) failed to start")
         self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.net_ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC) if network else None
 
     def end(self, timeout: float) -> bool:
         """Close our end, which ends the init and with it the namespace; True once the init is reaped,
@@ -86,10 +91,13 @@ class PidNamespace:
         os.close(self.hold)  # the init ends with the server, not with us
         proctree.libc_call("setns", self.mount_ns, CLONE_NEWNS)
         os.close(self.mount_ns)
-        proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+        if self.net_ns is not None:
+            proctree.libc_call("setns", self.net_ns, CLONE_NEWNET)
+            os.close(self.net_ns)
+        proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
 
 
-def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
+def _pid_namespace_init(ready_w: int, hold_r: int, network: tuple[int, str] | None) -> int:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)  # the server's request pipe is not ours to hold open
     os.dup2(null, 1)
@@ -99,7 +107,10 @@ def _pid_namespace_init(ready_w: int, hold_r: int) -> int:
     proctree.libc_call("unshare", CLONE_NEWNS)
     proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
     proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-    proctree.prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN)
+    if network is not None:  # one namespace and one forwarder for all the sandbox's commands
+        proctree.libc_call("unshare", CLONE_NEWNET)
+        netns.start_forwarder(*network)
+    proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
     # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
     signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
     os.write(ready_w, b"1")

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 
 UNSHARE = "unshare"
@@ -34,6 +32,10 @@ class IsolationUnavailable(Exception):
 
 def check_available() -> None:
     """Raise IsolationUnavailable, with the reason, unless ``unshare --net`` works here."""
+    # Here, not at the top: every isolated command's init imports this module, and neither is needed there.
+    import shutil
+    import subprocess
+
     if shutil.which(UNSHARE) is None:
         raise IsolationUnavailable("sandbox.network 'isolated' needs the unshare command (util-linux)")
     try:
@@ -95,16 +97,30 @@ def _serve(listener: socket.socket, socket_path: str) -> None:
         if not slots.acquire(blocking=False):
             client.close()
             continue
+        # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
+        with contextlib.suppress(OSError):
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=_relay, args=(client, socket_path, slots), daemon=True).start()
 
 
-def start_forwarder(port: int, socket_path: str, *, bring_up_loopback: bool = True) -> None:
-    """Bring ``lo`` up and serve 127.0.0.1:``port`` by relaying to ``socket_path``, from a daemon thread.
-    A container's engine brings its ``lo`` up itself (and grants no CAP_NET_ADMIN to do it again)."""
+def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
+    """Bring ``lo`` up and listen on 127.0.0.1:``port``: connections queue until ``serve`` relays them, so
+    a command started in between finds the port open. A container's engine brings its ``lo`` up itself
+    (and grants no CAP_NET_ADMIN to do it again)."""
     if bring_up_loopback:
         _bring_up_loopback()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))
     listener.listen(64)
+    return listener
+
+
+def serve(listener: socket.socket, socket_path: str) -> None:
+    """Relay each connection to ``listener`` to ``socket_path``, from a daemon thread."""
     threading.Thread(target=_serve, args=(listener, socket_path), daemon=True).start()
+
+
+def start_forwarder(port: int, socket_path: str, *, bring_up_loopback: bool = True) -> None:
+    """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path``."""
+    serve(listen(port, bring_up_loopback=bring_up_loopback), socket_path)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_CAPBSET_DROP = 24
+CAP_SYS_ADMIN = 21
 
 POLL_S = 0.02
 KILL_ROUNDS = 20  # bounds on every kill loop: a fork bomb must not keep us here forever

@@ -3,10 +3,11 @@
 Starting an interpreter and importing the supervisor costs tens of milliseconds, paid once per sandbox
 instead of once per command. The local sandbox starts it (through sandboxes/exec_server.py) as
 
-    python3 -I -S supervisor_server.py --serve PARENT_PID [--pid-namespace]
+    python3 -I -S supervisor_server.py --serve PARENT_PID [--pid-namespace [--network PORT SOCKET]]
 
 With ``--pid-namespace``, every command of the sandbox runs in one PID namespace the server makes at its
-start (namespaces.py).
+start (namespaces.py); with ``--network PORT SOCKET`` also, in one loopback-only network namespace whose
+127.0.0.1:PORT reaches the gateway's SOCKET.
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
 supervisor.run() plus "log_path" (the forked supervisor's stderr). Out (stdout): {"id": N, "pid": P} once
@@ -166,10 +167,21 @@ class _Server:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (3, 4) or argv[1] != "--serve":
-        print("usage: supervisor_server.py --serve PARENT_PID [--pid-namespace]", file=sys.stderr)
+    # What an isolated command's init imports (supervisor._init), once here rather than in every init:
+    # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
+    import fsview  # noqa: F401
+    import netns  # noqa: F401
+    import pidlimit  # noqa: F401
+
+    usage = "usage: supervisor_server.py --serve PARENT_PID [--pid-namespace [--network PORT SOCKET]]"
+    options = argv[3:]
+    network_flags = ["--pid-namespace", "--network"]
+    with_network = len(options) == 4 and options[:2] == network_flags and options[2].isdigit()
+    if len(argv) < 3 or argv[1] != "--serve" or not (options in ([], ["--pid-namespace"]) or with_network):
+        print(usage, file=sys.stderr)
         return 2
-    pid_namespace = namespaces.PidNamespace() if argv[3:] == ["--pid-namespace"] else None
+    network = (int(options[2]), options[3]) if with_network else None
+    pid_namespace = namespaces.PidNamespace(network) if options else None
     server = _Server(int(argv[2]), pid_namespace)
     server.install_signals()
     code = server.serve()

@@ -148,7 +148,7 @@ _NOT_A_REPO = 3
 _DIFF_NAME = "workspace-diff"
 # Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
 # Our own baseline directory first: a `git init` of the agent's in the workspace must not hide it.
-_DIFF_SCRIPT = f"""if [ -d "${_BASELINE_GIT_ENV}" ]; then
+_DIFF_SCRIPT = f"""if [ -f "${_BASELINE_GIT_ENV}/HEAD" ]; then
   gd="${_BASELINE_GIT_ENV}"
   export GIT_DIR="$gd" GIT_WORK_TREE="$PWD"
 elif [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"

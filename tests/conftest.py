@@ -85,25 +85,26 @@ async def session_context(
     api_key: str | None = None,
     harness: Any = None,
 ) -> AsyncIterator[Any]:
-    """A SessionContext like a worker builds, with the scripted model as the endpoint unless given one.
+    """A SessionContext like a worker builds, with the scripted model as the endpoint unless given one,
+    and the provider a worker builds from the config's sandbox section (isolated as it says).
 
     ``harness`` is an adapter instance; Codex when not given.
     """
     from executor.config import RunConfig
     from executor.session import SessionContext
+    from executor.worker import _gateway_socket, _provider
     from harnesses.codex import CodexHarness
     from harnesses.gateway import Gateway
     from harnesses.install import default_cache_root
     from harnesses.testing.scripted_model import ScriptedModel
-    from sandboxes.local import LocalSandboxProvider
     from sandboxes.prepared import PreparedWorkspaces
 
     cfg = RunConfig.model_validate({"run_id": "t", "tasks": str(tmp_path / "none.jsonl"), **(config or {})})
     scripted = ScriptedModel(model_names=(cfg.model.name,))
     await scripted.start()
     gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway)
-    await gateway.start()
-    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    await gateway.start(unix_path=_gateway_socket(cfg))
+    provider: Any = _provider(cfg, tmp_path / "sandboxes", gateway, tmp_path / "evidence")
     try:
         yield SessionContext(
             config=cfg,
@@ -116,7 +117,7 @@ async def session_context(
             workspaces=PreparedWorkspaces(tmp_path / "sandboxes", cfg.run_id or ""),
         )
     finally:
-        await provider.aclose()
+        await getattr(provider, "inner", provider).aclose()
         await gateway.stop()
         await scripted.stop()
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandboxes import identity
 from sandboxes.agent import DEFAULT_MAX_CONNECTIONS
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, WorkspaceSpec
 from sandboxes.remote import AGENT_PATH, RemoteSandbox, agent_files
@@ -389,3 +391,31 @@ def test_a_flood_of_hostile_connections(tmp_path):
     cap = DEFAULT_MAX_CONNECTIONS
     assert peaks.threads <= 2 * cap + 8 and peaks.fds <= 2 * cap + 16
     assert rss < RSS_BOUND_MB
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or isinstance(identity.sandbox_identity(), str),
+    reason=f"--run-as needs root and the sandbox user: {identity.sandbox_identity()}",
+)
+async def test_run_as_runs_every_command_as_the_unprivileged_user():
+    """The agent's commands run as the user, which owns the workspace, home and tmp and nothing else."""
+    # The user must be able to pass through the root's parents: pytest's tmp_path is private to root.
+    base = Path(tempfile.mkdtemp(prefix="rollout-run-as-", dir="/tmp"))
+    base.chmod(0o711)
+    agent = start_agent(base / "sb", TOKEN, "--run-as", identity.SANDBOX_USER)
+    try:
+        sandbox = _remote(agent)
+        await lay_out(sandbox, WorkspaceSpec(files={"a.txt": "one\n"}))
+        await sandbox.write_file("sub/b.txt", b"uploaded\n")
+        script = "id -un; echo two > a.txt; echo more >> sub/b.txt; echo x > $HOME/h; ls ../run; touch ../x"
+        result = await sandbox.exec(["sh", "-c", script], timeout=30)
+        diff = await workspace_diff(sandbox)
+        appended = (agent.root / "work" / "sub" / "b.txt").read_text()
+        planted = (agent.root / "x").exists()
+    finally:
+        agent.kill()
+        shutil.rmtree(base, ignore_errors=True)
+    assert result.stdout_tail.splitlines()[0] == identity.SANDBOX_USER, result.stderr_tail
+    assert "Permission denied" in result.stderr_tail and not planted
+    assert appended == "uploaded\nmore\n"
+    assert diff is not None and "+two" in diff

@@ -11,14 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+from unittest import mock
 from urllib.parse import urlsplit
 
 import pydantic
 import pytest
+import yaml
 
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
@@ -43,6 +46,9 @@ needs_pids = pytest.mark.skipif(
 needs_bwrap = pytest.mark.skipif(
     isolation.readonly_unavailable() is not None, reason=str(isolation.readonly_unavailable())
 )
+needs_view = pytest.mark.skipif(
+    isolation.filesystem_unavailable() is not None, reason=str(isolation.filesystem_unavailable())
+)
 needs_netns = pytest.mark.skipif(_netns_unavailable() is not None, reason=str(_netns_unavailable()))
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="only root holds the capabilities to give up")
 
@@ -55,8 +61,15 @@ LIST_PIDS = [
 
 
 @asynccontextmanager
-async def _sandbox(tmp_path: Path, **provider_kw: Any) -> AsyncIterator[Any]:
-    provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, **provider_kw)
+async def _sandbox(tmp_path: Path, via_bwrap: bool = False, **provider_kw: Any) -> AsyncIterator[Any]:
+    """A sandbox of ``provider_kw``; ``via_bwrap``: its view made by bubblewrap, as on a host without
+    root, where root would make it with its own mounts."""
+    with (
+        mock.patch.object(isolation, "mounts_unavailable", lambda: "bwrap asked for")
+        if via_bwrap
+        else nullcontext()
+    ):
+        provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, **provider_kw)
     sandbox = await provider.start(SandboxSpec(run_id="r", session_id="s", ttl_s=300))
     try:
         yield sandbox
@@ -67,7 +80,8 @@ async def _sandbox(tmp_path: Path, **provider_kw: Any) -> AsyncIterator[Any]:
 
 MODES = [
     pytest.param({"pids": "isolated"}, marks=needs_pids, id="pids"),
-    pytest.param({"filesystem": "readonly"}, marks=needs_bwrap, id="readonly"),
+    pytest.param({"filesystem": "readonly"}, marks=needs_view, id="readonly"),
+    pytest.param({"filesystem": "readonly", "via_bwrap": True}, marks=needs_bwrap, id="readonly-bwrap"),
 ]
 
 
@@ -195,20 +209,27 @@ async def test_stop_leaves_nothing_of_the_namespace_without_a_sweep(tmp_path):
     assert live_with(mark) == []
 
 
-@needs_bwrap
-async def test_readonly_writes_only_inside_the_session(tmp_path):
-    outside = tmp_path / "host-dir"
-    outside.mkdir()
+@pytest.mark.parametrize("mode", [m for m in MODES if "filesystem" in m.values[0]])
+async def test_readonly_writes_only_inside_the_session(tmp_path, mode):
+    """The host is read-only, and /tmp (where the test's own directory is) is a different one."""
+    hidden = tmp_path / "host-dir"
+    hidden.mkdir()
+    visible = Path(__file__).parent / f".readonly-probe-{uuid.uuid4().hex[:8]}"  # a host directory in sight
     write = 'echo x > "$1" && echo wrote'
-    async with _sandbox(tmp_path, filesystem="readonly") as sandbox:
-        host = await sandbox.exec(["sh", "-c", write, "sh", str(outside / "f")], timeout=30)
-        remount = await sandbox.exec(["mount", "-o", "remount,rw,bind", "/"], timeout=30)
-        host_again = await sandbox.exec(["sh", "-c", write, "sh", str(outside / "f")], timeout=30)
-        inside = await sandbox.exec(["sh", "-c", write, "sh", f"{sandbox.workdir}/f"], timeout=30)
-        home = await sandbox.exec(["sh", "-c", 'echo x > "$HOME/h" && echo x > "$TMPDIR/t"'], timeout=30)
+    try:
+        async with _sandbox(tmp_path, **mode) as sandbox:
+            host = await sandbox.exec(["sh", "-c", write, "sh", str(visible)], timeout=30)
+            remount = await sandbox.exec(["mount", "-o", "remount,rw,bind", "/"], timeout=30)
+            host_again = await sandbox.exec(["sh", "-c", write, "sh", str(visible)], timeout=30)
+            tmp = await sandbox.exec(["sh", "-c", write, "sh", str(hidden / "f")], timeout=30)
+            inside = await sandbox.exec(["sh", "-c", write, "sh", f"{sandbox.workdir}/f"], timeout=30)
+            home = await sandbox.exec(["sh", "-c", 'echo x > "$HOME/h" && echo x > "$TMPDIR/t"'], timeout=30)
+    finally:
+        visible.unlink(missing_ok=True)
     assert host.exit_code != 0 and "Read-only file system" in host.stderr_tail
     assert remount.exit_code != 0 and host_again.exit_code != 0
-    assert not (outside / "f").exists()
+    assert tmp.exit_code != 0 and "nonexistent" in tmp.stderr_tail
+    assert not (hidden / "f").exists()
     assert inside.stdout_tail.strip() == "wrote", inside.stderr_tail
     assert home.exit_code == 0, home.stderr_tail
     assert Path(sandbox.home, "h").read_text() == "x\n" and Path(sandbox.tmpdir, "t").read_text() == "x\n"
@@ -253,10 +274,21 @@ async def test_network_isolated_with_pids_or_readonly_still_reaches_the_gateway(
 
 
 @needs_pids
-def test_the_default_config_isolates_pids_where_the_host_allows(tmp_path):
-    provider = LocalSandboxConfig().build(tmp_path)
+def test_isolation_off_isolates_pids_where_the_host_allows(tmp_path):
+    provider = LocalSandboxConfig(isolation="off").build(tmp_path)
     assert provider.isolation == isolation.Isolation(pids=True)
-    assert LocalSandboxConfig(pids="host").build(tmp_path).isolation == isolation.Isolation()
+    off = LocalSandboxConfig(isolation="off", pids="host")
+    assert off.build(tmp_path).isolation == isolation.Isolation()
+
+
+@needs_view
+@needs_netns
+def test_the_default_config_isolates_every_layer_the_host_allows(tmp_path):
+    config = LocalSandboxConfig()
+    assert config.needs_gateway_socket
+    provider = config.build(tmp_path, (8000, str(tmp_path / "gw.sock")))
+    expected = "network,pids,filesystem,user" if os.geteuid() == 0 else "network,pids,filesystem"
+    assert provider.isolation_label == expected
 
 
 def test_readonly_with_host_pids_is_refused_in_one_line():
@@ -270,3 +302,31 @@ def test_a_host_without_the_command_is_told_which(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     why = isolation._probe([isolation.BWRAP, "true"], "sandbox.filesystem 'readonly'")
     assert why == "sandbox.filesystem 'readonly' needs the bwrap command"
+
+
+def test_strict_refuses_in_one_line_what_the_host_cannot_make(monkeypatch):
+    monkeypatch.setattr(isolation, "network_unavailable", lambda: "no unshare --net here")
+    with pytest.raises(pydantic.ValidationError) as caught:
+        LocalSandboxConfig(isolation="strict")
+    message = caught.value.errors()[0]["msg"]
+    assert "sandbox.isolation 'strict'" in message and "no unshare --net here" in message
+    assert "\n" not in message
+    with pytest.raises(pydantic.ValidationError):  # a layer switched off contradicts strict
+        LocalSandboxConfig(isolation="strict", filesystem="host")
+
+
+def test_auto_says_once_in_one_line_which_layers_it_runs_without(monkeypatch, caplog):
+    monkeypatch.setattr(isolation, "network_unavailable", lambda: "no unshare --net here")
+    isolation._warn_missing.cache_clear()
+    for _ in range(3):
+        config = LocalSandboxConfig()
+        assert not config.layers.network and not config.needs_gateway_socket
+    lines = [r.getMessage() for r in caplog.records if "sandbox.isolation 'auto'" in r.getMessage()]
+    assert len(lines) == 1 and "network (no unshare --net here)" in lines[0] and "\n" not in lines[0]
+    isolation._warn_missing.cache_clear()
+
+
+def test_off_is_the_hosts_network_filesystem_and_user():
+    layers = LocalSandboxConfig(isolation="off").layers
+    assert (layers.network, layers.filesystem, layers.user) == (False, "host", False)
+    assert LocalSandboxConfig.model_validate(yaml.safe_load("isolation: off")).isolation == "off"

@@ -4,7 +4,6 @@ the gateway records and hands back. Checked from outside, while the session runs
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gzip
 import os
 import shutil
@@ -126,8 +125,6 @@ async def test_a_host_process_environment_is_not_readable_from_the_sandbox(tmp_p
             }
         )
         async with session_context(tmp_path, {"sandbox": {"keep": True}}) as ctx:
-            # The provider a worker builds from the default sandbox section, not session_context's own.
-            ctx = dataclasses.replace(ctx, provider=ctx.config.sandbox.build(tmp_path / "sandboxes"))
             row = await run_session(SessionRequest("holder", task, 0, 1), ctx)
     finally:
         holder.kill()

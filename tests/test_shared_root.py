@@ -292,7 +292,8 @@ def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
     """The first run holds its sessions (sandboxes, laid-out workspaces) live while the second run's
     worker starts, reaps at its start-up, runs and ends; then the first run finishes. Either run may be
     the one in a PID namespace of its own: each reaper sees pids the other's owner does not have."""
-    gate = tmp_path / "gate"
+    # Where the sandboxes see it: /tmp (and so tmp_path) is hidden from a sandboxed command by default.
+    gate = Path(__file__).parent / f".gate-{tmp_path.name}-{os.getpid()}"
     first_cfg, second_cfg = _config(tmp_path, "first", gate), _config(tmp_path, "second", None)
     root = tmp_path / "sandboxes"
 
@@ -310,7 +311,10 @@ def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
         _finish(second, second_log)
     finally:
         gate.touch()
-    _finish(first, first_log)
+        try:
+            _finish(first, first_log)
+        finally:
+            gate.unlink()
 
     for run_id in ("first", "second"):
         rows = _rows(tmp_path, run_id)

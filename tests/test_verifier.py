@@ -163,7 +163,8 @@ async def test_a_sandbox_lost_while_verifying_reruns_the_agent(tmp_path):
     sandbox's claim to exist, is removed as a reaper does): sandbox_lost, which reruns the agent."""
     verify = 'rm -f "$HOME/../sandbox.json"; exit 125'
     task = Task.model_validate({"id": "v", "prompt": "p", "verify": verify})
-    async with session_context(tmp_path) as ctx:
+    # The verifier plays the reaper: only a sandbox that sees its own descriptor (isolation off) can.
+    async with session_context(tmp_path, {"sandbox": {"isolation": "off"}}) as ctx:
         ctx.harness = CommandHarness(command=AGENT)
         row = await run_session(SessionRequest("t", task, 0, 1), ctx)
     assert (row["status"], row["failure_kind"]) == ("failed", "sandbox_lost"), row["error_message"]

@@ -45,9 +45,10 @@ def _median_p90(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-def _write_config(scratch: Path, name: str, tasks: Path, extra: str) -> Path:
+def _write_config(scratch: Path, name: str, tasks: Path, extra: str, isolation: str | None = None) -> Path:
     path = scratch / f"{name}.yaml"
-    path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{root: {scratch / 'sb'}}}\n{extra}")
+    sandbox = f"root: {scratch / 'sb'}" + (f", isolation: {isolation}" if isolation else "")
+    path.write_text(f"tasks: {tasks}\nout: {scratch / 'out'}\nsandbox: {{{sandbox}}}\n{extra}")
     return path
 
 
@@ -168,7 +169,7 @@ def _podman_by_hand(
     return wrap
 
 
-def overhead(runs: int, scratch: Path, container: Any = None) -> dict[str, Any]:
+def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | None = None) -> dict[str, Any]:
     """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
     speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides.
     ``container`` (a ContainerSandboxConfig): the executor's sandboxes are containers so configured, and
@@ -195,7 +196,7 @@ def overhead(runs: int, scratch: Path, container: Any = None) -> dict[str, Any]:
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
     tasks = _write_tasks(scratch / "a.jsonl", runs, model_script=SCRIPT, verify=VERIFY)
     cfg = load_config(
-        _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n")
+        _write_config(scratch, "a", tasks, "concurrency: {workers: 1, sessions_per_worker: 1}\n", isolation)
     )
     wrap = None
     if container is not None:
@@ -614,6 +615,7 @@ def run_all(
     cold_concurrency: int = 1,
     container: Any = None,
     scale: tuple[int, int, float] = (1000, 8, 30.0),
+    isolation: str | None = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
@@ -625,7 +627,7 @@ def run_all(
                 f"resume scan of {d['rows']:,} rows {d['resume_scan_s']:.2f} s"
             )
         if "a" in parts:
-            out["a"] = a = overhead(runs, scratch, container)
+            out["a"] = a = overhead(runs, scratch, container, isolation)
             echo(
                 f"(a) overhead, {runs} sequential Codex rollouts: "
                 f"direct median {a['direct_median_s']:.3f} s (codex exec alone "

@@ -22,6 +22,7 @@ class FlakyStartProvider:
         self.inner = inner
         self.fraction = fraction
         self.name = inner.name
+        self.isolation_label = getattr(inner, "isolation_label", None)
         self.starts = 0
 
     async def start(self, spec: SandboxSpec) -> Sandbox:

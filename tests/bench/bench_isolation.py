@@ -2,10 +2,11 @@
 
     .venv/bin/python tests/bench/bench_isolation.py [--execs 50]
 
-Modes: no isolation, a PID namespace (``pids: isolated``), and the read-only host under bwrap
-(``filesystem: readonly``); with ``--network`` each also in a loopback-only network namespace (the
-forwarder's Unix socket need not exist for ``true``). A mode this host cannot run is reported as skipped.
-Prints medians (and p90).
+Modes: no isolation, a PID namespace (``pids: isolated``), the filesystem view (``filesystem:
+readonly``: root's own mounts, or bwrap without root), the view made by bwrap even as root, and the view
+with the unprivileged user (what ``isolation: auto`` gives as root, less the network); with
+``--network`` each also in a loopback-only network namespace (the forwarder's Unix socket need not exist
+for ``true``). A mode this host cannot run is reported as skipped. Prints medians (and p90).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from sandboxes import isolation  # noqa: E402
 from sandboxes.base import SandboxSpec  # noqa: E402
 from sandboxes.isolation import IsolationUnavailable  # noqa: E402
 from sandboxes.local import LocalSandboxProvider  # noqa: E402
@@ -32,7 +35,13 @@ from sandboxes.netns import check_available  # noqa: E402
 MODES: dict[str, dict[str, Any]] = {
     "no isolation": {},
     "pids isolated": {"pids": "isolated"},
-    "filesystem readonly (bwrap)": {"filesystem": "readonly"},
+    "filesystem view": {"filesystem": "readonly"},
+    "filesystem view by bwrap": {"filesystem": "readonly", "via_bwrap": True},
+    "filesystem view, sandbox user, process cap": {
+        "filesystem": "readonly",
+        "user": True,
+        "max_processes": 2048,
+    },
 }
 
 
@@ -44,7 +53,11 @@ def _summary(label: str, samples: list[float]) -> str:
 
 
 async def _execs(root: Path, n: int, provider_kw: dict[str, Any]) -> list[float]:
-    provider = LocalSandboxProvider(root, keep=False, **provider_kw)
+    if provider_kw.pop("via_bwrap", False):
+        with mock.patch.object(isolation, "mounts_unavailable", lambda: "bwrap asked for"):
+            provider = LocalSandboxProvider(root, keep=False, **provider_kw)
+    else:
+        provider = LocalSandboxProvider(root, keep=False, **provider_kw)
     sandbox = await provider.start(SandboxSpec(run_id="bench", session_id=uuid.uuid4().hex[:12], ttl_s=600))
     samples = []
     try:

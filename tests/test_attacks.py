@@ -1,0 +1,329 @@
+"""Hostile commands against the default local sandbox, run as an agent would run them: each must fail
+and leave the run unharmed.
+
+Through the real harness path (the scripted model driving Codex's shell tool) where that is cheap, and
+through ``exec`` otherwise. The secrets are fakes in a home of this module's (a real `ray start --head`
+with token auth reads its token there), never the machine's own. The sandboxes are the default ones: a
+host without what the default isolates with skips this module, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from executor.session import SessionRequest, run_session
+from executor.tasks import Task
+from harnesses.gateway import Gateway
+from harnesses.testing.scripted_model import ScriptedModel
+from sandboxes import isolation, pidlimit
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandbox, LocalSandboxConfig, LocalSandboxProvider
+from tests.conftest import processes_under, session_context
+from tests.test_ray_job import RAY, _end, _free_ports, _until
+
+FULL = "network,pids,filesystem,user"
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "the default isolates fully only as root (an unprivileged user needs root)"
+    for why in (isolation.network_unavailable(), isolation.mounts_unavailable(), pidlimit.unavailable()):
+        if why is not None:
+            return why
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=f"no full isolation here: {_why_not()}")
+
+TAG = uuid.uuid4().hex[:10]
+RAY_TOKEN = f"ray-token-FAKE-{TAG}"
+AWS_SECRET = f"aws-secret-FAKE-{TAG}"
+WORKER_KEY = f"sk-worker-FAKE-{TAG}"
+SECRETS = (RAY_TOKEN, AWS_SECRET, WORKER_KEY)
+
+
+@dataclass
+class Host:
+    """What an attacker is after on this host: a home with credentials and a Ray head reading them."""
+
+    home: Path
+    gcs: int
+    raylet: int
+    dashboard: int
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    # A home where homes are (hidden from sandboxes like /root), else under /tmp (hidden too).
+    base = "/home" if os.access("/home", os.W_OK) else None
+    home = Path(tempfile.mkdtemp(prefix="rollout-attack-", dir=base))
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(RAY_TOKEN)
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text(f"[default]\naws_secret_access_key = {AWS_SECRET}\n")
+    # Ray's socket paths must fit in 107 bytes: a short temp dir of its own.
+    root = Path(tempfile.mkdtemp(prefix="rr-atk-", dir="/tmp"))
+    names = (
+        "port dashboard-port ray-client-server-port dashboard-agent-listen-port dashboard-agent-grpc-port "
+        "node-manager-port object-manager-port runtime-env-agent-port metrics-export-port"
+    ).split()
+    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    log = root / "head.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(RAY), "start", "--head", "--block", "--temp-dir", str(root / "ray"), "--num-cpus", "1"]
+            + ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1"]
+            + [f"--{name}={port}" for name, port in ports.items()],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        for name in ("port", "node-manager-port", "dashboard-port"):
+            _until(f"{name} listening", lambda n=name: _listening(ports[n]), 120, proc, log)
+        yield Host(home, ports["port"], ports["node-manager-port"], ports["dashboard-port"])
+    finally:
+        left = _end(proc, str(root))
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+        assert not left, f"killed by pid after SIGTERM to the head: {left}"
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class World:
+    holder: int  # stands in for the worker: a process with the key in its environment
+    provider: LocalSandboxProvider
+    a: LocalSandbox
+    b: LocalSandbox  # another session on the same worker
+    run_dir: Path
+    gateway: Gateway
+    base_url: str  # session a's gateway URL
+    other_url: str  # session b's
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    # Stands in for the worker, which holds the key in its environment; a target for ptrace other than
+    # this test's own process, which a sandbox that failed to isolate would stop.
+    holder = subprocess.Popen(
+        ["sleep", "300"], env={"PATH": os.environ["PATH"], "OPENAI_API_KEY": WORKER_KEY}
+    )
+    scripted = ScriptedModel()
+    await scripted.start()
+    gateway = Gateway(scripted.base_url, None)
+    await gateway.start(unix_path=str(tmp_path / "gw.sock"))
+    forward = (urlsplit(gateway.url).port or 0, str(tmp_path / "gw.sock"))
+    config = LocalSandboxConfig(max_processes=64, max_file_mb=8)
+    provider = config.build(tmp_path / "sandboxes", forward)
+    run_dir = tmp_path / "runs" / "r"
+    (run_dir / "rows").mkdir(parents=True)
+    (run_dir / "rows" / "part-0.parquet").write_text("rows of other rollouts")
+    provider.hide(run_dir)
+    a = await provider.start(SandboxSpec(run_id="r", session_id="a", ttl_s=300))
+    b = await provider.start(SandboxSpec(run_id="r", session_id="b", ttl_s=300))
+    Path(b.workdir, "answer.txt").write_text("the other session's work")
+    evidence = tmp_path / "evidence"
+    urls = [gateway.open_session(s, evidence / s).base_url for s in ("a", "b")]
+    try:
+        yield World(holder.pid, provider, a, b, run_dir, gateway, urls[0], urls[1])
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        for sandbox in (a, b):
+            await sandbox.stop()
+        await provider.aclose()
+        await gateway.stop()
+        await scripted.stop()
+    assert not processes_under(str(tmp_path / "sandboxes"))
+
+
+async def _sh(sandbox: LocalSandbox, script: str, timeout: float = 30) -> tuple[int | None, str]:
+    res = await sandbox.exec(["sh", "-c", script], timeout=timeout)
+    return res.exit_code, res.stdout_tail + res.stderr_tail
+
+
+def _no_secret(text: str) -> None:
+    assert not any(s in text for s in SECRETS), text[-2000:]
+
+
+# --- reading what is not the sandbox's ---------------------------------------------------------------
+
+
+READS = {
+    "ray token": "cat {home}/.ray/auth_token",
+    "aws credentials": "cat {home}/.aws/credentials",
+    "root's home": "ls -A /root/.ray /root/.aws /root/.config 2>&1; cat /root/.ray/auth_token",
+    "worker environ": "cat /proc/{pid}/environ",
+    "every environ": "cat /proc/*/environ | tr '\\0' '\\n' | grep -F {key}",
+    "other sandbox": "cat {b}/answer.txt",
+    "sandbox root": "ls {root}/r | grep -F b",
+    "run directory": "cat {run}/rows/part-0.parquet",
+}
+
+
+@pytest.mark.parametrize("attack", READS, ids=list(READS))
+async def test_reading_what_is_not_the_sandboxs_fails(world, host, attack):
+    script = READS[attack].format(
+        home=host.home,
+        pid=world.holder,
+        key=WORKER_KEY,
+        b=world.b.workdir,
+        root=world.provider.root,
+        run=world.run_dir,
+    )
+    code, out = await _sh(world.a, script)
+    assert code != 0, out
+    _no_secret(out)
+    assert "the other session's work" not in out and "rows of other rollouts" not in out
+
+
+CONNECT = """
+import socket, sys
+for port in sys.argv[1:]:
+    try:
+        socket.create_connection(("127.0.0.1", int(port)), timeout=3).close()
+        print("connected", port)
+    except OSError as exc:
+        print("refused", port, exc.errno)
+"""
+
+
+async def test_the_ray_ports_are_out_of_reach(world, host):
+    ports = [str(p) for p in (host.gcs, host.raylet, host.dashboard)]
+    res = await world.a.exec(["python3", "-c", CONNECT, *ports], timeout=30)
+    assert res.exit_code == 0, res.stderr_tail
+    assert res.stdout_tail.split("\n")[:3] == [f"refused {p} 111" for p in ports]
+    assert all(_listening(int(p)) for p in ports)  # they are up, for the worker
+
+
+FETCH = """
+import sys, urllib.request, urllib.error
+for url in sys.argv[1:]:
+    try:
+        with urllib.request.urlopen(url + "/models", timeout=10) as answer:
+            print(answer.status)
+    except urllib.error.HTTPError as exc:
+        print(exc.code)
+"""
+
+
+async def test_only_its_own_gateway_prefix_answers(world):
+    parts = urlsplit(world.base_url)
+    origin = f"{parts.scheme}://{parts.netloc}"
+    guessed = [f"{origin}/s/{uuid.uuid4().hex}/v1", f"{origin}/s//v1", f"{origin}/v1", f"{origin}/s/x/v1"]
+    res = await world.a.exec(["python3", "-c", FETCH, world.base_url, *guessed], timeout=30)
+    assert res.exit_code == 0, res.stderr_tail
+    own, *others = res.stdout_tail.split()
+    assert own == "200" and all(code != "200" for code in others), res.stdout_tail
+    # Session b's prefix works only for whoever holds its token: b's harness, never a's.
+    assert world.other_url.split("/s/")[1] not in repr(world.a.base_env)
+
+
+PTRACE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for pid in map(int, sys.argv[1:]):
+    ok = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+    print(pid, ok, os.strerror(ctypes.get_errno()))
+"""
+
+
+async def test_ptrace_of_the_worker_or_the_namespace_init_fails(world):
+    res = await world.a.exec(["python3", "-c", PTRACE, str(world.holder), "1"], timeout=30)
+    lines = res.stdout_tail.splitlines()
+    assert lines[0] == f"{world.holder} -1 No such process", res.stdout_tail + res.stderr_tail
+    assert lines[1] == "1 -1 Operation not permitted"
+
+
+async def test_writes_outside_the_session_fail(world, host):
+    probe = Path(__file__).parent / f".attack-probe-{TAG}"  # a host directory in sight, read-only
+    targets = [probe, Path("/etc") / f"attack-{TAG}", host.home / "planted", world.b.workdir + "/planted"]
+    try:
+        for target in targets:
+            code, out = await _sh(world.a, f"echo x > {target}")
+            assert code != 0, (target, out)
+            assert not Path(target).exists()
+        code, out = await _sh(world.a, f"echo x > {world.a.workdir}/mine && id -un")
+    finally:
+        probe.unlink(missing_ok=True)
+    assert code == 0 and out.strip() == "rollout-sandbox", out
+    assert Path(world.a.workdir, "mine").read_text() == "x\n"
+    # Nor can it touch what the worker reads back: the supervisors' results and logs are not in its view.
+    code, out = await _sh(world.a, f"ls {world.a.root}/run {world.a.root}/logs")
+    assert code != 0, out
+
+
+# --- taking the host's resources -------------------------------------------------------------------------
+
+
+async def test_a_fork_bomb_is_capped_and_the_other_session_unharmed(world):
+    pidlimit.sweep()  # as another run starting would: the idle sandboxes' caps go, and come back per command
+    bomb = world.a.exec(["bash", "-c", "b() { b | b & }; b; sleep 3"], timeout=3)
+    loop = "for i in 1 2 3 4 5 6 7 8; do /bin/true || exit 1; done; echo ok"
+    other = world.b.exec(["sh", "-c", loop], timeout=60)
+    bombed, fine = await asyncio.gather(bomb, other)
+    assert fine.exit_code == 0 and fine.stdout_tail.strip() == "ok", fine.stderr_tail
+    assert bombed.timed_out or bombed.exit_code is not None
+    assert "fork" in bombed.stderr_tail.lower() or "resource" in bombed.stderr_tail.lower()
+    again = await world.a.exec(["sh", "-c", "echo alive"], timeout=30)  # its own sandbox recovers too
+    assert again.stdout_tail.strip() == "alive"
+
+
+async def test_a_runaway_file_stops_at_the_cap_and_the_other_session_writes(world):
+    res = await world.a.exec(["sh", "-c", "head -c 64M /dev/zero > big"], timeout=60)
+    assert res.exit_code != 0 or res.signal == signal.SIGXFSZ, res
+    assert Path(world.a.workdir, "big").stat().st_size == 8 * 1024 * 1024
+    code, out = await _sh(world.b, "head -c 1M /dev/zero > f && echo ok")
+    assert code == 0 and out.strip() == "ok"
+
+
+# --- through the harness ----------------------------------------------------------------------------------
+
+
+async def test_a_codex_shell_step_gets_nothing_and_the_row_says_how_it_was_isolated(
+    tmp_path, host, monkeypatch
+):
+    monkeypatch.setenv("OPENAI_API_KEY", WORKER_KEY)
+    probe = (
+        f"cat {host.home}/.ray/auth_token {host.home}/.aws/credentials /proc/{os.getpid()}/environ "
+        f"> loot.txt 2>&1; python3 -c '{CONNECT.strip()}' {host.gcs} {host.dashboard} >> loot.txt 2>&1;"
+        f" id -un >> loot.txt; true"
+    )
+    task = Task.model_validate(
+        {
+            "id": "loot",
+            "prompt": "look around",
+            "model_script": [{"type": "shell", "command": probe}, {"type": "text", "text": "ok"}],
+        }
+    )
+    async with session_context(tmp_path) as ctx:
+        row = await run_session(SessionRequest("attack", task, 0, 1), ctx)
+    assert row["status"] == "completed", row["error_message"]
+    assert row["sandbox_isolation"] == FULL
+    diff = row["workspace_diff"] or ""
+    assert "+rollout-sandbox" in diff and f"+refused {host.gcs} 111" in diff, diff[-3000:]
+    assert "connected" not in diff
+    _no_secret(repr(row))
