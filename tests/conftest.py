@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,20 @@ def test_images() -> Any:
     from sandboxes.testing.images import ensure_test_images
 
     return ensure_test_images()
+
+
+@pytest.fixture
+def gate_dir() -> Iterator[Path]:
+    """A directory of this test's own that a sandboxed command can see (read-only), for the gate files a
+    test opens to let its sessions go on: the default sandbox hides /tmp (so ``tmp_path``), homes, /root,
+    /srv and /mnt. As root under /var/lib; otherwise beside this file, in the repository."""
+    base = Path("/var/lib/rollout-executor-tests") if os.geteuid() == 0 else REPO / "tests" / ".gates"
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=base))
+    for traversed in (base, path):  # the sandbox's own user reads the gates
+        traversed.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

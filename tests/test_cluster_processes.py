@@ -68,7 +68,7 @@ def _gated_sessions(marker: str) -> int:
     return sum(1 for entry in processes_under(marker) if "while" in entry)
 
 
-def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch):
+def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch, gate_dir):
     # Short, under /tmp: Ray's socket paths must fit in 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="rr-mp-", dir="/tmp"))
     logs = root / "logs"
@@ -129,7 +129,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
 
             job = root / "job"
             job.mkdir()
-            gate = root / "gate"
+            gate = gate_dir / "gate"  # where the sandboxes see it: /tmp is hidden from them
             (job / "tasks.jsonl").write_text(
                 "".join(
                     json.dumps({"id": f"t{i}", "prompt": "p", "verify": "test -f done.txt"}) + "\n"

@@ -287,13 +287,12 @@ def _rows(tmp_path: Path, run_id: str) -> list[dict[str, Any]]:
 @needs_pid_namespace
 @pytest.mark.parametrize("inside", ["first", "second"], ids=["first-run-inside", "second-run-inside"])
 def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
-    tmp_path: Path, ray_tmps: tuple[Path, Path], inside: str
+    tmp_path: Path, ray_tmps: tuple[Path, Path], inside: str, gate_dir: Path
 ) -> None:
     """The first run holds its sessions (sandboxes, laid-out workspaces) live while the second run's
     worker starts, reaps at its start-up, runs and ends; then the first run finishes. Either run may be
     the one in a PID namespace of its own: each reaper sees pids the other's owner does not have."""
-    # Where the sandboxes see it: /tmp (and so tmp_path) is hidden from a sandboxed command by default.
-    gate = Path(__file__).parent / f".gate-{tmp_path.name}-{os.getpid()}"
+    gate = gate_dir / "gate"  # where the sandboxes see it: /tmp (and so tmp_path) is hidden from them
     first_cfg, second_cfg = _config(tmp_path, "first", gate), _config(tmp_path, "second", None)
     root = tmp_path / "sandboxes"
 
@@ -311,10 +310,7 @@ def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
         _finish(second, second_log)
     finally:
         gate.touch()
-        try:
-            _finish(first, first_log)
-        finally:
-            gate.unlink()
+    _finish(first, first_log)
 
     for run_id in ("first", "second"):
         rows = _rows(tmp_path, run_id)

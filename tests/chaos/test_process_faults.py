@@ -89,9 +89,9 @@ def _hanging_sessions(sandboxes: Path, marker: str) -> set[str]:
     return found
 
 
-def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_path):
+def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_path, gate_dir):
     n = 20
-    released = tmp_path / "released"
+    released = gate_dir / "released"
     # The `command` harness: each session hangs until the test releases it, so all 20 are surely running
     # at the kill however loaded the machine is, and the resubmitted attempts finish at once.
     command = f"while [ ! -e {released} ]; do sleep 0.5; done; echo ok > out.txt; echo done"
@@ -135,10 +135,10 @@ def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_
     shutil.rmtree(sandboxes, ignore_errors=True)
 
 
-def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_run(tmp_path):
+def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_run(tmp_path, gate_dir):
     n = 16
     slow = {0, 2}  # time out at their 4 s deadline: graded partial work, the same in every run
-    gates = [tmp_path / f"gate{g}" for g in range(4)]  # task i waits for gates[i // 4]; gate 0 is open
+    gates = [gate_dir / f"gate{g}" for g in range(4)]  # task i waits for gates[i // 4]; gate 0 is open
 
     def script(i: int) -> list[dict]:
         if i in slow:
