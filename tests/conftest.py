@@ -107,6 +107,7 @@ async def session_context(
     """
     from executor.config import RunConfig
     from executor.session import SessionContext
+    from executor.storage import locate
     from executor.worker import _gateway_socket, _provider
     from harnesses.codex import CodexHarness
     from harnesses.gateway import Gateway
@@ -119,7 +120,7 @@ async def session_context(
     await scripted.start()
     gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway)
     await gateway.start(unix_path=_gateway_socket(cfg))
-    provider: Any = _provider(cfg, tmp_path / "sandboxes", gateway, tmp_path / "evidence")
+    provider: Any = _provider(cfg, tmp_path / "sandboxes", gateway, locate(str(tmp_path / "evidence")))
     try:
         yield SessionContext(
             config=cfg,
