@@ -32,13 +32,14 @@ from executor.config import RunConfig
 from executor.driver import decide_row
 from executor.export import task_file
 from executor.session import SessionContext, SessionRequest, run_session
-from executor.storage import Where, local_copy, locate
+from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, Task, load_tasks
+from executor.worker import build_provider, gateway_socket
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from sandboxes.local import LocalSandboxProvider
+from sandboxes.local import LocalSandboxConfig
 
 if TYPE_CHECKING:  # test machinery: loaded below only when the run used it
     from harnesses.testing.scripted_model import ScriptedModel
@@ -94,7 +95,7 @@ def find_task(run_dir: Where, task_id: str) -> Task:
 
 @contextlib.asynccontextmanager
 async def replay_context(
-    cfg: RunConfig, row: dict[str, Any], evidence_root: Path
+    cfg: RunConfig, row: dict[str, Any], evidence_root: Path, run_dir: Location
 ) -> AsyncIterator[SessionContext]:
     """What a worker would build for this row, but started and stopped around one session."""
     scripted: ScriptedModel | None = None
@@ -106,12 +107,16 @@ async def replay_context(
         upstream, key = scripted.base_url, None
     else:
         upstream, key = cfg.model.base_url or "", cfg.model.api_key()
+    # Here, in a local sandbox isolated as the run's was (the run's own section when it was local): a
+    # harness sees the same filesystem, user and network, so what it does compares.
+    if not isinstance(cfg.sandbox, LocalSandboxConfig):
+        cfg = cfg.model_copy(update={"sandbox": LocalSandboxConfig(root=str(cfg.sandbox.root_dir()))})
     gateway = Gateway(upstream, key, cfg.gateway)
-    await gateway.start()
+    await gateway.start(unix_path=gateway_socket(cfg))
     try:
         yield SessionContext(
             config=cfg,
-            provider=LocalSandboxProvider(cfg.sandbox.root_dir(), keep=cfg.sandbox.keep, pids="auto"),
+            provider=build_provider(cfg, cfg.sandbox.root_dir(), gateway, run_dir),
             harness=make_harness(
                 row["harness"] or cfg.harness.name, row["harness_version"], cfg.harness.command
             ),
@@ -178,7 +183,7 @@ async def replay(
     out_dir.mkdir(parents=True, exist_ok=True)
     # Its own run id: the replay's sandbox never shares a directory with the run's (which may still go).
     req = SessionRequest(f"{cfg.run_id}.replay-{stamp}", task, row["sample_index"], row["attempt"])
-    async with replay_context(cfg, row, out_dir / "evidence") as ctx:
+    async with replay_context(cfg, row, out_dir / "evidence", run_dir) as ctx:
         replayed = await run_session(req, ctx)
     # The policy's own verdict, so a row it masks compares with a null reward as the recorded one does.
     # A group policy can still have overridden the recorded decision: decision is shown, not compared.

@@ -96,12 +96,12 @@ class SandboxWorker:
             else:
                 upstream, key = cfg.model.base_url or "", cfg.model.api_key()
             gateway = Gateway(upstream, key, cfg.gateway)
-            await gateway.start(host=gateway_host(cfg), unix_path=_gateway_socket(cfg))
+            await gateway.start(host=gateway_host(cfg), unix_path=gateway_socket(cfg))
             root = cfg.sandbox.root_dir()
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
             await asyncio.to_thread(reap_quietly, cfg.sandbox)
             self._ctx = SessionContext(
-                provider=_provider(cfg, root, gateway, self.run_dir),
+                provider=build_provider(cfg, root, gateway, self.run_dir),
                 harness=make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command),
                 gateway=gateway,
                 scripted=scripted,
@@ -246,7 +246,7 @@ async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:
             log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), str(exc)[:500])
 
 
-def _gateway_socket(cfg: RunConfig) -> str | None:
+def gateway_socket(cfg: RunConfig) -> str | None:
     """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,
     since a socket path must fit in 108 bytes."""
     if not cfg.sandbox.needs_gateway_socket:
@@ -262,7 +262,7 @@ def _hide_run(provider: SandboxProvider, run_dir: Location) -> None:
         provider.hide(run_dir.local)
 
 
-def _provider(cfg: RunConfig, root: Path, gateway: Gateway, run_dir: Location) -> SandboxProvider:
+def build_provider(cfg: RunConfig, root: Path, gateway: Gateway, run_dir: Location) -> SandboxProvider:
     forward = (urlsplit(gateway.url).port or 0, gateway.unix_path) if gateway.unix_path else None
     provider: SandboxProvider = cfg.sandbox.build(root, forward)
     _hide_run(provider, run_dir)

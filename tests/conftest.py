@@ -108,7 +108,7 @@ async def session_context(
     from executor.config import RunConfig
     from executor.session import SessionContext
     from executor.storage import locate
-    from executor.worker import _gateway_socket, _provider
+    from executor.worker import build_provider, gateway_socket
     from harnesses.codex import CodexHarness
     from harnesses.gateway import Gateway
     from harnesses.install import default_cache_root
@@ -119,8 +119,8 @@ async def session_context(
     scripted = ScriptedModel(model_names=(cfg.model.name,))
     await scripted.start()
     gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway)
-    await gateway.start(unix_path=_gateway_socket(cfg))
-    provider: Any = _provider(cfg, tmp_path / "sandboxes", gateway, locate(str(tmp_path / "evidence")))
+    await gateway.start(unix_path=gateway_socket(cfg))
+    provider: Any = build_provider(cfg, tmp_path / "sandboxes", gateway, locate(str(tmp_path / "evidence")))
     try:
         yield SessionContext(
             config=cfg,

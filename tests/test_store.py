@@ -6,6 +6,7 @@ import textwrap
 import pyarrow.parquet as pq
 import pytest
 
+from executor.row import SCHEMA_VERSION
 from executor.schema import (
     COLUMNS,
     ROW_SCHEMA,
@@ -51,7 +52,7 @@ def test_schema_columns_cover_identity_and_decision():
         "verifier_runs",
     ):
         assert name in COLUMNS
-    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == b"4"
+    assert ROW_SCHEMA.metadata[b"rollout_executor_schema"] == SCHEMA_VERSION.encode()
 
 
 def test_rows_travel_from_worker_to_driver_unchanged():
@@ -65,7 +66,7 @@ def test_rows_of_another_schema_version_are_refused_by_name():
 
     old = pa.schema([pa.field("run_id", pa.string())], metadata={"rollout_executor_schema": "1"})
     sent = batch_to_wire(pa.RecordBatch.from_pylist([{"run_id": "r"}], schema=old))
-    with pytest.raises(ValueError, match="schema version 1, this driver writes version 4"):
+    with pytest.raises(ValueError, match=f"schema version 1, this driver writes version {SCHEMA_VERSION}"):
         batch_from_wire(sent)
 
 
