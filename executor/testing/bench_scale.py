@@ -80,6 +80,7 @@ class Sampler:
         self._note("workers", len(workers))
         self._note("workers_pss_mb", _sum_pss(workers) / 2**20)
         self._note("workers_fds", sum(_fds(p) for p in workers))
+        self._note("workers_threads", sum(_threads(p) for p in workers))
         self._note("cluster_processes", len(cluster))
         self._note("cluster_pss_mb", _sum_pss(cluster) / 2**20)
         self._note("sandbox_processes", len(sandbox))
@@ -111,6 +112,13 @@ def _sum_pss(pids: Any) -> int:
         except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, ValueError):
             continue
     return total
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
 
 
 def _fds(pid: int) -> int:
@@ -192,7 +200,8 @@ def line(f: dict[str, Any]) -> str:
         f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s); peaks: "
         f"driver RSS {f['driver_peak_rss_mb']:.0f} MB, fds {p.get('driver_fds', 0):.0f}, threads "
         f"{p.get('driver_threads', 0):.0f}; {p.get('workers', 0):.0f} workers' PSS "
-        f"{p.get('workers_pss_mb', 0):.0f} MB, fds {p.get('workers_fds', 0):.0f}; other cluster processes "
+        f"{p.get('workers_pss_mb', 0):.0f} MB, fds {p.get('workers_fds', 0):.0f}, threads "
+        f"{p.get('workers_threads', 0):.0f}; other cluster processes "
         f"{p.get('cluster_processes', 0):.0f} (PSS {p.get('cluster_pss_mb', 0):.0f} MB); sandbox "
         f"processes {p.get('sandbox_processes', 0):.0f} (PSS {p.get('sandbox_pss_mb', 0):.0f} MB); "
         f"outcomes {f['outcomes']}; the last session started {f['starts_spread_s']:.1f} s after the first; "
