@@ -31,7 +31,7 @@ from sandboxes import isolation, pidlimit
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandbox, LocalSandboxConfig, LocalSandboxProvider
 from tests.conftest import processes_under, session_context
-from tests.test_ray_job import RAY, _end, _free_ports, _until
+from tests.test_ray_job import _end, _until, start_head
 
 FULL = "network,pids,filesystem,user"
 
@@ -75,24 +75,7 @@ def host() -> Iterator[Host]:
     (home / ".aws" / "credentials").write_text(f"[default]\naws_secret_access_key = {AWS_SECRET}\n")
     # Ray's socket paths must fit in 107 bytes: a short temp dir of its own.
     root = Path(tempfile.mkdtemp(prefix="rr-atk-", dir="/tmp"))
-    names = (
-        "port dashboard-port ray-client-server-port dashboard-agent-listen-port dashboard-agent-grpc-port "
-        "node-manager-port object-manager-port runtime-env-agent-port metrics-export-port"
-    ).split()
-    ports = dict(zip(names, _free_ports(len(names)), strict=True))
-    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    log = root / "head.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(RAY), "start", "--head", "--block", "--temp-dir", str(root / "ray"), "--num-cpus", "1"]
-            + ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1"]
-            + [f"--{name}={port}" for name, port in ports.items()],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+    proc, ports, log = start_head(root, {"HOME": str(home), "RAY_AUTH_MODE": "token"}, num_cpus=1)
     try:
         for name in ("port", "node-manager-port", "dashboard-port"):
             _until(f"{name} listening", lambda n=name: _listening(ports[n]), 120, proc, log)

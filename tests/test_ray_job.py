@@ -140,6 +140,44 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+HEAD_PORTS = (
+    "port dashboard-port ray-client-server-port dashboard-agent-listen-port dashboard-agent-grpc-port "
+    "node-manager-port object-manager-port runtime-env-agent-port metrics-export-port"
+).split()
+
+
+def start_head(
+    root: Path, env: dict[str, str], *, num_cpus: int
+) -> tuple[subprocess.Popen[bytes], dict[str, int], Path]:
+    """`ray start --head --block` with its temp dir under ``root``, loopback only, every port free and
+    named (``HEAD_PORTS``), ``env`` over ours (no RAY_ADDRESS); its process, its ports and its log. End
+    it with ``_end``, never `ray stop`."""
+    ports = dict(zip(HEAD_PORTS, _free_ports(len(HEAD_PORTS)), strict=True))
+    full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
+    full_env.pop("RAY_ADDRESS", None)
+    log = root / "head.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                str(RAY),
+                "start",
+                "--head",
+                "--block",
+                "--temp-dir",
+                str(root / "ray"),
+                "--num-cpus",
+                str(num_cpus),
+            ]
+            + ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1"]
+            + [f"--{name}={port}" for name, port in ports.items()],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,  # a Ctrl-C of the test run reaches this head through _end only
+        )
+    return proc, ports, log
+
+
 def _until(
     what: str, ready: Callable[[], bool], bound_s: float, proc: subprocess.Popen[bytes], log: Path
 ) -> None:
@@ -184,29 +222,11 @@ def head() -> Iterator[Head]:
     # Short, under /tmp rather than tmp_path: Ray's socket paths (TEMP/ray/session_.../sockets/...) must
     # fit in 107 bytes. Every process of this head names it on its command line or has its cwd there.
     root = Path(tempfile.mkdtemp(prefix="rr-job-", dir="/tmp"))
-    names = (
-        "port dashboard-port ray-client-server-port dashboard-agent-listen-port dashboard-agent-grpc-port "
-        "node-manager-port object-manager-port runtime-env-agent-port metrics-export-port"
-    ).split()
-    ports = dict(zip(names, _free_ports(len(names)), strict=True))
-    log = root / "head.log"
     env = {
-        **os.environ,
         "RAY_AUTH_MODE": "disabled",  # as every test cluster here: loopback only, no token to hand out
-        "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(REPO),  # what the job's entrypoint imports, as a cluster's nodes install it
     }
-    env.pop("RAY_ADDRESS", None)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(RAY), "start", "--head", "--block", "--temp-dir", str(root / "ray"), "--num-cpus", "2"]
-            + ["--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1"]
-            + [f"--{name}={port}" for name, port in ports.items()],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a Ctrl-C of the test run reaches this head through _end only
-        )
+    proc, ports, log = start_head(root, env, num_cpus=2)
     address_file = root / "ray" / "ray_current_cluster"
     dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
