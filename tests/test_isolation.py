@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,9 +154,10 @@ async def test_a_sandboxs_commands_share_its_namespace_which_ends_with_its_serve
     provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, pids="isolated")
     mine = await provider.start(SandboxSpec(run_id="r", session_id="mine", ttl_s=300))
     other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
-    long = asyncio.ensure_future(
-        mine.exec(["bash", "-c", f"echo $$ > {fifo.path}; exec -a {mark} sleep 300"], timeout=300)
-    )
+    # The marked process reports itself once its exec is done: /proc/PID/cmdline reads empty while an
+    # exec is under way, so a report before it would race the reads below.
+    marked = f"exec -a {mark} bash -c " + shlex.quote(f"echo $$ > {fifo.path}; sleep 300 & wait")
+    long = asyncio.ensure_future(mine.exec(["bash", "-c", marked], timeout=300))
     try:
         inner_pid = int((await fifo.lines(1))[0])
         seen = await mine.exec(["cat", f"/proc/{inner_pid}/cmdline"], timeout=30)
