@@ -73,14 +73,19 @@ def _listening(port: int) -> bool:
 
 
 @contextmanager
-def s3_server(log: Path) -> Iterator[S3Server]:
+def s3_server(log: Path, authenticating: bool = False) -> Iterator[S3Server]:
+    """``authenticating``: the server checks every request's credentials against its own (empty) IAM, as
+    AWS does, so any key is refused; by default moto accepts any key."""
     port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    if authenticating:
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+            env=env,
             start_new_session=True,
         )
     server = S3Server(proc, f"http://127.0.0.1:{port}")

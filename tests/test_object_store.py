@@ -184,6 +184,18 @@ def test_bad_storage_is_one_line_and_exit_2_before_anything_starts(tmp_path, s3,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.jsonl"]
 
 
+def test_refused_credentials_are_one_line_and_exit_2_before_anything_starts(tmp_path, s3_env):
+    with s3_server(tmp_path / "moto-auth.log", authenticating=True) as strict:
+        env = {**s3_env, **strict.env()}
+        config = _config(tmp_path, "s3://some-bucket/runs")
+        proc = _cli(env, "run", str(config), "--no-preflight", cwd=tmp_path)
+    line = _one_error_line(proc)
+    assert "s3://some-bucket/runs" in line and "cannot write there" in line, line
+    assert "INVALID_ACCESS_KEY_ID" in line, line
+    assert "testing" not in line  # the key id is not echoed back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moto-auth.log", "run.yaml", "tasks.jsonl"]
+
+
 def test_a_part_that_exists_on_s3_is_never_overwritten(s3, bucket, s3_env):
     run = f"s3://{bucket}/runs/p"
     store = RunStore(run)
