@@ -10,6 +10,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,6 +162,66 @@ def test_a_run_on_s3_is_written_resumed_and_read_back_from_the_uri(tmp_path, s3,
     assert len(trained) == 6 and {t["prompt"] for t in trained} == {"p"}  # tasks from the run's snapshot
     replay = _cli(s3_env, "replay", f"{uri}/r", "t1.s0.a1", cwd=tmp_path)
     assert replay.returncode == 0 and "same outcome" in replay.stdout, replay.stdout + replay.stderr[-3000:]
+
+
+@pytest.mark.integration
+def test_a_driver_sigkilled_mid_run_on_s3_resumes_from_the_uri_with_each_pair_once(
+    tmp_path, s3, bucket, s3_env, gate_dir
+):
+    """Three quick tasks finish and their part reaches S3 while three more wait in their agents on a gate;
+    the driver is SIGKILLed there. The resume from the URI runs only what has no final row."""
+    uri = f"s3://{bucket}/runs"
+    gate = gate_dir / "open"
+    wait = f'if [ "$ROLLOUT_PROMPT" = gated ]; then until [ -e {gate} ]; do sleep 0.1; done; fi; '
+    lines = [
+        json.dumps({"id": f"t{i}", "prompt": "quick" if i < 3 else "gated", "verify": "test -f done.txt"})
+        for i in range(6)
+    ]
+    (tmp_path / "tasks.jsonl").write_text("\n".join(lines) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"tasks: tasks.jsonl\nout: {uri}\nrun_id: r\n"
+        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+        f"harness: {{name: command, command: {json.dumps(wait + AGENT)}}}\n"
+        "concurrency: {workers: 1, sessions_per_worker: 6}\n"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "executor.cli", "run", str(config), "--no-preflight"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=s3_env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not part_files(f"{uri}/r/rows") and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # waiting for a condition, bounded; not synchronisation by sleeping
+        assert driver.poll() is None, "the run ended before it could be killed"
+        assert part_files(f"{uri}/r/rows"), "no part file on S3 within the bound"
+    finally:
+        driver.kill()
+        driver.wait(timeout=60)
+    before = read_table(f"{uri}/r").to_pylist()
+    assert before and {r["task_id"] for r in before} <= {"t0", "t1", "t2"}
+    deadline = time.monotonic() + 60
+    while processes_under(str(tmp_path / "sandboxes")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the killed driver's sandboxes end on their own, bounded
+    assert not processes_under(str(tmp_path / "sandboxes"))
+
+    gate.touch()
+    again = _cli(s3_env, "run", str(config), "--no-preflight", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = read_table(f"{uri}/r").to_pylist()
+    identities = [(r["task_id"], r["sample_index"], r["attempt"]) for r in rows]
+    assert len(identities) == len(set(identities))
+    finals = sorted((r["task_id"], r["sample_index"]) for r in rows if r["final"])
+    assert finals == [(f"t{i}", 0) for i in range(6)]  # each pair exactly once
+    assert all(r["reward"] == 1.0 for r in rows if r["final"])
+    for r in rows:  # the evidence of rows written before and after the kill is on S3
+        prefix = r["evidence_dir"].removeprefix(f"s3://{bucket}/")
+        assert any(k.endswith("harness.stdout.gz") for k in s3.keys(bucket, prefix)), r["evidence_dir"]
+    assert not processes_under(str(tmp_path / "sandboxes"))
 
 
 @pytest.mark.parametrize("case", ["missing bucket", "endpoint not reached", "unsupported scheme"])
