@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import ray
 
 from executor.config import RunConfig
-from executor.reaper import reap_quietly
+from executor.reaper import new_evidence_scratch, reap_quietly
 from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, locate
@@ -72,7 +72,7 @@ class SandboxWorker:
         if self.run_dir.local is not None:
             evidence_root, evidence_store = self.run_dir.local / "evidence", None
         else:
-            evidence_root = Path(tempfile.mkdtemp(prefix=f"rollout-evidence-{cfg.run_id}-"))
+            evidence_root = new_evidence_scratch(cfg.run_id or "")
             evidence_store = self.run_dir / "evidence"
         return {
             "config": cfg,

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -212,6 +213,18 @@ def known_dead(root: Path, name: str, *, missing_is_dead: bool = True) -> bool:
         return True
     finally:
         os.close(fd)  # and with it the probe's lock
+
+
+def reap_dead_dirs(root: Path, kind: str) -> list[str]:
+    """Remove ``<root>/<run>/<kind>/<owner>``, the directories that owners keep per run under ``root``
+    (named after their records there), of every owner known dead; returns them relative to ``root``."""
+    root = Path(root)
+    removed = []
+    for path in sorted(root.glob(f"*/{kind}/*")):
+        if known_dead(root, path.name):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path.relative_to(root)))
+    return removed
 
 
 def forget_dead(root: Path) -> list[str]:

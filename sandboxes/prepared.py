@@ -113,13 +113,7 @@ class PreparedWorkspaces:
 def reap_prepared(root: Path) -> list[str]:
     """Remove the entries of every run's workers under the sandbox root ``root`` whose owner is dead;
     returns the directories removed, relative to ``root``."""
-    root = Path(root)
-    removed = []
-    for path in sorted(root.glob(f"*/{PREPARED_DIR}/*")):
-        if owner.known_dead(root, path.name):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path.relative_to(root)))
-    return removed
+    return owner.reap_dead_dirs(root, PREPARED_DIR)
 
 
 def _key_of(spec: WorkspaceSpec, files: dict[str, str]) -> str:

@@ -180,7 +180,8 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                     assert {prefix + "harness.stdout.gz", prefix + "model/attempts.jsonl"} <= keys, r
                     assert r["reward"] == 1.0
             survivor = root / f"scratch-{'b' if victim == 'a' else 'a'}"
-            assert not list(survivor.glob("rollout-evidence-*")), "evidence left on a node's disk"
+            left = list(survivor.glob("rollout-evidence/mp/scratch/*/evidence-*"))
+            assert not left, f"evidence left on a node's disk: {left}"
             assert not _gated_sessions(sandboxes), processes_under(sandboxes)
         finally:
             for proc in procs:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from executor.reaper import evidence_scratch_root, new_evidence_scratch, reap_evidence_scratch
 from executor.report import write_report
 from executor.runs import list_runs
 from executor.schema import rows_to_batch
@@ -122,7 +123,7 @@ def test_a_run_on_s3_is_written_resumed_and_read_back_from_the_uri(tmp_path, s3,
         names = {k.removeprefix(prefix + "/") for k in s3.keys(bucket, prefix)}
         assert {"harness.stdout.gz", "model/attempts.jsonl", "model/req-0.json.gz"} <= names, names
     assert not (tmp_path / "s3:").exists() and not (REPO / "s3:").exists()
-    assert not list(Path(tempfile.gettempdir()).glob("rollout-evidence-r-*")), "a worker's scratch was left"
+    assert not list((evidence_scratch_root() / "r").glob("*/*/evidence-*")), "a worker's scratch was left"
     assert not processes_under(str(tmp_path / "sandboxes"))
 
     # A driver SIGKILLed while it held the run leaves its lock on S3: the next driver takes it over.
@@ -323,3 +324,31 @@ def test_a_uri_names_its_store_and_a_bad_one_is_one_line(tmp_path, s3_env):
     once = locate(tmp_path / "x" / "part")
     assert once.create(b"first") and not once.create(b"second")
     assert once.read_bytes() == b"first"
+
+
+# Makes evidence scratch for run "r" as a worker does, says where, and waits to be killed.
+SCRATCH = """
+import sys
+from executor.reaper import new_evidence_scratch
+scratch = new_evidence_scratch("r")
+(scratch / "harness.stdout.gz").write_bytes(b"x")
+print(scratch, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_evidence_scratch_of_a_sigkilled_worker_is_reaped_and_a_live_one_s_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's scratch root
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", SCRATCH], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert worker.stdout is not None
+    theirs = Path(worker.stdout.readline().strip())
+    ours = new_evidence_scratch("r")
+    assert theirs.parent.parent == ours.parent.parent == evidence_scratch_root() / "r" / "scratch"
+    assert reap_evidence_scratch() == []  # its owner lives
+    worker.kill()
+    worker.wait(timeout=30)
+    assert reap_evidence_scratch() == [str(theirs.parent.relative_to(evidence_scratch_root()))]
+    assert not theirs.exists() and ours.is_dir()
