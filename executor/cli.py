@@ -465,6 +465,9 @@ def bench(
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
     store_rows: Annotated[int, typer.Option(help="(d) rows appended, then resume-scanned.")] = 100_000,
+    store_out: Annotated[
+        str | None, typer.Option(help="(d) where the rows go: a path or URI (s3://...); default local disk.")
+    ] = None,
     token_ids: Annotated[
         int, typer.Option(help="(c) token ids per model call in each row, as with gateway.capture_tokens.")
     ] = 0,
@@ -533,6 +536,7 @@ def bench(
         container=container,
         scale=(scale_sessions, scale_workers, scale_sleep),
         isolation=isolation,
+        store_out=store_out,
     )
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2))

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -441,7 +442,9 @@ def driver_memory(n: int, scratch: Path, token_ids: int = 0) -> list[dict[str, A
 # (d) ------------------------------------------------------------------------------------------------
 
 
-def store(rows: int, scratch: Path) -> dict[str, Any]:
+def store(rows: int, scratch: Path, where: str | None = None) -> dict[str, Any]:
+    """``where``: a URI (an object store's, e.g.) to write the rows under, in a directory of its own that
+    is removed after; by default the local scratch directory."""
     from executor.row import Message, Row, ToolCall
     from executor.schema import rows_to_batch
     from executor.store import RunStore, scan
@@ -467,17 +470,29 @@ def store(rows: int, scratch: Path) -> dict[str, Any]:
     batches = [
         rows_to_batch([row(i) for i in range(start, min(start + 100, rows))]) for start in range(0, rows, 100)
     ]
-    st = RunStore(scratch / "d", flush_rows=10_000)
-    t0 = time.perf_counter()
-    for batch in batches:
-        st.append(batch)
-    st.flush()
-    append_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    state = scan(scratch / "d" / "rows")
-    scan_s = time.perf_counter() - t0
+    from executor.storage import locate
+
+    base = locate(where) / f"bench-d-{uuid.uuid4().hex[:8]}" if where else locate(scratch)
+    st = RunStore(base / "d", flush_rows=10_000)
+    try:
+        t0 = time.perf_counter()
+        for batch in batches:
+            st.append(batch)
+        st.flush()
+        append_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state = scan(base / "d" / "rows")
+        scan_s = time.perf_counter() - t0
+    finally:
+        if where:
+            base.fs.delete_dir(base.path)
     assert len(state.final) == rows
-    return {"rows": rows, "append_rows_per_s": rows / append_s, "resume_scan_s": scan_s}
+    return {
+        "rows": rows,
+        "store": base.uri if where else "local disk",
+        "append_rows_per_s": rows / append_s,
+        "resume_scan_s": scan_s,
+    }
 
 
 # (e) ------------------------------------------------------------------------------------------------
@@ -616,14 +631,15 @@ def run_all(
     container: Any = None,
     scale: tuple[int, int, float] = (1000, 8, 30.0),
     isolation: str | None = None,
+    store_out: str | None = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
     out: dict[str, Any] = {}
     try:
         if "d" in parts:
-            out["d"] = d = store(store_rows, scratch)
+            out["d"] = d = store(store_rows, scratch, store_out)
             echo(
-                f"(d) store: {d['append_rows_per_s']:,.0f} rows/s appended; "
+                f"(d) store ({d['store']}): {d['append_rows_per_s']:,.0f} rows/s appended; "
                 f"resume scan of {d['rows']:,} rows {d['resume_scan_s']:.2f} s"
             )
         if "a" in parts:
