@@ -309,6 +309,13 @@ async def test_filling_the_disk_with_many_files_is_stopped_and_the_other_session
 # --- through the harness ----------------------------------------------------------------------------------
 
 
+def test_strict_is_the_default_here():
+    """What the attacks above meet under the default is what ``strict`` gives (or it refuses to run): on
+    this host the two make the same layers, so the suite's results hold for both."""
+    assert LocalSandboxConfig(isolation="strict").layers == LocalSandboxConfig().layers
+    assert LocalSandboxConfig().build(Path("/nonexistent"), (1, "/gw.sock")).isolation_label == FULL
+
+
 async def test_a_codex_shell_step_gets_nothing_and_the_row_says_how_it_was_isolated(
     tmp_path, host, monkeypatch
 ):
