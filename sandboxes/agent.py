@@ -132,7 +132,8 @@ class Agent:
         self.running = {}  # type: dict[int, tuple[subprocess.Popen, bytes | None]]
         self.stopping = False
         self.started_at = time.time()
-        for sub in SUBDIRS:
+        # A view binds back only what exists: the baseline's git directory too (made later by the worker).
+        for sub in SUBDIRS + (USER_DIRS if layers is not None and layers.filesystem else ()):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         self.layers = layers or agent_layers.Layers()
         self.run_as = self.layers.user or run_as
@@ -268,6 +269,9 @@ class Agent:
             with open(stdin_path, "wb") as f:
                 f.write(base64.b64decode(req["stdin_b64"]))
         memory_mb = req.get("memory_limit_mb")
+        layers = self._isolation_params(req.get("gateway"))
+        if self.layers.bwrap:  # bubblewrap makes them around the command, not the supervisor
+            argv, layers = agent_layers.bwrap_argv(layers, argv), {}
         params = dict(
             files,
             argv=argv,
@@ -282,7 +286,7 @@ class Agent:
             nofile_limit=65_536,
             memory_limit_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
             user=list(self.run_as) if self.run_as else None,
-            **self._isolation_params(req.get("gateway")),
+            **layers,
         )
         params_path = os.path.join(run, stem + ".params.json")
         with open(params_path, "w", encoding="utf-8") as f:
@@ -780,7 +784,7 @@ def main(argv: list | None = None) -> int:
             file=sys.stderr,
         )
     host_pid = os.getpid()  # what the node's tools (ps, slurmstepd) know the agent by
-    if layers.pids:
+    if layers.pids and not layers.bwrap:  # bubblewrap makes one per command
         agent_layers.enter_pid_namespace()  # from here on, the agent inside it
     agent = Agent(
         args.root,

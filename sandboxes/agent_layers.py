@@ -17,12 +17,15 @@ With the agent as root, each layer is the local sandbox's, made on the node:
   token) and whatever ``--hide`` names hidden, and only the session's work, home and tmp writable
   (fsview.py).
 
-Without root, none of them can be made here: commands run as the job's or task's user in the node's
-namespaces, and the agent says so. Standard library only, python3 >= 3.8: it ships beside agent.py.
+Without root, where bubblewrap and user namespaces allow, bubblewrap makes the same PID namespace (one a
+command), network and view (isolation.py's chain, as a local sandbox's without root), and the commands
+run as the job's or task's own user; where they do not, the agent says which layers it runs without.
+Standard library only, python3 >= 3.8: it ships beside agent.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
@@ -51,6 +54,9 @@ NODE_SCRATCH = ("/tmp", "/dev/shm")
 # The session's directories a command writes (agent.USER_DIRS), the rest of the root is the agent's.
 WRITABLE = ("work", "home", "tmp", "baseline.git")
 CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+ISOLATION_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(fsview.__file__)), "isolation.py")
+_BWRAP_PROBE = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid"]
+_BWRAP_PROBE += ["--unshare-net", "--die-with-parent", "--", "true"]
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -63,6 +69,7 @@ class Layers:
         self.pids = False
         self.network = False
         self.filesystem = False
+        self.bwrap = False  # the namespaces and the view made by bubblewrap, per command (not root)
         self.missing = []  # type: list[str]  # "layer (why)", for the one line the agent says
 
     @property
@@ -95,7 +102,13 @@ def resolve(mode: str, run_as: str | None) -> Layers:
     if mode == "off":
         return layers
     if not root:
-        layers.missing += [f"{name} (the agent is not root)" for name in LAYERS if name != "user"]
+        probe = Layers()
+        if _probe(_BWRAP_PROBE, "bwrap", probe):
+            layers.pids = layers.network = layers.filesystem = layers.bwrap = True
+        else:
+            layers.missing += [
+                f"{name} (not root, and {probe.missing[0]})" for name in LAYERS if name != "user"
+            ]
     else:
         layers.pids = _probe([sys.executable, "-I", "-S", "-c", _PID_PROBE], "pids", layers)
         layers.network = _probe(["unshare", "--net", "--", "true"], "network", layers)
@@ -127,6 +140,24 @@ def view(root: str, hidden: list, readonly: list, relay: str | None) -> list:
     ro = [sys.base_prefix, *readonly] + ([relay] if relay else [])
     writable = [os.path.join(root, sub) for sub in WRITABLE]
     return fsview.plan([*NODE_HIDDEN, *hidden], list(NODE_SCRATCH), ro, writable)
+
+
+def bwrap_argv(params: dict, argv: list) -> list:
+    """``argv`` under bubblewrap with the ``view`` and ``network_forward`` of ``params`` (the supervisor
+    parameters ``Agent._isolation_params`` makes): isolation.py's outer, run by path."""
+    out = [
+        sys.executable,
+        "-I",
+        "-S",
+        ISOLATION_SCRIPT,
+        "outer",
+        "--view",
+        json.dumps(params.get("view") or []),
+    ]
+    forward = params.get("network_forward")
+    if forward:
+        out += ["--forward", str(forward[0]), forward[1]]
+    return [*out, "--", *argv]
 
 
 # ---------------------------------------------------------------------------------------------------------

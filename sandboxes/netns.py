@@ -59,7 +59,8 @@ def _bring_up_loopback() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
+        if not flags & _IFF_UP:  # bubblewrap brings it up itself, and leaves an unprivileged user no right to
+            fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
