@@ -344,6 +344,8 @@ def test_demo_tasks_with_provider_slurm_and_real_codex(tmp_path):
             "accept",
         ), (task, r["error_message"])
         assert r["sandbox_provider"] == "slurm" and r["sandbox_id"].startswith("slurm-")
+        # Codex ran as the sandbox user, in the agent's namespaces, reaching the gateway through its relay.
+        assert r["sandbox_isolation"] == "network,pids,filesystem,user"
         assert r["cleanup_ok"] is True
     recovered = final["rate-limit-recovers"]["model_calls"]
     assert recovered[0]["status"] == 429 and recovered[1]["status"] == 200
