@@ -229,6 +229,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
         row.sandbox_id = sandbox.id
+        # A remote sandbox's layers are made on its node, and known once its agent has answered.
+        row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
         if ctx.scripted is not None and req.task.model_script:
             from harnesses.testing.scripted_model import parse_steps
 
@@ -237,8 +239,11 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
 
         async def install_and_prepare(gw: GatewaySession) -> Launch:
             install_dir = await ctx.ensure_installed()
+            # Where the harness's commands reach the gateway: a remote sandbox's own network reaches it
+            # only at 127.0.0.1, through its agent.
+            reach = getattr(sandbox, "gateway_url", None)
             context = LaunchContext(
-                base_url=gw.base_url,
+                base_url=reach(gw.base_url) if reach is not None else gw.base_url,
                 api_key=gw.token,
                 model=cfg.model.name,
                 prompt=req.task.prompt,

@@ -39,9 +39,11 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
             **http,
         )
     if result.timed_out:
+        # A bound of the sandbox's (its disk) ends it as its deadline would: stopped by a limit, its doing.
+        why = f"harness stopped after {result.duration_s:.1f}s: {result.limit}" if result.limit else None
         return Outcome.of(
             FailureKind.AGENT_TIMEOUT,
-            f"harness killed at its deadline after {result.duration_s:.1f}s",
+            why or f"harness killed at its deadline after {result.duration_s:.1f}s",
             **http,
         )
 

@@ -9,6 +9,12 @@ supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
     python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
                      [--ttl-s N] [--rendezvous FILE] [--max-connections N]
                      [--idle-timeout-s S] [--header-timeout-s S] [--run-as USER]
+                     [--isolation off|auto|strict] [--hide PATH]... [--readonly PATH]...
+
+``--isolation`` (default off) gives the commands the layers of agent_layers.py that the node allows: as
+root, the ``--run-as`` user, a PID namespace, a loopback-only network reaching only the worker's gateway,
+and a filesystem view hiding the node's secrets (``--hide`` adds paths, ``--readonly`` binds back paths
+such as the harness cache); ``auto`` says in one line which it cannot make, ``strict`` refuses to start.
 
 With no token it refuses to start. Once listening it writes ``--rendezvous`` (JSON: host, port, pid,
 paths) atomically, which is how a starter on another machine learns it is ready and where. Endpoints
@@ -52,9 +58,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 try:  # as part of the package
-    from sandboxes import proctree
+    from sandboxes import agent_layers, proctree
     from sandboxes import supervisor as sup
 except ImportError:  # copied beside supervisor.py and proctree.py into a sandbox
+    import agent_layers  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
     import supervisor as sup  # type: ignore[no-redef]
 
@@ -103,9 +110,14 @@ class Agent:
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP,
         confined: bool = True,
         run_as: tuple | None = None,
+        layers: agent_layers.Layers | None = None,
+        hidden: list | None = None,
+        readonly: list | None = None,
     ) -> None:
         """``run_as`` (uid, gid): every command runs as that unprivileged user, which owns the workspace,
-        home and tmp (and the baseline's git directory) and nothing else; the agent needs root for it."""
+        home and tmp (and the baseline's git directory) and nothing else; the agent needs root for it.
+        ``layers``: what else isolates the commands (agent_layers.py); its user wins over ``run_as``.
+        ``hidden``/``readonly``: more paths the filesystem view hides or binds back read-only."""
         if not token:
             raise ValueError("the agent needs a token")
         self.root = os.path.realpath(root)
@@ -120,10 +132,16 @@ class Agent:
         self.running = {}  # type: dict[int, tuple[subprocess.Popen, bytes | None]]
         self.stopping = False
         self.started_at = time.time()
-        for sub in SUBDIRS:
+        # A view binds back only what exists: the baseline's git directory too (made later by the worker).
+        for sub in SUBDIRS + (USER_DIRS if layers is not None and layers.filesystem else ()):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
-        self.run_as = run_as
-        if run_as is not None:
+        self.layers = layers or agent_layers.Layers()
+        self.run_as = self.layers.user or run_as
+        self.hidden = [self.root, *(hidden or [])]  # under a shared root: the control directory, its token
+        # The supervisor's own directory too: a command's init imports its siblings once in the view.
+        self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
+        self.relay = agent_layers.GatewayRelay() if self.layers.network else None
+        if self.run_as is not None:
             # The root stays ours (the commands' results and logs, the token's neighbours): the user may
             # pass through it to what is its own, never list or write it.
             os.chmod(self.root, 0o711)
@@ -251,6 +269,9 @@ class Agent:
             with open(stdin_path, "wb") as f:
                 f.write(base64.b64decode(req["stdin_b64"]))
         memory_mb = req.get("memory_limit_mb")
+        layers = self._isolation_params(req.get("gateway"))
+        if self.layers.bwrap:  # bubblewrap makes them around the command, not the supervisor
+            argv, layers = agent_layers.bwrap_argv(layers, argv), {}
         params = dict(
             files,
             argv=argv,
@@ -265,6 +286,7 @@ class Agent:
             nofile_limit=65_536,
             memory_limit_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
             user=list(self.run_as) if self.run_as else None,
+            **layers,
         )
         params_path = os.path.join(run, stem + ".params.json")
         with open(params_path, "w", encoding="utf-8") as f:
@@ -306,6 +328,24 @@ class Agent:
             if stdin_path:
                 _unlink(stdin_path)
         return self._result(files, proc, killed, time.monotonic() - started)
+
+    def _isolation_params(self, gateway: object) -> dict:
+        """The supervisor's ``network_forward`` and ``view`` for one command. ``gateway``: [host, port] of
+        the worker's gateway, which the command reaches at 127.0.0.1:port; without one, nothing."""
+        out = {}  # type: dict
+        relay = None
+        if self.relay is not None:
+            if gateway is not None:
+                if not (isinstance(gateway, list) and len(gateway) == 2 and isinstance(gateway[0], str)):
+                    raise AgentError(400, f"gateway must be [host, port], not {gateway!r}"[:300])
+                with self.lock:
+                    relay = self.relay.socket_for(gateway[0], int(gateway[1]))
+                out["network_forward"] = [int(gateway[1]), relay]
+            else:  # the namespace with only lo; its listener relays to a socket that does not exist
+                out["network_forward"] = [0, os.path.join(self.relay.dir, "none.sock")]
+        if self.layers.filesystem:
+            out["view"] = agent_layers.view(self.root, self.hidden, self.readonly, relay)
+        return out
 
     def _result(self, files: dict, proc: subprocess.Popen, killed: bool, duration: float) -> dict:
         try:
@@ -376,6 +416,8 @@ class Agent:
         for proc, marker in running:
             roots = [proc.pid] if proc.poll() is None else []
             clean = self._kill_tree(roots, marker) and clean
+        if self.relay is not None:
+            self.relay.close()
         return clean
 
 
@@ -524,7 +566,17 @@ class Handler(BaseHTTPRequestHandler):
             route = (method, url.path)
             if route == ("GET", "/health"):
                 a = self.agent
-                self._json(200, {"ok": True, "pid": os.getpid(), "root": a.root, "running": len(a.running)})
+                self._json(
+                    200,
+                    {
+                        "ok": True,
+                        "pid": os.getpid(),
+                        "root": a.root,
+                        "running": len(a.running),
+                        "isolation": a.layers.label,
+                        "missing": a.layers.missing,
+                    },
+                )
             elif route == ("POST", "/exec"):
                 req = json.loads(self._body(MAX_JSON_BYTES) or b"{}")
                 self._json(200, self.agent.exec(req))
@@ -709,6 +761,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--unix-socket", help="listen on this Unix socket instead of --host/--port")
     parser.add_argument("--unconfined", action="store_true", help="requests may name paths outside --root")
     parser.add_argument("--run-as", help="run every command as this unprivileged user (needs root)")
+    parser.add_argument("--isolation", choices=("off", "auto", "strict"), default="off")
+    parser.add_argument("--hide", action="append", default=[], help="a path no command may see")
+    parser.add_argument("--readonly", action="append", default=[], help="a path commands see read-only")
     args = parser.parse_args(argv)
     try:
         token = _read_token(args)
@@ -718,22 +773,19 @@ def main(argv: list | None = None) -> int:
     if not token:
         print("agent: no token (--token-file or --token-env): refusing to start", file=sys.stderr)
         return 2
-    run_as = None
-    if args.run_as:
-        import pwd
-
-        try:
-            entry = pwd.getpwnam(args.run_as)
-        except KeyError:
-            print(f"agent: --run-as {args.run_as!r}: no such user", file=sys.stderr)
-            return 2
-        if os.geteuid() != 0 or entry.pw_uid == 0:
-            print(
-                f"agent: --run-as {args.run_as!r} needs the agent as root and a user other than root",
-                file=sys.stderr,
-            )
-            return 2
-        run_as = (entry.pw_uid, entry.pw_gid)
+    try:
+        layers = agent_layers.resolve(args.isolation, args.run_as)
+    except ValueError as exc:
+        print(f"agent: {exc}"[:1000], file=sys.stderr)
+        return 2
+    if layers.missing:
+        print(
+            f"agent: isolation {args.isolation!r}: commands run without " + "; ".join(layers.missing),
+            file=sys.stderr,
+        )
+    host_pid = os.getpid()  # what the node's tools (ps, slurmstepd) know the agent by
+    if layers.pids and not layers.bwrap:  # bubblewrap makes one per command
+        agent_layers.enter_pid_namespace()  # from here on, the agent inside it
     agent = Agent(
         args.root,
         token,
@@ -741,7 +793,9 @@ def main(argv: list | None = None) -> int:
         max_upload_bytes=args.max_upload_bytes,
         output_cap_bytes=args.output_cap_bytes,
         confined=not args.unconfined,
-        run_as=run_as,
+        layers=layers,
+        hidden=args.hide,
+        readonly=args.readonly,
     )
     limits = dict(
         max_connections=args.max_connections,
@@ -770,8 +824,10 @@ def main(argv: list | None = None) -> int:
             {
                 "host": args.advertise or host,
                 "port": port,
-                "pid": os.getpid(),
+                "pid": host_pid,
                 "root": agent.root,
+                "isolation": layers.label,
+                "missing": layers.missing,
                 "workdir": os.path.join(agent.root, "work"),
                 "home": os.path.join(agent.root, "home"),
                 "tmpdir": os.path.join(agent.root, "tmp"),

@@ -77,6 +77,7 @@ class ExecResult(BaseModel):
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     before: ExecResult | None = None  # the ``before`` step's, when the exec had one
+    limit: str | None = None  # which bound, other than its timeout, ended it as timed out (disk)
 
 
 class ExecStep(BaseModel):

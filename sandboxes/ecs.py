@@ -7,6 +7,13 @@ RUNNING and its agent answers, ``StopTask`` at the end. Why a task stopped is re
 token bucket within ECS's RunTask limits. The token reaches the agent as an environment override, which
 ``ecs:DescribeTasks`` can read: grant that permission only to the workers (cluster/ecs/README.md).
 
+The agent, root in its container, runs the commands as the unprivileged ``run_as`` (the image makes the
+user, cluster/ecs/Dockerfile), so they can read neither its environment (the token) nor anything of
+root's. A task's role would hand its credentials to anything in the task that asks the container
+credentials endpoint (169.254.170.2, named by AWS_CONTAINER_CREDENTIALS_RELATIVE_URI in the container's
+environment): no process of the task's network can be kept from that address on Fargate, so a sandbox
+task must have no role at all, and a task definition with one is refused (``isolation: off`` allows it).
+
 boto3 is optional (``pip install .[ecs]``); it is imported when a provider is built.
 """
 
@@ -27,6 +34,7 @@ import httpx
 from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
+from sandboxes.identity import SANDBOX_USER
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_health
@@ -74,6 +82,11 @@ class EcsSandboxConfig(ProviderConfig):
     max_launch_attempts: int = Field(default=6, ge=1, le=50)
     start_timeout_s: float = Field(default=600.0, gt=0)
     poll_s: float = Field(default=2.0, gt=0)
+    # auto: the commands run as ``run_as`` and the task definition must have no task role, plus whatever
+    # layers the task's kernel lets the agent make (none on Fargate: no CAP_SYS_ADMIN); strict: all of
+    # them or no sandbox; off: the agent's own user, any task definition.
+    isolation: Literal["auto", "strict", "off"] = "auto"
+    run_as: str = SANDBOX_USER
 
     def build(self, root: Path, network_forward: NetworkForward | None = None) -> EcsSandboxProvider:
         return EcsSandboxProvider(self, root=root)
@@ -175,6 +188,7 @@ class EcsSandboxProvider:
         self.resolve: AddressResolver = resolve or (lambda task: default_address(task, config.agent_port))
         self.bucket = TokenBucket(config.launch_rate_per_s, config.launch_burst)
         self._definitions: dict[str, str] = {}  # image -> the ARN of its task definition, this run's
+        self._roleless: set[str] = set()  # the task definitions found to have no task role
         self._definition_locks: dict[str, asyncio.Lock] = {}
 
     async def task_definition(self, spec: SandboxSpec) -> str:
@@ -284,6 +298,8 @@ class EcsSandboxProvider:
             "--port", str(cfg.agent_port),
             "--ttl-s", f"{spec.ttl_s:.0f}",
         ]  # fmt: skip
+        if cfg.isolation != "off":
+            command += ["--isolation", cfg.isolation, "--run-as", cfg.run_as]
         args: dict[str, Any] = {
             "cluster": cfg.cluster,
             "taskDefinition": task_definition or cfg.task_definition,
@@ -328,6 +344,8 @@ class EcsSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
         definition = await self.task_definition(spec)
+        if self.cfg.isolation != "off":
+            await self._check_no_role(definition)
         await self.bucket.acquire()
         token = secrets.token_urlsafe(32)
         try:
@@ -361,6 +379,23 @@ class EcsSandboxProvider:
             if isinstance(exc, SandboxStartError) or not isinstance(exc, Exception):
                 raise
             raise SandboxStartError(f"ECS task {arn}: {exc}"[:2000]) from exc
+
+    async def _check_no_role(self, definition: str) -> None:
+        """Refuse a task definition with a task role: the role's credentials would be one request to
+        169.254.170.2 away from every command. Asked once per definition."""
+        if definition in self._roleless:
+            return
+        try:
+            found = await self._call("describe_task_definition", taskDefinition=definition)
+        except SandboxError as exc:
+            raise SandboxStartError(str(exc)) from exc
+        role = found["taskDefinition"].get("taskRoleArn")
+        if role:
+            raise SandboxStartError(
+                f"task definition {definition} has the task role {role}: its credentials would be readable "
+                "by the sandbox's commands at 169.254.170.2; give sandbox tasks no role (or isolation: off)"
+            )
+        self._roleless.add(definition)
 
     async def _describe(self, arn: str) -> dict[str, Any] | None:
         answer = await self._call("describe_tasks", cluster=self.cfg.cluster, tasks=[arn])

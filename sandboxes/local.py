@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from sandboxes import identity, isolation, owner, pidlimit, proctree
+from sandboxes import diskbound, identity, isolation, owner, pidlimit, proctree
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -106,6 +106,9 @@ class LocalSandboxConfig(ProviderConfig):
     # and the size of any one file a command writes (RLIMIT_FSIZE).
     max_processes: int | None = Field(default=None, gt=0)
     max_file_mb: int | None = Field(default=None, gt=0)
+    # The disk a sandbox's files take in total (work, home, tmp), however many: past it, the running
+    # command ends as timed out (sandboxes/diskbound.py). Unset: no bound.
+    max_disk_mb: int | None = Field(default=None, gt=0)
     _layers: Choice | None = PrivateAttr(default=None)
 
     @field_validator("isolation", mode="before")
@@ -144,6 +147,7 @@ class LocalSandboxConfig(ProviderConfig):
             hidden=self.hide,
             max_processes=self.max_processes or (None if self.isolation == "off" else pidlimit.DEFAULT_LIMIT),
             max_file_mb=self.max_file_mb or (None if self.isolation == "off" else DEFAULT_MAX_FILE_MB),
+            max_disk_mb=self.max_disk_mb,
         )
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
@@ -235,6 +239,7 @@ class LocalSandboxProvider:
         hidden: Sequence[str] = (),
         max_processes: int | None = None,
         max_file_mb: int | None = None,
+        max_disk_mb: int | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -248,6 +253,7 @@ class LocalSandboxProvider:
         if max_processes:
             pidlimit.sweep()  # what sandboxes of dead owners left
         self.max_file_bytes = max_file_mb * 1024 * 1024 if max_file_mb else None
+        self.max_disk_bytes = max_disk_mb * 1024 * 1024 if max_disk_mb else None
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
         # A spare starts at the lowest CPU priority while the machine may need the CPU for a harness, and
@@ -685,6 +691,10 @@ class LocalSandbox:
             timeout += before.timeout
 
         started = time.monotonic()
+        disk = None
+        if self._provider.max_disk_bytes:  # its expiry ends the command as the caller's would
+            disk = diskbound.DiskWatch(self.writable_dirs, self._provider.max_disk_bytes, expire)
+            expire = disk.expired
         # The command's environment goes through the server's pipe, never to disk.
         proc = await self._server.spawn(params, exec_env)
         self._running[proc.pid] = proc
@@ -703,9 +713,14 @@ class LocalSandbox:
         finally:
             self._running.pop(proc.pid, None)
             files.stdin.unlink(missing_ok=True)
-        return await self._collect(
+            if disk is not None:
+                await disk.stop()
+        result = await self._collect(
             files, name, proc, killed_from_outside, time.monotonic() - started, before_files
         )
+        if disk is not None and disk.why is not None and result.timed_out:
+            result.limit = disk.why
+        return result
 
     @staticmethod
     def _signal(proc: ServedExec, sig: int) -> None:

@@ -17,6 +17,10 @@ import socket
 import struct
 import threading
 
+TYPE_CHECKING = False  # collections.abc is not worth importing in every command's init
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 UNSHARE = "unshare"
 
 _SIOCGIFFLAGS = 0x8913
@@ -55,7 +59,8 @@ def _bring_up_loopback() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
+        if not flags & _IFF_UP:  # bubblewrap brings it up itself, and leaves an unprivileged user no right to
+            fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -72,13 +77,23 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
             dst.shutdown(socket.SHUT_RDWR)
 
 
-def _relay(client: socket.socket, socket_path: str, slots: threading.BoundedSemaphore) -> None:
+def _unix(socket_path: str) -> socket.socket:
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.connect(socket_path)
+    except OSError:
+        upstream.close()
+        raise
+    return upstream
+
+
+def _relay(
+    client: socket.socket, connect: Callable[[], socket.socket], slots: threading.BoundedSemaphore
+) -> None:
+    try:
         try:
-            upstream.connect(socket_path)
+            upstream = connect()
         except OSError:
-            upstream.close()
             return
         back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
         back.start()
@@ -90,7 +105,7 @@ def _relay(client: socket.socket, socket_path: str, slots: threading.BoundedSema
         slots.release()
 
 
-def _serve(listener: socket.socket, socket_path: str) -> None:
+def _serve(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
     slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
     while True:
         client, _addr = listener.accept()
@@ -100,7 +115,7 @@ def _serve(listener: socket.socket, socket_path: str) -> None:
         # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
         with contextlib.suppress(OSError):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=_relay, args=(client, socket_path, slots), daemon=True).start()
+        threading.Thread(target=_relay, args=(client, connect, slots), daemon=True).start()
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
@@ -118,7 +133,12 @@ def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
 
 def serve(listener: socket.socket, socket_path: str) -> None:
     """Relay each connection to ``listener`` to ``socket_path``, from a daemon thread."""
-    threading.Thread(target=_serve, args=(listener, socket_path), daemon=True).start()
+    serve_to(listener, lambda: _unix(socket_path))
+
+
+def serve_to(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
+    """Relay each connection to ``listener`` to what ``connect`` opens, from a daemon thread."""
+    threading.Thread(target=_serve, args=(listener, connect), daemon=True).start()
 
 
 def start_forwarder(port: int, socket_path: str, *, bring_up_loopback: bool = True) -> None:

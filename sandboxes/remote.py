@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -20,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -37,7 +39,9 @@ log = logging.getLogger(__name__)
 
 AGENT_PATH = Path(__file__).with_name("agent.py")
 SUPERVISOR_PATH = Path(__file__).with_name("supervisor.py")
-PROCTREE_PATH = Path(__file__).with_name("proctree.py")  # the supervisor's one import of ours
+# What those two import of ours: the /proc helpers, the agent's layers, and what a command's init uses
+# to make them (its filesystem view, its network namespace's relay).
+AGENT_IMPORTS = ("proctree.py", "agent_layers.py", "fsview.py", "netns.py", "isolation.py")
 # What an exec may take past its own timeout before we stop waiting for the agent's answer: the
 # supervisor's kill rounds and drain, and the agent's own slack.
 EXEC_SLACK_S = 60.0
@@ -121,6 +125,22 @@ class RemoteSandbox:
         )
         self._stopped = False
         self._stop_lock = asyncio.Lock()
+        # The layers the agent's commands run under, as its /health says (agent_layers.py); None until it
+        # has answered (an agent of an older version does not say).
+        self.isolation_label: str | None = None
+        self._gateway: tuple[str, int] | None = None
+
+    def gateway_url(self, url: str) -> str:
+        """The gateway's ``url`` as this sandbox's commands reach it: where they run in a network
+        namespace of their own, at 127.0.0.1 on the same port, which the agent relays to ``url``'s host
+        (the only address it dials for them)."""
+        if "network" not in (self.isolation_label or "").split(","):
+            return url
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise SandboxError(f"sandbox {self.id}: gateway URL {url!r} has no host and port")
+        self._gateway = (parts.hostname, parts.port)
+        return urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port}"))
 
     def descriptor(self) -> dict[str, Any]:
         return {
@@ -168,7 +188,11 @@ class RemoteSandbox:
 
     async def health(self) -> dict[str, Any]:
         resp = await self._request("GET", "/health", timeout=5.0)
-        return resp.json()
+        answer = resp.json()
+        self.isolation_label = answer.get("isolation")
+        if answer.get("missing"):
+            _warn_missing(self.provider_name, "; ".join(map(str, answer["missing"]))[:1000])
+        return answer
 
     # -- the Sandbox protocol ---------------------------------------------------------------------------
 
@@ -197,6 +221,8 @@ class RemoteSandbox:
             "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None,
             "memory_limit_mb": self.spec.memory_limit_mb,
         }
+        if self._gateway is not None:
+            body["gateway"] = list(self._gateway)
         resp = await self._request("POST", "/exec", json=body, timeout=timeout + EXEC_SLACK_S)
         if resp.status_code == 404:
             raise SandboxError(f"sandbox {self.id}: exec: {_error_text(resp)}")
@@ -284,5 +310,10 @@ def _tar_of(src: Path, limit: int) -> bytes:
 
 def agent_files() -> list[Path]:
     """The files a sandbox needs to run the agent: the agent, the supervisor it runs commands under, and
-    the /proc helpers both use."""
-    return [AGENT_PATH, SUPERVISOR_PATH, PROCTREE_PATH]
+    what both import."""
+    return [AGENT_PATH, SUPERVISOR_PATH, *(AGENT_PATH.with_name(name) for name in AGENT_IMPORTS)]
+
+
+@functools.cache
+def _warn_missing(provider: str, missing: str) -> None:
+    log.warning("sandbox %s: the agent's commands run without %s", provider, missing)

@@ -4,8 +4,8 @@ The session's directory sits on a filesystem the worker and the compute nodes sh
 
     <root>/<run_id>/<session_id>/
         work/ home/ tmp/ logs/ run/     the agent's sandbox tree (see sandboxes/agent.py)
-        control/                        0700: agent.py, supervisor.py, proctree.py, token (0600),
-                                        job.sh, ready.json (the agent's rendezvous), slurm-<job>.out
+        control/                        0700: lib/ (agent.py, supervisor.py and their imports), token
+                                        (0600), job.sh, ready.json (the agent's rendezvous), slurm-<job>.out
 
 The token is written by the worker into ``control/token`` and read by the agent from there, so it never
 appears on a command line ``squeue`` or ``ps`` shows. The job is named ``rollout.<run_id>``, its comment
@@ -13,6 +13,12 @@ carries the owner (host, boot, pid, start ticks, and its record under ``<root>/o
 deadline, and ``--time`` is the TTL: a reaper needs ``squeue`` to find what a dead worker left and, on the
 worker's machine, the record's lock to know it dead (sandboxes/owner.py); Slurm ends the job at its TTL
 regardless.
+
+The agent isolates the session's commands on the node as ``isolation`` says (sandboxes/agent_layers.py):
+started as root (the job's user is the worker's), it runs them as ``run_as``, in a PID namespace, a
+loopback-only network that reaches only the worker's gateway, and a view of the node that hides its
+secrets (munge's key, Slurm's spool and configuration, homes, this provider's root with every session's
+token); as another user it cannot, and says so (``strict``: the job ends before its agent is ready).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from harnesses.install import default_cache_root
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
+from sandboxes.identity import SANDBOX_USER
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
@@ -67,6 +75,13 @@ class SlurmSandboxConfig(ProviderConfig):
     apptainer_args: list[str] = Field(default_factory=list)
     agent_host: str = "127.0.0.1"  # the agent's bind address; not loopback: it advertises the node name
     start_timeout_s: float = 300.0  # queueing included
+    # The layers the agent gives the commands on the node (sandboxes/agent_layers.py): auto, every one
+    # the node allows (saying once which it cannot); strict, every one or no sandbox; off, none.
+    isolation: Literal["auto", "strict", "off"] = "auto"
+    run_as: str = SANDBOX_USER  # the unprivileged user the commands run as; it must exist on the nodes
+    # More paths on the nodes no command may see (on top of homes, /root, /run, /tmp, munge's and
+    # Slurm's directories and the sandbox root), e.g. a shared filesystem's secrets.
+    hide: list[str] = Field(default_factory=list)
 
     def build(self, root: Path, network_forward: NetworkForward | None = None) -> SlurmSandboxProvider:
         return SlurmSandboxProvider(root, self)
@@ -158,13 +173,25 @@ class SlurmSandboxProvider:
     def _job_script(self, session_dir: Path, control: Path, ttl_s: float, image: str | None = None) -> str:
         agent = [
             self.cfg.python,
-            str(control / "agent.py"),
+            str(control / "lib" / "agent.py"),
             "--root", str(session_dir),
             "--token-file", str(control / "token"),
             "--rendezvous", str(control / "ready.json"),
             "--ttl-s", f"{ttl_s:.0f}",
             "--host", self.cfg.agent_host,
         ]  # fmt: skip
+        if self.cfg.isolation != "off":
+            agent += [
+                "--isolation",
+                self.cfg.isolation,
+                "--run-as",
+                self.cfg.run_as,
+                "--hide",
+                str(self.root),
+            ]
+            # The harnesses the worker computes paths into, read-only (the sandbox root in it stays hidden).
+            agent += ["--readonly", str(default_cache_root())]
+            agent += [arg for path in self.cfg.hide for arg in ("--hide", path)]
         if image := image or self.cfg.apptainer_image:
             bind = ["--bind", f"{session_dir}:{session_dir}"]
             agent = ["apptainer", "exec", *bind, *self.cfg.apptainer_args, image, *agent]
@@ -183,8 +210,10 @@ class SlurmSandboxProvider:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         control.mkdir(mode=0o700)
+        # Apart from the token: every command's view binds the agent's code back read-only.
+        (control / "lib").mkdir(mode=0o755)
         for src in agent_files():
-            shutil.copy2(src, control / src.name)
+            shutil.copy2(src, control / "lib" / src.name)
         token = secrets.token_urlsafe(32)
         fd = os.open(control / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -43,9 +43,13 @@ def start_agent(
     wait_s: float = 20.0,
     agent: Path = AGENT_PATH,
     python_flags: Sequence[str] = (),
+    user: tuple[int, int] | None = None,
+    python: str = sys.executable,
 ) -> AgentProcess:
     """Start the agent with ``token`` in a 0600 file; return once its rendezvous file says it listens.
-    ``agent`` and ``python_flags``: which copy of agent.py, under which interpreter options."""
+    ``agent`` and ``python_flags``: which copy of agent.py, under which interpreter options. ``user``
+    (uid, gid; we are root): the agent runs as that user, as a Slurm job of a worker that is not root,
+    under ``python`` (which that user must be able to run)."""
     root.mkdir(parents=True, exist_ok=True)
     control = root.parent / f"{root.name}.control"
     control.mkdir(exist_ok=True)
@@ -53,7 +57,11 @@ def start_agent(
     token_file.write_text(token)
     os.chmod(token_file, 0o600)
     ready = control / "ready.json"
-    argv = [sys.executable, *python_flags, str(agent), "--root", str(root), "--token-file", str(token_file)]
+    argv = [python, *python_flags, str(agent), "--root", str(root), "--token-file", str(token_file)]
+    if user is not None:
+        for path in (root, control, token_file):
+            os.chown(path, *user)
+        argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
     proc = subprocess.Popen([*argv, "--rendezvous", str(ready), *extra], stderr=subprocess.PIPE)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

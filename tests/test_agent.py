@@ -419,3 +419,84 @@ async def test_run_as_runs_every_command_as_the_unprivileged_user():
     assert "Permission denied" in result.stderr_tail and not planted
     assert appended == "uploaded\nmore\n"
     assert diff is not None and "+two" in diff
+
+
+GATEWAY_STANDIN = """
+import socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.recv(65536)
+    conn.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: 20\\r\\n\\r\\nthe gateway answered")
+    conn.close()
+"""
+
+HOSTILE = """
+id -u
+cat {home}/secret /proc/{me}/environ
+ls /proc | grep -c '^[0-9]'
+python3 - {other} {gateway} <<'PY'
+import socket, sys, urllib.request
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=3).close()
+    print("connected")
+except OSError as exc:
+    print("refused", exc.errno)
+print(urllib.request.urlopen(sys.argv[2], timeout=10).read().decode())
+PY
+echo x > /etc/planted-by-agent-test || echo cannot plant
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0
+    or not (shutil.which("setpriv") and shutil.which("bwrap") and os.path.exists("/usr/bin/python3"))
+    or isinstance(identity.sandbox_identity(), str),
+    reason="starts the agent as another user: needs root, setpriv, bwrap, the sandbox user, /usr/bin/python3",
+)
+async def test_an_agent_that_is_not_root_isolates_its_commands_with_bubblewrap():
+    """A Slurm job of a worker that is not root: no user switch, but bubblewrap's PID namespace, network
+    (the gateway only, through the agent's relay) and view (homes hidden, the host read-only)."""
+    who = identity.sandbox_identity()
+    assert not isinstance(who, str)
+    base = Path(tempfile.mkdtemp(prefix="rollout-agent-bwrap-", dir="/tmp"))
+    base.chmod(0o711)
+    home = Path(
+        tempfile.mkdtemp(prefix="rollout-bwrap-home-", dir="/home" if os.access("/home", os.W_OK) else None)
+    )
+    home.chmod(0o755)
+    (home / "secret").write_text("SECRET for anyone who can see it")
+    (home / "secret").chmod(0o644)  # readable by every user: only the view keeps it out
+    other = socket.create_server(("127.0.0.1", 0))
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_STANDIN], stdout=subprocess.PIPE, text=True)
+    # The system's python3: the tests' own may sit where only root can reach it.
+    python = "/usr/bin/python3"
+    agent = start_agent(base / "sb", TOKEN, "--isolation", "auto", user=tuple(who), python=python)
+    try:
+        port = int(gateway.stdout.readline()) if gateway.stdout else 0
+        sandbox = _remote(agent)
+        assert (await sandbox.health())["isolation"] == "network,pids,filesystem"
+        url = sandbox.gateway_url(f"http://127.0.0.1:{port}/v1")
+        script = HOSTILE.format(home=home, me=os.getpid(), other=other.getsockname()[1], gateway=url)
+        res = await sandbox.exec(["bash", "-c", script], timeout=60)
+        await sandbox.write_file("kept.txt", b"mine")
+        assert await sandbox.read_file("kept.txt", 10) == b"mine"
+    finally:
+        agent.kill()
+        gateway.kill()
+        gateway.wait()
+        other.close()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+    out = res.stdout_tail + res.stderr_tail
+    lines = res.stdout_tail.splitlines()
+    assert len(lines) == 5, out
+    assert lines[0] == str(who.uid) and "SECRET" not in out, out
+    assert (
+        f"{home}/secret: No such file" in res.stderr_tail
+        and f"/proc/{os.getpid()}/environ" in res.stderr_tail
+    )
+    assert int(lines[1]) < 10, out  # isolation.py's two, bwrap's and the command's own: not the host's
+    assert lines[2:4] == ["refused 111", "the gateway answered"], out
+    assert lines[4] == "cannot plant" and not Path("/etc/planted-by-agent-test").exists()

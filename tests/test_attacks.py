@@ -52,6 +52,7 @@ RAY_TOKEN = f"ray-token-FAKE-{TAG}"
 AWS_SECRET = f"aws-secret-FAKE-{TAG}"
 WORKER_KEY = f"sk-worker-FAKE-{TAG}"
 SECRETS = (RAY_TOKEN, AWS_SECRET, WORKER_KEY)
+DISK_MB = 32
 
 
 @dataclass
@@ -119,7 +120,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     gateway = Gateway(scripted.base_url, None)
     await gateway.start(unix_path=str(tmp_path / "gw.sock"))
     forward = (urlsplit(gateway.url).port or 0, str(tmp_path / "gw.sock"))
-    config = LocalSandboxConfig(max_processes=64, max_file_mb=8)
+    config = LocalSandboxConfig(max_processes=64, max_file_mb=8, max_disk_mb=DISK_MB)
     provider = config.build(tmp_path / "sandboxes", forward)
     run_dir = tmp_path / "runs" / "r"
     (run_dir / "rows").mkdir(parents=True)
@@ -283,7 +284,36 @@ async def test_a_runaway_file_stops_at_the_cap_and_the_other_session_writes(worl
     assert code == 0 and out.strip() == "ok"
 
 
+FILL = """
+import os
+for i in range(100_000):  # 100,000 files of 4 KiB: 400 MiB, each far below the file cap
+    with open(f"f{i}", "wb") as f:
+        f.write(b"x" * 4096)
+print("wrote them all")
+"""
+
+
+async def test_filling_the_disk_with_many_files_is_stopped_and_the_other_session_writes(world):
+    filler = world.a.exec(["python3", "-c", FILL], timeout=600)
+    other = world.b.exec(["sh", "-c", "head -c 4M /dev/zero > f && ls -s f"], timeout=600)
+    filled, fine = await asyncio.gather(filler, other)
+    assert filled.timed_out and filled.limit and "max_disk_mb" in filled.limit, filled
+    assert "wrote them all" not in filled.stdout_tail
+    assert fine.exit_code == 0 and not fine.timed_out, fine
+    written = len(os.listdir(world.a.workdir))
+    assert DISK_MB * 2**20 // 4096 // 2 < written < 100_000  # stopped past the bound, long before the end
+    again = await world.a.exec(["sh", "-c", "echo alive"], timeout=30)  # the sandbox itself still runs
+    assert again.stdout_tail.strip() == "alive"
+
+
 # --- through the harness ----------------------------------------------------------------------------------
+
+
+def test_strict_is_the_default_here():
+    """What the attacks above meet under the default is what ``strict`` gives (or it refuses to run): on
+    this host the two make the same layers, so the suite's results hold for both."""
+    assert LocalSandboxConfig(isolation="strict").layers == LocalSandboxConfig().layers
+    assert LocalSandboxConfig().build(Path("/nonexistent"), (1, "/gw.sock")).isolation_label == FULL
 
 
 async def test_a_codex_shell_step_gets_nothing_and_the_row_says_how_it_was_isolated(

@@ -8,6 +8,7 @@ from harnesses.base import HarnessReport
 from harnesses.classify import classify
 from harnesses.gateway import AttemptRecord, GatewaySession
 from policy import FailureKind, Status
+from policy.outcome import KIND_INFO
 from sandboxes.base import ExecResult
 
 
@@ -76,3 +77,11 @@ def test_a_last_model_call_that_failed_outranks_a_claimed_answer():
 def test_a_harness_hanging_up_on_its_last_call_does_not_undo_its_answer():
     hung_up = _session((None, FailureKind.TRANSPORT_ERROR), client_aborted=True)
     assert classify(_exited(0), HarnessReport(final_text="done"), hung_up).status is Status.COMPLETED
+
+
+def test_a_sandbox_that_filled_its_disk_bound_is_the_agents_doing():
+    """Stopped by a bound of its sandbox, as by its deadline: partial work, graded, never infrastructure."""
+    stopped = _exited(None, timed_out=True, signal=9).model_copy(update={"limit": "files past 32 MiB"})
+    outcome = classify(stopped, HarnessReport(), _session(ANSWERED))
+    assert outcome.failure_kind is FailureKind.AGENT_TIMEOUT and "files past 32 MiB" in outcome.error_message
+    assert not KIND_INFO[FailureKind.AGENT_TIMEOUT].infrastructure

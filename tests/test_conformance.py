@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.store import read_table
 from executor.tasks import InputError
 from executor.testing.conformance import (
     Target,
@@ -34,6 +35,7 @@ from harnesses.testing.conformance import (
     check_cell,
 )
 from policy import PolicyConfig
+from sandboxes.local import LocalSandboxConfig
 from tests.conftest import processes_under
 
 REPO = Path(__file__).parents[1]
@@ -93,6 +95,9 @@ async def test_a_wrong_expectation_fails_its_cell_with_the_reason(tmp_path):
     assert failed == {"status": "status 'completed', expected 'failed'", "reward": "reward 1.0, expected 0.0"}
     assert cell.first_failure == "status: status 'completed', expected 'failed'"
     assert "**FAIL** status: status 'completed', expected 'failed'" in render_markdown(_one_cell_matrix(cell))
+    # Built as a worker builds its provider: isolated as a real run is (but for the network: not asked).
+    (row,) = read_table(Path(cell.run_dir)).to_pylist()
+    assert row["sandbox_isolation"] == LocalSandboxConfig(network="host").build(tmp_path).isolation_label
 
 
 def _one_cell_matrix(cell):

@@ -4,6 +4,7 @@ in-sandbox agent running as a local process in place of the container. Only AWS 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from sandboxes.ecs import (  # noqa: E402
     started_by,
 )
 from sandboxes.owner import Owner, hold  # noqa: E402
+from sandboxes.remote import agent_files  # noqa: E402
 from tests.agent_process import AgentProcess, start_agent  # noqa: E402
 from tests.test_shared_root import REPO, needs_pid_namespace, python  # noqa: E402
 
@@ -50,7 +52,10 @@ class LocalContainers:
                 for o in task["overrides"]["containerOverrides"]
                 for e in o.get("environment", [])
             }
-            self.agents[arn] = start_agent(self.root / arn.rsplit("/", 1)[-1], env[TOKEN_ENV])
+            command = task["overrides"]["containerOverrides"][0]["command"]
+            # The isolation the task's command asks its agent for, as the container would run it.
+            layers = command[command.index("--isolation") :] if "--isolation" in command else []
+            self.agents[arn] = start_agent(self.root / arn.rsplit("/", 1)[-1], env[TOKEN_ENV], *layers)
         agent = self.agents[arn]
         return agent.host, agent.port
 
@@ -122,8 +127,14 @@ async def test_run_describe_exec_stop(ecs, containers):
     command = task["overrides"]["containerOverrides"][0]["command"]
     assert containers.agents[arn].token not in " ".join(command)  # the token only in the environment
 
+    assert command[command.index("--isolation") :] == ["--isolation", "auto", "--run-as", "rollout-sandbox"]
     result = await sandbox.exec(["bash", "-c", "echo hello from $(pwd)"], timeout=30)
     assert result.exit_code == 0 and result.stdout_tail == f"hello from {containers.agents[arn].root}/work\n"
+    if os.geteuid() == 0:  # the agent as root, as in the image: the command is the unprivileged user's
+        token = containers.agents[arn].token
+        res = await sandbox.exec(["bash", "-c", "id -un; cat /proc/[0-9]*/environ; true"], timeout=30)
+        assert res.stdout_tail.split("\n")[0] == "rollout-sandbox" and token not in res.stdout_tail
+        assert "Permission denied" in res.stderr_tail, res.stderr_tail
     await sandbox.write_file("x.txt", b"data")
     assert await sandbox.read_file("x.txt", 10) == b"data"
 
@@ -150,7 +161,35 @@ def _stubbed(config: EcsSandboxConfig) -> tuple[Any, Stubber, list[dict[str, Any
     stubber = Stubber(client)
     calls: list[dict[str, Any]] = []
     client.meta.events.register("provide-client-params.ecs.RunTask", lambda params, **_: calls.append(params))
+    # The provider first makes sure the task definition has no task role.
+    stubber.add_response("describe_task_definition", {"taskDefinition": {"family": "sandbox"}})
     return client, stubber, calls
+
+
+async def test_a_task_definition_with_a_task_role_is_refused(ecs, containers):
+    """Its credentials would be one request to 169.254.170.2 away from every command of the task."""
+    role = "arn:aws:iam::123456789012:role/too-much"
+    ecs.register_task_definition(
+        family="with-role",
+        taskRoleArn=role,
+        networkMode="bridge",
+        containerDefinitions=[{"name": "sandbox", "image": "rollout-sandbox", "cpu": 256, "memory": 512}],
+    )
+    provider = EcsSandboxProvider(
+        _config(task_definition="with-role"), client=ecs, resolve=containers.resolve
+    )
+    with pytest.raises(SandboxStartError, match=f"has the task role {role}"):
+        await provider.start(_spec())
+    assert ecs.list_tasks(cluster=CLUSTER)["taskArns"] == []  # refused before any task ran
+    off = EcsSandboxProvider(
+        _config(task_definition="with-role", isolation="off"), client=ecs, resolve=containers.resolve
+    )
+    sandbox = await off.start(_spec())
+    command = ecs.describe_tasks(cluster=CLUSTER, tasks=[sandbox.descriptor()["task_arn"]])["tasks"][0][
+        "overrides"
+    ]["containerOverrides"][0]["command"]
+    assert "--isolation" not in command and "--run-as" not in command
+    await sandbox.stop()
 
 
 async def test_throttled_run_task_is_retried_with_the_same_client_token():
@@ -380,3 +419,17 @@ def test_config_rejects_typos_and_needs_a_cluster():
                 "sandbox": {"provider": "ecs", "cluster": "c", "task_definition": "x", "launch_typ": 1},
             }
         )
+
+
+async def test_the_shipped_task_definition_has_no_role_and_runs_the_agent_as_root(ecs):
+    """Root, so that the agent can run the commands as another user; no task role, so that the
+    credentials endpoint has nothing to give them. What the provider checks, it accepts."""
+    shipped = json.loads((REPO / "cluster" / "ecs" / "task-definition.json").read_text())
+    assert "taskRoleArn" not in shipped and shipped["containerDefinitions"][0]["user"] == "0"
+    dockerfile = (REPO / "cluster" / "ecs" / "Dockerfile").read_text()
+    assert "useradd" in dockerfile and '"--run-as", "rollout-sandbox"' in dockerfile
+    assert all(f"sandboxes/{path.name}" in dockerfile for path in agent_files())  # what the agent imports
+    keep = ("family", "containerDefinitions", "executionRoleArn", "cpu", "memory", "networkMode")
+    ecs.register_task_definition(**{k: v for k, v in shipped.items() if k in keep})
+    provider = EcsSandboxProvider(_config(task_definition=shipped["family"]), client=ecs)
+    await provider._check_no_role(shipped["family"])

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import http.server
 import json
 import os
+import pwd
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +113,92 @@ async def test_a_tasks_image_runs_the_agent_through_apptainer(tmp_path):
     with pytest.raises(SandboxStartError, match=r"needs sandbox\.provider 'container'"):
         await provider.start(SandboxSpec(run_id=run_id, session_id="s2", ttl_s=300, build_context="/x"))
     assert _jobs(run_id) == []
+
+
+# A hostile command: everything it prints is what it could get at.
+HOSTILE = """
+id -u; id -G
+cat /etc/munge/munge.key {home}/.aws/credentials {home}/.ray/auth_token {root}/../s2/control/token
+ls /tmp/rollout-slurm {sandboxes}
+cat /proc/{worker}/environ | tr '\\0' '\\n' | grep -F SECRET
+python3 - {other} {gateway} <<'PY'
+import socket, sys, urllib.request
+for port in sys.argv[1:-1] + ["6817", "6818"]:
+    try:
+        socket.create_connection(("127.0.0.1", int(port)), timeout=3).close()
+        print("connected", port)
+    except OSError as exc:
+        print("refused", port, exc.errno)
+print(urllib.request.urlopen(sys.argv[-1], timeout=10).read().decode())
+PY
+echo planted > /etc/planted-{tag}; echo planted > {home}/planted; echo mine > mine && echo wrote mine
+"""
+
+
+class _Gateway(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"the gateway answered"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def test_a_hostile_command_gets_nothing_of_the_node(tmp_path):
+    """The default isolation on the node: the command runs as the unprivileged user, sees neither the
+    munge key, nor homes, nor another session's token, nor the node's processes, and reaches the
+    worker's gateway (relayed by its agent) and no other port of the host."""
+    home = Path(
+        tempfile.mkdtemp(prefix="rollout-slurm-home-", dir="/home" if os.access("/home", os.W_OK) else None)
+    )
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text("aws_secret_access_key = SECRET-aws\n")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("SECRET-ray")
+    worker = subprocess.Popen(["sleep", "300"], env={"PATH": os.environ["PATH"], "KEY": "SECRET-key"})
+    other = socket.create_server(("127.0.0.1", 0))  # a port of the host's, as Ray's GCS would be
+    ports = [other.getsockname()[1], 6817, 6818]  # and slurmctld's, slurmd's
+    gateway = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    provider = SlurmSandboxConfig().build(tmp_path / "sb")
+    run_id = f"slurm-hostile-{os.getpid()}"
+    spec = SandboxSpec(run_id=run_id, session_id="s1", ttl_s=300)
+    a, b = await asyncio.gather(
+        provider.start(spec), provider.start(spec.model_copy(update={"session_id": "s2"}))
+    )
+    try:
+        assert a.isolation_label == "network,pids,filesystem,user"
+        url = a.gateway_url(f"http://127.0.0.1:{gateway.server_address[1]}/s/token/v1")
+        assert url == f"http://127.0.0.1:{gateway.server_address[1]}/s/token/v1"
+        script = HOSTILE.format(
+            home=home, root=a.root, sandboxes=tmp_path / "sb", worker=worker.pid, tag=run_id,
+            other=ports[0], gateway=url,
+        )  # fmt: skip
+        res = await a.exec(["bash", "-c", script], timeout=60)
+        token = (Path(b.root) / "control" / "token").read_text()
+    finally:
+        await asyncio.gather(a.stop(), b.stop())
+        worker.kill()
+        worker.wait()
+        other.close()
+        gateway.shutdown()
+        shutil.rmtree(home, ignore_errors=True)
+    out = res.stdout_tail + res.stderr_tail
+    uid, groups, *_ = res.stdout_tail.splitlines()
+    assert int(uid) not in (0, os.getuid()) and groups == str(pwd.getpwnam("rollout-sandbox").pw_gid), out
+    assert "SECRET" not in out and token not in out, out
+    for gone in ("/etc/munge/munge.key", f"{home}/.aws", "/tmp/rollout-slurm", str(tmp_path / "sb")):
+        assert f"{gone}" in res.stderr_tail, (gone, out)  # named in "No such file or directory"
+    assert f"/proc/{worker.pid}/environ: No such file" in res.stderr_tail, out
+    assert [line for line in res.stdout_tail.splitlines() if line.startswith(("refused", "connected"))] == [
+        f"refused {p} 111" for p in ports
+    ], out
+    assert "the gateway answered" in res.stdout_tail, out
+    assert "wrote mine" in res.stdout_tail and not Path(f"/etc/planted-{run_id}").exists()
+    assert not (home / "planted").exists()
 
 
 def _agent_pid(root: str) -> int:
@@ -252,6 +344,8 @@ def test_demo_tasks_with_provider_slurm_and_real_codex(tmp_path):
             "accept",
         ), (task, r["error_message"])
         assert r["sandbox_provider"] == "slurm" and r["sandbox_id"].startswith("slurm-")
+        # Codex ran as the sandbox user, in the agent's namespaces, reaching the gateway through its relay.
+        assert r["sandbox_isolation"] == "network,pids,filesystem,user"
         assert r["cleanup_ok"] is True
     recovered = final["rate-limit-recovers"]["model_calls"]
     assert recovered[0]["status"] == 429 and recovered[1]["status"] == 200

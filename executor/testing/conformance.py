@@ -15,14 +15,12 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ValidationError
@@ -31,8 +29,10 @@ from executor.config import RunConfig
 from executor.driver import decide_row
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionContext, SessionRequest, run_session
+from executor.storage import locate
 from executor.store import RunStore, read_table
 from executor.tasks import InputError, Task
+from executor.worker import build_provider, gateway_socket
 from harnesses.base import Harness, Launch, LaunchContext
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
@@ -54,7 +54,7 @@ from policy import Decision
 from sandboxes import netns
 from sandboxes.base import Sandbox, SandboxProvider
 from sandboxes.container import ContainerSandboxConfig, list_containers
-from sandboxes.local import LocalSandboxProvider
+from sandboxes.local import LocalSandboxConfig
 from sandboxes.testing.leaks import processes_under
 
 log = logging.getLogger(__name__)
@@ -211,12 +211,19 @@ async def run_cell(
     container: ContainerSandboxConfig | None = None,
 ) -> Cell:
     """One cell, its sandboxes local ones, or with ``container`` containers of its image (which reach the
-    gateway through its Unix socket, as isolated local ones do)."""
+    gateway through its Unix socket, as isolated local ones do). The provider is built as a worker builds
+    it (``executor.worker.build_provider``): local sandboxes get the run's isolation (the filesystem view,
+    the sandbox user, the run directory hidden), and ``isolated`` only says whether their network is."""
     harness = make_harness(target.harness, target.version)
     cell_dir = out / "cells" / f"{target.harness}@{harness.version}" / scenario.name
-    cfg = _config(target, scenario, cell_dir)
-    run_dir = cell_dir / (cfg.run_id or "")
     sandbox_root = cell_dir / "sandboxes"
+    section: LocalSandboxConfig | ContainerSandboxConfig = (
+        container.model_copy(update={"root": str(sandbox_root)})
+        if container is not None
+        else LocalSandboxConfig(root=str(sandbox_root), network=None if isolated else "host")
+    )
+    cfg = _config(target, scenario, cell_dir).model_copy(update={"sandbox": section})
+    run_dir = cell_dir / (cfg.run_id or "")
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     error: str | None = None
@@ -227,24 +234,10 @@ async def run_cell(
         scripted = ScriptedModel(model_names=(cfg.model.name,))
         await scripted.start()
         gateway = Gateway(scripted.base_url, None, cfg.gateway)
-        # A Unix socket path must stay under 108 bytes; a cell's own directory can be deeper than that.
-        socket_dir = tempfile.mkdtemp(prefix="rollout-gw-") if isolated or container else None
+        provider: SandboxProvider | None = None
         try:
-            forward: tuple[int, str] | None = None
-            if socket_dir is not None:
-                await gateway.start(unix_path=os.path.join(socket_dir, "gw.sock"))
-                forward = (urlsplit(gateway.url).port or 0, gateway.unix_path or "")
-            else:
-                await gateway.start()
-            provider: SandboxProvider
-            if container is not None and forward is not None:
-                provider = container.model_copy(update={"root": str(sandbox_root)}).build(
-                    sandbox_root, forward
-                )
-            else:
-                provider = LocalSandboxProvider(
-                    sandbox_root, keep=False, network_forward=forward, pids="auto"
-                )
+            await gateway.start(unix_path=gateway_socket(cfg))  # a short path of its own, if any
+            provider = build_provider(cfg, sandbox_root, gateway, locate(run_dir))
             ctx = SessionContext(
                 config=cfg,
                 provider=provider,
@@ -257,10 +250,10 @@ async def run_cell(
             )
             rows = await _play(scenario, cfg, ctx, run_dir)
         finally:
+            if (close := getattr(provider, "aclose", None)) is not None:
+                await close()  # its spare supervisor server, its directories' deletions
             await gateway.stop()
             await scripted.stop()
-            if socket_dir is not None:
-                shutil.rmtree(socket_dir, ignore_errors=True)
         leftover = await _wait_no_processes(str(sandbox_root))
         if container is not None:
             root = str(sandbox_root.resolve())
