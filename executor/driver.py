@@ -102,6 +102,9 @@ class RunSummary:
 _own_gcs: str | None = None
 # This process's hold on the warm executor it attached to (executor/warm.py), while attached.
 _warm_lease: warm.Lease | None = None
+# The warm executor was let go of (workers released, lease released) but its connection was left for the
+# process's exit to close (``leave_ray(..., exiting=True)``).
+_left_connected = False
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -154,17 +157,32 @@ def attached_lease() -> warm.Lease | None:
     return _warm_lease
 
 
-def leave_ray(own: bool, workers: list[Any]) -> None:
+def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
     """Once the run's work is safe: stop the cluster we started, or let go of the warm executor (its
-    workers keep what they built, the next run gets them warm). A joined cluster is left as it is."""
-    global _warm_lease
+    workers keep what they built, the next run gets them warm). A joined cluster is left as it is.
+
+    ``exiting``: the process ends next (``rollout run``). An attached driver then leaves its connection
+    for that end to close (``left_connected``): ``ray.shutdown()`` of a driver spends ~0.3 s waiting on
+    its core worker's disconnect, while a driver's process ending tells the cluster the same (its job
+    ends). Nothing of the run waits on the connection by then: every row and the summary are written,
+    the workers have released the run's parts and hold no session of it, and the lease is given back."""
+    global _warm_lease, _left_connected
     if own:
         stop_own_ray(workers)
     elif _warm_lease is not None:
         warm.release(workers)
-        ray.shutdown()  # our driver's connection only: the warm cluster runs on
+        if exiting:
+            _left_connected = True
+        else:
+            ray.shutdown()  # our driver's connection only: the warm cluster runs on
         _warm_lease.release()
         _warm_lease = None
+
+
+def left_connected() -> bool:
+    """True once this process let go of the warm executor it attached to and left its connection to it
+    for the process's end to close (``leave_ray(..., exiting=True)``): the process must end next."""
+    return _left_connected
 
 
 def stop_own_ray(workers: list[Any]) -> None:
@@ -258,11 +276,15 @@ _VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "error_message")
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker) -> None:
-        """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one)."""
+    def __init__(
+        self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker, *, exiting: bool = False
+    ) -> None:
+        """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one).
+        ``exiting``: the process ends once ``run`` returns (``rollout run``; see ``leave_ray``)."""
         assert cfg.run_id
         self.cfg = cfg
         self.worker_class = worker_class
+        self.exiting = exiting
         self.run_dir = locate(cfg.out) / cfg.run_id
         self.store = RunStore(self.run_dir)
         self.rng = random.Random()
@@ -290,7 +312,7 @@ class Driver:
                 return self._run_locked()
             finally:
                 # Under the lock still: the next driver of this run starts once our sandboxes are gone.
-                leave_ray(self._own_ray, self._workers)
+                leave_ray(self._own_ray, self._workers, exiting=self.exiting)
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg
