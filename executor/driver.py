@@ -149,7 +149,23 @@ def start_local_ray() -> str:
         logging_level=logging.WARNING,
         _node_ip_address="127.0.0.1",
     )
+    _end_idle_helpers()
     return str(ray.get_runtime_context().gcs_address)
+
+
+def _end_idle_helpers() -> None:
+    """End two of Ray's helper processes that a local cluster of ours has no use for, as soon as it is
+    up: the autoscaler monitor (it scales nothing on one node and holds nothing) and the log monitor (it
+    streams workers' output to drivers, and ours take none: ``log_to_driver=False``). Each is a Python
+    process still importing when ``ray.init`` returns, on the CPUs the first worker actor starts on.
+    Ending the monitor here also spares ``ray.shutdown()`` its wait: the monitor's SIGTERM handler
+    reports its own "failure" to a GCS that has just been stopped, and waits on it for 1 s."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    for end in ("kill_monitor", "kill_log_monitor"):
+        try:
+            getattr(node, end)(check_alive=False)  # SIGKILL; ray.shutdown() no longer counts it
+        except Exception as exc:  # Ray's private API moved: its own shutdown still ends the process
+            log.debug("ending Ray's helper early (%s) failed: %s", end, exc)
 
 
 def attached_lease() -> warm.Lease | None:
@@ -191,9 +207,8 @@ def stop_own_ray(workers: list[Any]) -> None:
 
     ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
     (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
-    to 1 s. The autoscaler monitor takes all of that second: its SIGTERM handler reports its own
-    "failure" to the GCS, which has just been stopped, and waits on it until SIGKILL. On a local
-    cluster it scales nothing and holds nothing, so it is ended first, without that wait."""
+    to 1 s (the autoscaler monitor took all of that second; it is ended at the start now, see
+    ``_end_idle_helpers``)."""
     global _own_gcs
     # A worker class without close (a benchmark's null worker) holds nothing to close.
     closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
@@ -202,12 +217,6 @@ def stop_own_ray(workers: list[Any]) -> None:
     except (RayError, TimeoutError) as exc:
         # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
         log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and hasattr(node, "kill_monitor"):
-        try:
-            node.kill_monitor(check_alive=False)
-        except Exception as exc:  # Ray's private API moved: its own shutdown still ends the monitor
-            log.debug("ending Ray's autoscaler monitor early failed: %s", exc)
     ray.shutdown()
     _own_gcs = None
 
