@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -139,33 +141,61 @@ def start_local_ray() -> str:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
-        address=LOCAL,
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        log_to_driver=False,
-        # Its INFO line would be the only output of a run the preflight refuses in one line.
-        logging_level=logging.WARNING,
-        _node_ip_address="127.0.0.1",
-    )
-    _end_idle_helpers()
+    with _lean_node():
+        ray.init(
+            # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
+            address=LOCAL,
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            # Its INFO line would be the only output of a run the preflight refuses in one line.
+            logging_level=logging.WARNING,
+            _node_ip_address="127.0.0.1",
+        )
     return str(ray.get_runtime_context().gcs_address)
 
 
-def _end_idle_helpers() -> None:
-    """End two of Ray's helper processes that a local cluster of ours has no use for, as soon as it is
-    up: the autoscaler monitor (it scales nothing on one node and holds nothing) and the log monitor (it
-    streams workers' output to drivers, and ours take none: ``log_to_driver=False``). Each is a Python
-    process still importing when ``ray.init`` returns, on the CPUs the first worker actor starts on.
-    Ending the monitor here also spares ``ray.shutdown()`` its wait: the monitor's SIGTERM handler
-    reports its own "failure" to a GCS that has just been stopped, and waits on it for 1 s."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    for end in ("kill_monitor", "kill_log_monitor"):
-        try:
-            getattr(node, end)(check_alive=False)  # SIGKILL; ray.shutdown() no longer counts it
-        except Exception as exc:  # Ray's private API moved: its own shutdown still ends the process
-            log.debug("ending Ray's helper early (%s) failed: %s", end, exc)
+@contextlib.contextmanager
+def _lean_node() -> Iterator[None]:
+    """While ``ray.init`` starts a local cluster of ours: what it does not need is not started, and what
+    it needs does not wait on another cluster of this machine. ``ray.init`` takes none of these three
+    settings, which ``ray start`` takes (``--no-monitor``, ``--include-log-monitor``,
+    ``--dashboard-agent-listen-port``), so they go into the node's parameters it builds:
+
+    - the dashboard agent's HTTP port: a free one, not Ray's fixed 52365. With another cluster on the
+      machine (a warm executor, a test's) that port is taken, and the agent retried it with backoff for
+      3.4 s before going on without it, while the node's registration, and so ``ray.init``, waited;
+    - no autoscaler monitor: it scales nothing on one node, holds nothing, and its SIGTERM handler made
+      ``ray.shutdown()`` wait 1 s (it reports its own "failure" to a GCS that has just been stopped);
+    - no log monitor: it streams workers' output to drivers, and ours take none (``log_to_driver``).
+
+    Each of the two is a Python process importing on the CPUs the node's agents and the first worker
+    actor start on. Where Ray's private module moved, ray.init starts its default node."""
+    module = getattr(getattr(ray, "_private", None), "parameter", None)
+    base = getattr(module, "RayParams", None)
+    if base is None:
+        yield
+        return
+
+    class LeanParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("dashboard_agent_listen_port", _free_port())
+            kwargs.setdefault("no_monitor", True)
+            kwargs.setdefault("include_log_monitor", False)
+            super().__init__(*args, **kwargs)
+
+    module.RayParams = LeanParams
+    try:
+        yield
+    finally:
+        module.RayParams = base
+
+
+def _free_port() -> int:
+    """A TCP port free on every address now (the node picks its IP itself)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def attached_lease() -> warm.Lease | None:
@@ -207,8 +237,8 @@ def stop_own_ray(workers: list[Any]) -> None:
 
     ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
     (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
-    to 1 s (the autoscaler monitor took all of that second; it is ended at the start now, see
-    ``_end_idle_helpers``)."""
+    to 1 s (the autoscaler monitor took all of that second; it is not started now, see
+    ``_lean_node``)."""
     global _own_gcs
     # A worker class without close (a benchmark's null worker) holds nothing to close.
     closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
