@@ -31,6 +31,19 @@ def _fail_input(message: str) -> None:
     raise typer.Exit(2)
 
 
+class _NoPandas:
+    """An import finder that refuses pandas to a driver: pyarrow imports it, when it is installed, at its
+    first conversion of Python values (0.3-0.4 s of CPU, before the first session's row), and nothing a
+    driver does needs it. (A None in sys.modules would not do: pyarrow's compiled import takes the None
+    for the module.)"""
+
+    @staticmethod
+    def find_spec(name: str, path: object = None, target: object = None) -> None:
+        if name.partition(".")[0] == "pandas":
+            raise ModuleNotFoundError(f"{name}: not imported by `rollout run`", name=name)
+        return None
+
+
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
@@ -66,6 +79,8 @@ def run(
     from executor.storage import check_writable, is_object_uri, locate
 
     phases.mark("cli")
+    if "pandas" not in sys.modules:
+        sys.meta_path.insert(0, _NoPandas())
 
     overrides: dict[str, object] = {}
     for key, value in (
@@ -105,7 +120,7 @@ def run(
         # Before Ray starts: a run another driver holds is refused at once, with nothing started.
         check_free(locate(cfg.out) / (cfg.run_id or ""))
         _start(cfg, None if no_preflight else preflight_timeout)
-        summary = Driver(cfg).run()
+        summary = Driver(cfg, exiting=True).run()
     except RunLockedError as exc:
         from rich.markup import escape
 
@@ -124,17 +139,26 @@ def run(
 
 def _exit_when_done(code: int) -> None:
     """Exit with ``code`` once the run is done: rows durable, sandboxes stopped, summary written and
-    printed, the cluster we started stopped. The exit handlers run as usual (logging, finalizers);
-    only the interpreter's teardown, ~0.2-0.4 s of freeing what the process's end frees anyway, is
-    skipped. A joined cluster (Ray still connected: its disconnect tells the cluster our job ended) or
-    a thread still going gets the ordinary exit."""
+    printed, the cluster we started stopped or the warm executor let go of. The exit handlers run as
+    usual (logging, finalizers); only the interpreter's teardown, ~0.2-0.4 s of freeing what the
+    process's end frees anyway, is skipped. A driver that let go of a warm executor also skips Ray's
+    disconnect (``executor.driver.leave_ray``): its process's end closes the connection. A joined
+    cluster (Ray still connected: its disconnect tells the cluster our job ended) or a thread the
+    ordinary exit would wait for (not a daemon) gets the ordinary exit."""
     import atexit
     import os
     import threading
 
     import ray
 
-    if ray.is_initialized() or threading.active_count() > 1:
+    from executor.driver import left_connected
+
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon for t in threading.enumerate()):
+        raise typer.Exit(code)
+    if left_connected():
+        atexit.unregister(ray.shutdown)
+    elif ray.is_initialized():
         raise typer.Exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -154,7 +178,10 @@ def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
     from executor.driver import connect_ray, leave_ray
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollout-check") as pool:
-        checked = pool.submit(_preflight, cfg, preflight_timeout_s) if preflight_timeout_s else None
+        # The scripted model is no endpoint of the user's: no URL, key or model name of theirs to get
+        # wrong, and each worker starts its own. Checking one started here only costs its imports.
+        check = bool(preflight_timeout_s) and cfg.model.provider != "scripted"
+        checked = pool.submit(_preflight, cfg, preflight_timeout_s) if check else None
         harness = pool.submit(_ensure_harness, cfg)
         own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
         phases.mark("ray_up")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +104,9 @@ class RunSummary:
 _own_gcs: str | None = None
 # This process's hold on the warm executor it attached to (executor/warm.py), while attached.
 _warm_lease: warm.Lease | None = None
+# The warm executor was let go of (workers released, lease released) but its connection was left for the
+# process's exit to close (``leave_ray(..., exiting=True)``).
+_left_connected = False
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -136,17 +141,61 @@ def start_local_ray() -> str:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
-        address=LOCAL,
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        log_to_driver=False,
-        # Its INFO line would be the only output of a run the preflight refuses in one line.
-        logging_level=logging.WARNING,
-        _node_ip_address="127.0.0.1",
-    )
+    with _lean_node():
+        ray.init(
+            # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
+            address=LOCAL,
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            # Its INFO line would be the only output of a run the preflight refuses in one line.
+            logging_level=logging.WARNING,
+            _node_ip_address="127.0.0.1",
+        )
     return str(ray.get_runtime_context().gcs_address)
+
+
+@contextlib.contextmanager
+def _lean_node() -> Iterator[None]:
+    """While ``ray.init`` starts a local cluster of ours: what it does not need is not started, and what
+    it needs does not wait on another cluster of this machine. ``ray.init`` takes none of these three
+    settings, which ``ray start`` takes (``--no-monitor``, ``--include-log-monitor``,
+    ``--dashboard-agent-listen-port``), so they go into the node's parameters it builds:
+
+    - the dashboard agent's HTTP port: a free one, not Ray's fixed 52365. With another cluster on the
+      machine (a warm executor, a test's) that port is taken, and the agent retried it with backoff for
+      3.4 s before going on without it, while the node's registration, and so ``ray.init``, waited;
+    - no autoscaler monitor: it scales nothing on one node, holds nothing, and its SIGTERM handler made
+      ``ray.shutdown()`` wait 1 s (it reports its own "failure" to a GCS that has just been stopped);
+    - no log monitor: it streams workers' output to drivers, and ours take none (``log_to_driver``).
+
+    Each of the two is a Python process importing on the CPUs the node's agents and the first worker
+    actor start on. Where Ray's private module moved, ray.init starts its default node."""
+    module = getattr(getattr(ray, "_private", None), "parameter", None)
+    base = getattr(module, "RayParams", None)
+    if base is None:
+        yield
+        return
+
+    class LeanParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("dashboard_agent_listen_port", _free_port())
+            kwargs.setdefault("no_monitor", True)
+            kwargs.setdefault("include_log_monitor", False)
+            super().__init__(*args, **kwargs)
+
+    module.RayParams = LeanParams
+    try:
+        yield
+    finally:
+        module.RayParams = base
+
+
+def _free_port() -> int:
+    """A TCP port free on every address now (the node picks its IP itself)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def attached_lease() -> warm.Lease | None:
@@ -154,17 +203,32 @@ def attached_lease() -> warm.Lease | None:
     return _warm_lease
 
 
-def leave_ray(own: bool, workers: list[Any]) -> None:
+def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
     """Once the run's work is safe: stop the cluster we started, or let go of the warm executor (its
-    workers keep what they built, the next run gets them warm). A joined cluster is left as it is."""
-    global _warm_lease
+    workers keep what they built, the next run gets them warm). A joined cluster is left as it is.
+
+    ``exiting``: the process ends next (``rollout run``). An attached driver then leaves its connection
+    for that end to close (``left_connected``): ``ray.shutdown()`` of a driver spends ~0.3 s waiting on
+    its core worker's disconnect, while a driver's process ending tells the cluster the same (its job
+    ends). Nothing of the run waits on the connection by then: every row and the summary are written,
+    the workers have released the run's parts and hold no session of it, and the lease is given back."""
+    global _warm_lease, _left_connected
     if own:
         stop_own_ray(workers)
     elif _warm_lease is not None:
         warm.release(workers)
-        ray.shutdown()  # our driver's connection only: the warm cluster runs on
+        if exiting:
+            _left_connected = True
+        else:
+            ray.shutdown()  # our driver's connection only: the warm cluster runs on
         _warm_lease.release()
         _warm_lease = None
+
+
+def left_connected() -> bool:
+    """True once this process let go of the warm executor it attached to and left its connection to it
+    for the process's end to close (``leave_ray(..., exiting=True)``): the process must end next."""
+    return _left_connected
 
 
 def stop_own_ray(workers: list[Any]) -> None:
@@ -173,9 +237,8 @@ def stop_own_ray(workers: list[Any]) -> None:
 
     ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
     (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
-    to 1 s. The autoscaler monitor takes all of that second: its SIGTERM handler reports its own
-    "failure" to the GCS, which has just been stopped, and waits on it until SIGKILL. On a local
-    cluster it scales nothing and holds nothing, so it is ended first, without that wait."""
+    to 1 s (the autoscaler monitor took all of that second; it is not started now, see
+    ``_lean_node``)."""
     global _own_gcs
     # A worker class without close (a benchmark's null worker) holds nothing to close.
     closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
@@ -184,12 +247,6 @@ def stop_own_ray(workers: list[Any]) -> None:
     except (RayError, TimeoutError) as exc:
         # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
         log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and hasattr(node, "kill_monitor"):
-        try:
-            node.kill_monitor(check_alive=False)
-        except Exception as exc:  # Ray's private API moved: its own shutdown still ends the monitor
-            log.debug("ending Ray's autoscaler monitor early failed: %s", exc)
     ray.shutdown()
     _own_gcs = None
 
@@ -258,11 +315,15 @@ _VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "error_message")
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker) -> None:
-        """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one)."""
+    def __init__(
+        self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker, *, exiting: bool = False
+    ) -> None:
+        """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one).
+        ``exiting``: the process ends once ``run`` returns (``rollout run``; see ``leave_ray``)."""
         assert cfg.run_id
         self.cfg = cfg
         self.worker_class = worker_class
+        self.exiting = exiting
         self.run_dir = locate(cfg.out) / cfg.run_id
         self.store = RunStore(self.run_dir)
         self.rng = random.Random()
@@ -290,7 +351,7 @@ class Driver:
                 return self._run_locked()
             finally:
                 # Under the lock still: the next driver of this run starts once our sandboxes are gone.
-                leave_ray(self._own_ray, self._workers)
+                leave_ray(self._own_ray, self._workers, exiting=self.exiting)
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg

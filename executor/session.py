@@ -28,7 +28,7 @@ from executor.storage import Location, describe_error
 from executor.tasks import Task, Verifier
 from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
-from harnesses.gateway import Gateway, GatewaySession
+from harnesses.gateway import GatewaySession
 from harnesses.install import InstallError
 from policy import FailureKind, Outcome, Status, bound_text
 from sandboxes.base import (
@@ -43,7 +43,10 @@ from sandboxes.base import (
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import diff_step, lay_out, read_diff, workspace_diff
 
-if TYPE_CHECKING:  # test machinery: only a run with the scripted provider has one
+# The gateway's server (aiohttp) is the worker's to import, not a driver's; the scripted model is test
+# machinery that only a run with the scripted provider has.
+if TYPE_CHECKING:
+    from harnesses.gateway import Gateway
     from harnesses.testing.scripted_model import ScriptedModel
 
 log = logging.getLogger(__name__)

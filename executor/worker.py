@@ -27,13 +27,15 @@ from executor.schema import batch_to_wire, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, locate
 from executor.tasks import Task
-from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
 from sandboxes.base import HidesPaths, SandboxProvider
 from sandboxes.prepared import PreparedWorkspaces
 
-if TYPE_CHECKING:  # test machinery: loaded below only when a run asks for it
+# Both imported where a context is built (the scripted model, test machinery, only when a run asks for
+# it): a driver imports this module for its actor class and builds none.
+if TYPE_CHECKING:
+    from harnesses.gateway import Gateway
     from harnesses.testing.scripted_model import ScriptedModel
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class SandboxWorker:
         async with self._start_lock:
             if self._ctx is not None:
                 return self._ctx
+            from harnesses.gateway import Gateway
+
             cfg = self.cfg
             scripted: ScriptedModel | None = None
             if cfg.model.provider == "scripted":

@@ -52,3 +52,25 @@ def test_no_product_module_imports_test_machinery() -> None:
     ):
         assert module in found["imported"]
     assert found["testing"] == []
+
+
+# What a `rollout run` driver loads before its first session, and what its first rows make pyarrow load.
+_DRIVER = """
+import json, sys
+sys.argv = ["rollout"]
+import executor.cli
+executor.cli.sys.meta_path.insert(0, executor.cli._NoPandas())
+import executor.driver
+from executor.schema import rows_to_batch, warm_up
+warm_up()
+rows_to_batch([{}]).to_pylist()
+print(json.dumps(sorted(m for m in ("aiohttp", "pandas", "harnesses.gateway.server") if m in sys.modules)))
+"""
+
+
+def test_a_driver_imports_neither_the_gateway_server_nor_pandas() -> None:
+    """The gateway's server (aiohttp) is its workers', and pandas nobody's: ~0.6 s of a driver's CPU."""
+    out = subprocess.run(
+        [sys.executable, "-c", _DRIVER], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) == []

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,9 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     first, _ = _run(tmp_path, env, "one")
     second, _ = _run(tmp_path, env, "two")
     assert first == second and len(first) == 1  # the same worker process served both runs
+    # Each attached driver left its connection for its exit to close (no ray.shutdown): the cluster saw
+    # both go, and served the second after the first.
+    assert _connected_drivers(record) == []
     (worker_id,) = first
     worker_pid = int(worker_id.rsplit("-", 1)[1])
 
@@ -109,6 +113,21 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     assert _gone(env["RAY_TMPDIR"]) == []
     assert processes_under(str(tmp_path / "sandboxes")) == []
     assert "no warm executor" in _rollout(env, "down").stdout
+
+
+def _connected_drivers(record: warm.Record, bound_s: float = 30.0) -> list[int]:
+    """The pids of the drivers the warm cluster still counts as connected, its daemon's aside, once
+    those whose process ended had time to be noticed."""
+    from ray._raylet import GcsClient
+
+    gcs = GcsClient(address=record.gcs_address)
+    deadline = time.monotonic() + bound_s
+    while True:
+        jobs = gcs.get_all_job_info().values()
+        live = [j.driver_pid for j in jobs if not j.is_dead and j.driver_pid != record.pid]
+        if not live or time.monotonic() >= deadline:
+            return live
+        time.sleep(0.2)  # waiting for a condition, bounded; not synchronisation by sleeping
 
 
 def _released(lock: Path, bound_s: float) -> bool:

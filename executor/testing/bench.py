@@ -519,11 +519,13 @@ def _one_run(config: Path, run_id: str, sandboxes: Path, env: dict[str, str]) ->
     from sandboxes.testing.leaks import processes_under
 
     argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawned = time.monotonic()
     proc = subprocess.run(
         argv, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2], env=env
     )
     exited = time.monotonic()
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     run_dir = config.parent / "out" / run_id
     if proc.returncode != 0:
         raise RuntimeError(f"run {run_id} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -534,6 +536,9 @@ def _one_run(config: Path, run_id: str, sandboxes: Path, env: dict[str, str]) ->
     origin = marks.pop("origin_monotonic", None)
     out = {name: origin + at - spawned for name, at in marks.items()} if origin is not None else {}
     out["exit"] = exited - spawned
+    # The command's CPU (with the Ray processes it started and reaped; not a warm executor's): on a
+    # loaded machine, steadier than its wall time.
+    out["cpu_s"] = sum(getattr(cpu_after, f) - getattr(cpu_before, f) for f in ("ru_utime", "ru_stime"))
     out["left_sandbox_processes"] = float(len(processes_under(str(sandboxes))))
     return out
 
@@ -550,7 +555,7 @@ def _rollout(env: dict[str, str], *args: str) -> None:
 def _medians(timings: list[dict[str, float]]) -> dict[str, float]:
     return {
         name: statistics.median(t[name] for t in timings)
-        for name in (*PHASES, "left_sandbox_processes")
+        for name in (*PHASES, "cpu_s", "left_sandbox_processes")
         if all(name in t for t in timings)
     }
 
@@ -603,7 +608,8 @@ def _phase_line(e: dict[str, Any]) -> str:
 
     def marks(medians: dict[str, float]) -> str:
         order = sorted((n for n in PHASES if n in medians), key=medians.__getitem__)
-        return ", ".join(f"{n} {medians[n]:.2f}" for n in order)
+        cpu = f" (the command's CPU {medians['cpu_s']:.2f} s)" if "cpu_s" in medians else ""
+        return ", ".join(f"{n} {medians[n]:.2f}" for n in order) + cpu
 
     return (
         f"(e) fixed costs, {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
@@ -763,6 +769,8 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             else f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | |"
             for n in order
         ]
+        if "cpu_s" in cold and "cpu_s" in warm:
+            lines.append(f"| the command's CPU (s) | {cold['cpu_s']:.2f} | {warm['cpu_s']:.2f} |")
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ The modules, each importing only those listed before it (no loop):
 - ``server``: ``Gateway``: listening, sessions, routing.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from harnesses.gateway.limits import (
     CLOSED_BODY,
     NO_LISTING_BODY,
@@ -35,8 +37,21 @@ from harnesses.gateway.limits import (
     SESSION_HEADER,
     GatewayConfig,
 )
-from harnesses.gateway.server import Gateway
 from harnesses.gateway.session import AttemptRecord, GatewaySession
+
+if TYPE_CHECKING:
+    from harnesses.gateway.server import Gateway
+
+
+def __getattr__(name: str) -> Any:
+    # The server (and aiohttp, ~0.2 s of CPU to import) only where a gateway runs: a driver reading a
+    # config needs GatewayConfig alone.
+    if name == "Gateway":
+        from harnesses.gateway.server import Gateway
+
+        return Gateway
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CLOSED_BODY",

@@ -7,8 +7,12 @@ everything and import nothing of the package: that is what keeps the package fre
 
 from __future__ import annotations
 
-from aiohttp import web
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 class GatewayConfig(BaseModel):
@@ -118,12 +122,18 @@ NO_LISTING_BODY = (
 
 
 def closed() -> web.Response:
-    return web.Response(status=400, body=CLOSED_BODY, content_type="application/json")
+    return _answer(400, CLOSED_BODY)
 
 
 def not_served() -> web.Response:
-    return web.Response(status=404, body=NOT_SERVED_BODY, content_type="application/json")
+    return _answer(404, NOT_SERVED_BODY)
 
 
 def no_listing() -> web.Response:
-    return web.Response(status=404, body=NO_LISTING_BODY, content_type="application/json")
+    return _answer(404, NO_LISTING_BODY)
+
+
+def _answer(status: int, body: bytes) -> web.Response:
+    from aiohttp import web  # imported by the server that calls this; not by a config that is only read
+
+    return web.Response(status=status, body=body, content_type="application/json")
