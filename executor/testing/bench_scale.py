@@ -208,3 +208,85 @@ def line(f: dict[str, Any]) -> str:
         "phases median/p90 s: "
         + ", ".join(f"{k[2:-2]} {m:.2f}/{q:.2f}" for k, (m, q) in f["phase_median_p90_s"].items())
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The provider-level probe: what one local sandbox costs the machine, without Ray or a session around it
+
+
+def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto") -> dict[str, Any]:
+    """``n`` local sandboxes at once, as a run's defaults make them: start, one ``true``, stop.
+
+    The CPU is this process's and its reaped children's (the supervisor servers and everything under
+    them, and the provider's fork server once the provider is closed), so it excludes the rest of the
+    machine; the provider's construction (its probes of what the host allows) is left out, one sandbox
+    before the ``n`` (the first spare server's start) is counted in."""
+    import asyncio
+    import socket
+    import uuid
+
+    from sandboxes.base import SandboxSpec
+    from sandboxes.local import LocalSandboxConfig
+
+    gateway = scratch / "gateway.sock"  # a listening socket; the probe's `true` never connects
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(gateway))
+    listener.listen()
+    config = LocalSandboxConfig(isolation=isolation, keep=False)
+    forward = (8, str(gateway)) if config.needs_gateway_socket else None
+    provider = config.build(scratch / "sb", forward)
+    run_id = f"probe-{uuid.uuid4().hex[:6]}"
+
+    def spec() -> SandboxSpec:
+        return SandboxSpec(run_id=run_id, session_id=uuid.uuid4().hex[:12], ttl_s=600)
+
+    async def one() -> Any:
+        sandbox = await provider.start(spec())
+        result = await sandbox.exec(["true"], timeout=60)
+        if result.exit_code != 0:
+            await sandbox.stop()
+            raise RuntimeError(f"`true` in a probe sandbox: {result}")
+        return sandbox
+
+    async def main() -> tuple[float, float, int]:
+        t0 = time.monotonic()
+        sandboxes = await asyncio.gather(*(one() for _ in range(n)))
+        threads = threading.active_count()  # every sandbox started, none stopped
+        await asyncio.gather(*(sandbox.stop() for sandbox in sandboxes))
+        wall = time.monotonic() - t0
+        await provider.aclose()
+        return wall, time.monotonic() - t0, threads
+
+    own0 = resource.getrusage(resource.RUSAGE_SELF)
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    machine0 = _machine_cpu_s()
+    peak_threads = 0
+    try:
+        wall, wall_closed, peak_threads = asyncio.run(main())
+    finally:
+        listener.close()
+    own1 = resource.getrusage(resource.RUSAGE_SELF)
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime
+    kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+    return {
+        "sandboxes": n,
+        "isolation": provider.isolation_label,
+        "wall_s": wall,
+        "wall_closed_s": wall_closed,
+        "worker_cpu_ms_per_sandbox": own / n * 1000,
+        "processes_cpu_ms_per_sandbox": kids / n * 1000,
+        "cpu_ms_per_sandbox": (own + kids) / n * 1000,
+        "machine_cpu_ms_per_sandbox": (_machine_cpu_s() - machine0) / n * 1000,
+        "threads_all_started": peak_threads,
+    }
+
+
+def sandbox_line(p: dict[str, Any]) -> str:
+    return (
+        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + `true` + stop: "
+        f"{p['cpu_ms_per_sandbox']:.1f} ms CPU per sandbox ({p['worker_cpu_ms_per_sandbox']:.1f} in the "
+        f"worker, {p['processes_cpu_ms_per_sandbox']:.1f} in its processes; the whole machine "
+        f"{p['machine_cpu_ms_per_sandbox']:.1f}), wall {p['wall_s']:.2f} s, worker threads with all "
+        f"started {p['threads_all_started']}"
+    )
