@@ -38,9 +38,10 @@ NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's pr
 class PidNamespace:
     """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
 
-    def __init__(self, network: tuple[int, str] | None = None) -> None:
+    def __init__(self, network: tuple[int, str] | None = None, close: tuple[int, ...] = ()) -> None:
         """``network`` (port, gateway socket): the init also makes the sandbox's loopback-only network
-        namespace and runs its gateway forwarder (netns.py), which every supervisor joins."""
+        namespace and runs its gateway forwarder (netns.py), which every supervisor joins. ``close``:
+        descriptors of the server's that the init must not hold."""
         # Takes effect for our children only: the first is the namespace's pid 1, every later one is
         # born inside it too.
         proctree.libc_call("unshare", CLONE_NEWPID)
@@ -50,8 +51,8 @@ class PidNamespace:
         if pid == 0:
             code = 1
             try:
-                os.close(ready_r)
-                os.close(self.hold)
+                for fd in (ready_r, self.hold, *close):
+                    os.close(fd)
                 code = _pid_namespace_init(ready_w, hold_r, network)
             except BaseException as exc:  # a forked child must never return into the server
                 os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
