@@ -84,7 +84,6 @@ class Zygote:
         ours.setblocking(False)
         self._sock: socket.socket | None = ours
         self.pid = self._proc.pid
-        self._pidfd = os.pidfd_open(self.pid)  # our unreaped child: the pid is still its own
 
     @property
     def alive(self) -> bool:
@@ -112,23 +111,26 @@ class Zygote:
         raise ZygoteGone("the fork server takes no requests")
 
     async def ended(self, timeout: float) -> bool:
-        """Whether the fork server ends within ``timeout``."""
-        if self._pidfd < 0:
+        """Whether the fork server ends within ``timeout``; reaped if it has."""
+        if self._proc.poll() is not None:
             return True
-        return await _ready(self._pidfd, timeout) and self._proc.poll() is not None
+        try:
+            pidfd = os.pidfd_open(self.pid)  # our child, not reaped yet: the pid is still its own
+        except ProcessLookupError:
+            return self._proc.poll() is not None
+        try:
+            await _ready(pidfd, timeout)
+        finally:
+            os.close(pidfd)
+        return self._proc.poll() is not None
 
     async def close(self) -> None:
         """No more forks: it exits once the servers it forked have (they outlive it if it must go);
-        waited for a short while, and reaped if it is gone."""
+        waited for a short while, and reaped if it is gone (else by ``subprocess`` later)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._pidfd >= 0:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                await self.ended(ZYGOTE_EXIT_S)
-            os.close(self._pidfd)
-            self._pidfd = -1
-        self._proc.poll()
+        await self.ended(ZYGOTE_EXIT_S)
 
 
 class ServedExec:

@@ -24,6 +24,7 @@ Standard library only, like its siblings supervisor.py, proctree.py and namespac
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -178,6 +179,9 @@ class _Server:
 def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> int:
     """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd)."""
     write_line(1, {"ready": os.getpid()})
+    # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
+    # where a walk would copy every page it touches.
+    gc.freeze()
     code = 1
     try:
         namespace = namespaces.PidNamespace(network, close=(worker,)) if pid_namespace else None

@@ -23,6 +23,7 @@ Standard library only, like supervisor_server.py.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -132,6 +133,7 @@ class _Zygote:
     def fork(
         self, token: str, pid_namespace: bool, network: list[object] | None, stdin: int, out: int
     ) -> None:
+        gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
         try:
             pid = os.fork()
         except OSError as exc:
