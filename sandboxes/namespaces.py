@@ -17,9 +17,11 @@ imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
+import time
 
 if __package__:
     from sandboxes import netns, proctree
@@ -71,19 +73,30 @@ class PidNamespace:
         self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.net_ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC) if network else None
 
-    def end(self, timeout: float) -> bool:
+    def end(self, timeout: float, wake: int | None = None) -> bool:
         """Close our end, which ends the init and with it the namespace; True once the init is reaped,
-        which the kernel allows only when every other process of the namespace is gone."""
+        which the kernel allows only when every other process of the namespace is gone: our own
+        supervisors too, which are reaped here as they die (``wake``: readable on a SIGCHLD)."""
         os.close(self.hold)
-        if self.init_reaped:
-            return True
-        exited = os.pidfd_open(self.init_pid)  # our unreaped child: its pid is still its own
+        deadline = time.monotonic() + timeout
+        exited = -1 if self.init_reaped else os.pidfd_open(self.init_pid)  # our unreaped child
+        waits = [exited] if wake is None else [exited, wake]
         try:
-            select.select([exited], [], [], timeout)
+            while not self.init_reaped:
+                for pid, _status in proctree.exited_children():
+                    self.init_reaped = self.init_reaped or pid == self.init_pid
+                remaining = deadline - time.monotonic()
+                if self.init_reaped or remaining <= 0:
+                    break
+                ready, _w, _x = select.select(waits, [], [], remaining)
+                if wake is not None and wake in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake, 512):
+                            pass
         finally:
-            os.close(exited)
-        pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
-        return pid == self.init_pid
+            if exited >= 0:
+                os.close(exited)
+        return self.init_reaped
 
     def enter(self) -> None:
         """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and

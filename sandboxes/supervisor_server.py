@@ -189,7 +189,7 @@ def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> 
         server.install_signals()
         code = server.serve()
         # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
-        if namespace is not None and not namespace.end(namespaces.NAMESPACE_END_S):
+        if namespace is not None and not namespace.end(namespaces.NAMESPACE_END_S, server.wake_r):
             code = 1
     finally:
         write_line(1, {"exit": code})

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
 from sandboxes.base import SandboxLostError
+from sandboxes.environment import marker_entry
 from sandboxes.local import MAX_ZYGOTE_STARTS, LocalSandbox, LocalSandboxProvider
-from sandboxes.proctree import read_proc
-from tests.test_local_sandbox import Fifo, spec, wait_exit
+from sandboxes.proctree import has_env_entry, read_proc
+from tests.test_local_sandbox import REPO, Fifo, identify, running, spec, wait_exit
 
 
 def _fds(pid: int) -> dict[int, str]:
@@ -142,3 +145,45 @@ async def test_a_request_the_fork_server_took_with_it_is_served_by_the_next_one(
     finally:
         await server.close(5)
         await first.stop()
+
+
+WORKER = """
+import asyncio, sys
+from pathlib import Path
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+
+async def main() -> None:
+    provider = LocalSandboxProvider(Path(sys.argv[1]), pids="isolated")
+    sandbox = await provider.start(SandboxSpec(run_id="run", session_id="s", ttl_s=600))
+    await sandbox.exec(["sh", "-c", f"echo $$ > {sys.argv[2]}; exec sleep 300"], timeout=300)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_workers_death_ends_its_forked_servers_and_everything_in_their_namespaces(
+    tmp_path: Path,
+) -> None:
+    fifo = Fifo(tmp_path / "fifo")
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER, str(tmp_path / "sb"), str(fifo.path),
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await fifo.lines(1)  # the command runs
+        descriptor = json.loads((tmp_path / "sb" / "run" / "s" / "sandbox.json").read_text())
+        marker = marker_entry(descriptor["marker"])
+        ours = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if has_env_entry(p, marker)}
+        # The server, the namespace's init, the supervisor and the command.
+        assert descriptor["server_pid"] in ours and len(ours) == 4, ours
+        procs = [identify(p) for p in ours]
+        worker.kill()
+        await worker.wait()
+        await wait_exit(descriptor["server_pid"])  # it saw the worker's pidfd, and its namespace ended
+        assert not [p for p in procs if running(p)]
+    finally:
+        fifo.close()
+        if worker.returncode is None:
+            worker.kill()
+            await worker.wait()
