@@ -302,12 +302,23 @@ class LocalSandboxProvider:
         except SandboxError as exc:
             await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
-        try:
-            # A few mkdirs (and chowns): less than a hop to a thread.
+
+        def lay_out() -> None:
             self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
             if self.max_processes:
                 sandbox.pids_cgroup = pidlimit.make(sandbox._marker_token, self.max_processes)
             sandbox._write_descriptor(create=True)
+
+        # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on
+        # the event loop, which a worker's hundred other sessions share.
+        laying = asyncio.ensure_future(asyncio.to_thread(lay_out))
+        try:
+            await asyncio.shield(laying)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # whatever it made, stop() undoes as for any sandbox
+                await laying
+            await asyncio.shield(sandbox.stop())
+            raise
         except OSError as exc:
             await server.close(self.kill_grace_s)
             if isinstance(exc, FileExistsError):
