@@ -6,7 +6,7 @@ Layout of one session, ``<root>/<run_id>/<session_id>/``::
     home/         HOME, with the XDG directories under it
     tmp/          TMPDIR
     logs/         <name>.stdout / <name>.stderr of each exec, capped
-    run/          each exec's supervisor result and log
+    run/          each exec's supervisor result; the supervisors' log
     sandbox.json  the descriptor another process uses to reap this sandbox; it names the owner
 
 The owner is the process that started the sandbox, proven alive by the lock on its record
@@ -413,7 +413,7 @@ class LocalSandboxProvider:
             return None
         self._zygote_starts += 1
         try:
-            self._zygote = Zygote(self.root / "supervisor-zygote.log")
+            self._zygote = Zygote(self._server_log)
         except OSError as exc:
             log.warning("sandboxes: cannot start the supervisor fork server: %s", exc)
         return self._zygote
@@ -658,7 +658,9 @@ class LocalSandbox:
                 stdout=stdout,
                 stderr=stderr,
                 result=run.with_name(f"{stem}.result.json"),
-                log=run.with_name(f"{stem}.supervisor.log"),
+                # One for the sandbox, appended to: supervisors rarely write, and on a busy disk each file
+                # made costs the kernel a search for a free inode.
+                log=self._run / "supervisors.log",
                 stdin=run.with_name(f"{stem}.stdin"),
             )
         raise SandboxError(f"no free log name for exec {name!r}")

@@ -13,11 +13,11 @@ start (namespaces.py); with ``--network PORT SOCKET`` also, in one loopback-only
 death ends the sandbox (every supervisor is told to end its tree), whoever the server's parent is.
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
-supervisor.run() plus "log_path" (the forked supervisor's stderr). Out (stdout): {"ready": PID} first;
-{"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it could not be, and
-{"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its PID namespace
-ended with every process in it). End of stdin: no more commands; the server exits when its supervisors
-have. The environment travels through the pipe, never through a file.
+supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to). Out (stdout):
+{"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
+could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
+PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
+its supervisors have. The environment travels through the pipe, never through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
 """
@@ -117,7 +117,7 @@ class _Server:
                 os.close(fd)
             self.sel.close()
             null = os.open(os.devnull, os.O_RDWR)
-            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(null, 0)
             os.dup2(null, 1)
             os.dup2(log, 2)
