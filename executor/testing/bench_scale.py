@@ -263,8 +263,9 @@ def line(f: dict[str, Any]) -> str:
 # The provider-level probe: what one local sandbox costs the machine, without Ray or a session around it
 
 
-def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto") -> dict[str, Any]:
-    """``n`` local sandboxes at once, as a run's defaults make them: start, one ``true``, stop.
+def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) -> dict[str, Any]:
+    """``n`` local sandboxes at once, as a run's defaults make them: start, ``execs`` commands of ``true``
+    one after another, stop. (Two runs with different ``execs`` give what one more command costs.)
 
     The CPU is this process's and its reaped children's (the supervisor servers and everything under
     them, and the provider's fork server once the provider is closed), so it excludes the rest of the
@@ -291,10 +292,11 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto") -> dict[str, Any
 
     async def one() -> Any:
         sandbox = await provider.start(spec())
-        result = await sandbox.exec(["true"], timeout=60)
-        if result.exit_code != 0:
-            await sandbox.stop()
-            raise RuntimeError(f"`true` in a probe sandbox: {result}")
+        for _ in range(execs):
+            result = await sandbox.exec(["true"], timeout=60)
+            if result.exit_code != 0:
+                await sandbox.stop()
+                raise RuntimeError(f"`true` in a probe sandbox: {result}")
         return sandbox
 
     async def main() -> tuple[float, float, int]:
@@ -320,6 +322,7 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto") -> dict[str, Any
     kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
     return {
         "sandboxes": n,
+        "execs": execs,
         "isolation": provider.isolation_label,
         "wall_s": wall,
         "wall_closed_s": wall_closed,
@@ -333,7 +336,7 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto") -> dict[str, Any
 
 def sandbox_line(p: dict[str, Any]) -> str:
     return (
-        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + `true` + stop: "
+        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + {p['execs']} x `true` + stop: "
         f"{p['cpu_ms_per_sandbox']:.1f} ms CPU per sandbox ({p['worker_cpu_ms_per_sandbox']:.1f} in the "
         f"worker, {p['processes_cpu_ms_per_sandbox']:.1f} in its processes; the whole machine "
         f"{p['machine_cpu_ms_per_sandbox']:.1f}), wall {p['wall_s']:.2f} s, worker threads with all "
