@@ -14,10 +14,12 @@ The owner is the process that started the sandbox, proven alive by the lock on i
 TTL has passed. A run's state stays under ``<root>/<run_id>/``, so runs sharing a root meet only there.
 
 Commands reach their supervisors through the sandbox's supervisor server (sandboxes/exec_server.py),
-which forks one per command. Processes are ended three ways, so that no one mechanism has to be
-perfect: each exec's supervisor kills its tree (on exit, timeout, TTL, SIGTERM and the worker's death),
-the sandbox kills a supervisor's tree from outside when the supervisor overruns, and
-``stop``/``reap_stale`` sweep /proc for every process that carries the sandbox's environment marker.
+which forks one per command; the server itself is forked by the provider's fork server
+(sandboxes/zygote.py), or started as an interpreter of its own once that has died too often.
+Processes are ended three ways, so that no one mechanism has to be perfect: each exec's supervisor
+kills its tree (on exit, timeout, TTL, SIGTERM and the worker's death), the sandbox kills a
+supervisor's tree from outside when the supervisor overruns, and ``stop``/``reap_stale`` sweep /proc
+for every process that carries the sandbox's environment marker.
 """
 
 from __future__ import annotations
