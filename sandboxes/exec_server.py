@@ -1,12 +1,16 @@
-"""The worker's side of a local sandbox's supervisor server (``supervisor_server.py --serve``).
+"""The worker's side of a local sandbox's supervisor server (``supervisor_server.py``) and of the
+provider's fork server (``zygote.py``) that forks those servers.
 
 One server process per sandbox forks a supervisor for each command, so a command costs a fork instead
 of an interpreter start-up and the supervisor's imports (tens of milliseconds, several times per
-rollout). The protocol is described beside the server in ``supervisor_server.py``.
+rollout); one fork server per provider forks each sandbox's server, so a sandbox costs a fork too. The
+protocols are described beside the servers. The worker waits for a server's end on a pidfd read by its
+event loop, not on a thread per child (asyncio's child watcher in Python 3.11 holds one per process).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -14,19 +18,119 @@ import json
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from sandboxes import proctree
 from sandboxes.base import SandboxError, SandboxLostError
-from sandboxes.environment import marker_entry
+from sandboxes.environment import SANDBOX_MARKER_VAR, marker_entry
 
 log = logging.getLogger(__name__)
 
 SERVER_PATH = str(Path(__file__).resolve().with_name("supervisor_server.py"))
+ZYGOTE_PATH = str(Path(__file__).resolve().with_name("zygote.py"))
 # How long a fork may take to be acknowledged: the server may still be starting on a loaded host.
 SPAWN_TIMEOUT_S = 120.0
+ZYGOTE_EXIT_S = 2.0  # how long a fork server's death may lag its closed pipes, and its end at close
+
+
+class ZygoteGone(OSError):
+    """The fork server has died: the provider starts another, or the server the old way."""
+
+
+async def _ready(fd: int | socket.socket, timeout: float, *, write: bool = False) -> bool:
+    """Whether ``fd`` becomes readable (a pidfd: its process has ended), or writable, within ``timeout``."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await asyncio.wait_for(ready, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        remove(fd)
+
+
+class Zygote:
+    """A running fork server. Started with the environment a server gets (the marker variable alone, a
+    placeholder token), from /, every descriptor of ours closed but its end of the control socket."""
+
+    def __init__(self, log_path: Path) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as zygote_log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", ZYGOTE_PATH, str(os.getpid()), str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=zygote_log,
+                    pass_fds=(theirs.fileno(),),
+                    cwd="/",
+                    env={SANDBOX_MARKER_VAR: uuid.uuid4().hex},
+                    start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock: socket.socket | None = ours
+        self.pid = self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._sock is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    async def fork(self, request: dict[str, Any], fds: tuple[int, int]) -> None:
+        """Send one request with the new server's two pipe ends; the server answers on its own pipe."""
+        if self._sock is None:
+            raise ZygoteGone("the fork server is closed")
+        message = [json.dumps(request).encode()]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        for _ in range(1000):  # bounded: each round waits for room, which a live fork server makes
+            try:
+                self._sock.sendmsg(message, rights)
+                return
+            except BlockingIOError:
+                if not await _ready(self._sock, SPAWN_TIMEOUT_S, write=True):
+                    raise ZygoteGone(f"the fork server took no request for {SPAWN_TIMEOUT_S:.0f} s") from None
+            except OSError as exc:  # EPIPE, ECONNRESET: it has died
+                raise ZygoteGone(f"the fork server has exited: {exc}") from exc
+        raise ZygoteGone("the fork server takes no requests")
+
+    async def ended(self, timeout: float) -> bool:
+        """Whether the fork server ends within ``timeout``; reaped if it has."""
+        if self._proc.poll() is not None:
+            return True
+        try:
+            pidfd = os.pidfd_open(self.pid)  # our child, not reaped yet: the pid is still its own
+        except ProcessLookupError:
+            return self._proc.poll() is not None
+        try:
+            await _ready(pidfd, timeout)
+        finally:
+            os.close(pidfd)
+        return self._proc.poll() is not None
+
+    async def close(self) -> None:
+        """No more forks: it exits once the servers it forked have (they outlive it if it must go);
+        waited for a short while, and reaped if it is gone (else by ``subprocess`` later)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        await self.ended(ZYGOTE_EXIT_S)
 
 
 class ServedExec:
@@ -62,11 +166,26 @@ class ServedExec:
 class ExecServer:
     """A running supervisor server. Build it with ``ExecServer.start``."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, marker_token: str, pid_namespace: bool) -> None:
-        self._proc = proc
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int,
+        pipes: tuple[asyncio.StreamReader, asyncio.WriteTransport, asyncio.BaseProtocol],
+        marker_token: str,
+        pid_namespace: bool,
+        child: subprocess.Popen[bytes] | None,
+    ) -> None:
+        self.pid = pid
         self.pid_namespace = pid_namespace
         self.marker_token = marker_token
         self._marker = marker_entry(marker_token)
+        self._stdout, transport, protocol = pipes
+        self._stdin = asyncio.StreamWriter(transport, protocol, None, asyncio.get_running_loop())
+        self._child = child  # ours to reap when we started it; a fork server's reaps its own
+        self._pidfd = pidfd
+        self._exit_code: int | None = None  # what the server said last: 0 once its namespace is empty
+        self._exited = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(pidfd, self._on_exit)
         self._ids = itertools.count(1)
         self._starting: dict[int, asyncio.Future[ServedExec]] = {}
         self._live: dict[int, ServedExec] = {}
@@ -78,63 +197,106 @@ class ExecServer:
     async def start(
         cls,
         *,
-        cwd: str,
         env: dict[str, str],
         marker_token: str,
         log_path: Path,
         pid_namespace: bool = False,
         network_forward: tuple[int, str] | None = None,
+        zygote: Zygote | None = None,
     ) -> ExecServer:
-        """``env`` must carry the marker: /proc/PID/environ of the server and of every supervisor it
-        forks shows it, which is how the sandbox finds its processes. ``pid_namespace``: every command
-        runs in one PID namespace, made by the server at its start (see namespaces.py); with
-        ``network_forward`` (port, gateway socket), in one loopback-only network namespace too."""
-        network = ["--network", str(network_forward[0]), network_forward[1]] if network_forward else []
-        # -I keeps PYTHON* variables of the sandbox's environment from steering the interpreter; -S skips
-        # site start-up, which a standard-library-only script does not need.
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as server_log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                SERVER_PATH,
-                "--serve",
-                str(os.getpid()),
-                *(["--pid-namespace", *network] if pid_namespace else []),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=server_log,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        return cls(proc, marker_token, pid_namespace)
+        """Forked by ``zygote``, or else a new interpreter. ``env`` must carry the marker: /proc/PID/environ
+        of the server and of every supervisor it forks shows it, which is how the sandbox finds its
+        processes (a forked server writes it over its fork server's placeholder). ``pid_namespace``:
+        every command runs in one PID namespace, made by the server at its start (see namespaces.py); with
+        ``network_forward`` (port, gateway socket), in one loopback-only network namespace too. Raises
+        ZygoteGone when ``zygote`` has died, OSError when the server cannot be started."""
+        loop = asyncio.get_running_loop()
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        child: subprocess.Popen[bytes] | None = None
+        try:
+            if zygote is not None:
+                network = list(network_forward) if network_forward else None
+                request = {"marker": marker_token, "pid_namespace": pid_namespace, "network": network}
+                await zygote.fork(request, (stdin_r, stdout_w))
+            else:
+                child = _spawn_server(env, log_path, pid_namespace, network_forward, stdin_r, stdout_w)
+        except BaseException:
+            os.close(stdin_w)
+            os.close(stdout_r)
+            raise
+        finally:
+            os.close(stdin_r)
+            os.close(stdout_w)
+        stdout = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), open(stdout_r, "rb", 0))
+        transport, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, open(stdin_w, "wb", 0)
+        )
+        try:
+            pid = await cls._ready(stdout, zygote)
+            if child is not None and pid != child.pid:
+                raise OSError(f"the supervisor server says it is pid {pid}, not {child.pid}")
+            pidfd = os.pidfd_open(pid)
+            # A forked server is not our child: its pid is its own only while it carries our marker.
+            if child is None and not proctree.has_env_entry(pid, marker_entry(marker_token)):
+                os.close(pidfd)
+                raise OSError(f"the supervisor server (pid {pid}) ended as it started")
+        except BaseException:
+            transport.close()
+            if child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await asyncio.to_thread(child.wait)
+            raise
+        return cls(pid, pidfd, (stdout, transport, protocol), marker_token, pid_namespace, child)
 
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
+    @staticmethod
+    async def _ready(stdout: asyncio.StreamReader, zygote: Zygote | None) -> int:
+        """The server's pid, from its first line."""
+        try:
+            line = await asyncio.wait_for(stdout.readline(), SPAWN_TIMEOUT_S)
+        except TimeoutError:
+            raise OSError(f"no supervisor server within {SPAWN_TIMEOUT_S:.0f} s") from None
+        try:
+            message = json.loads(line) if line else {}
+            return int(message["ready"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        if zygote is not None and not line and await zygote.ended(ZYGOTE_EXIT_S):
+            raise ZygoteGone(f"the fork server (pid {zygote.pid}) exited with status {zygote.returncode}")
+        what = str(message.get("error")) if isinstance(message, dict) and message else line.decode()[:200]
+        raise OSError(f"the supervisor server did not start: {what or 'it ended at once'}")
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        if self._child is not None:
+            self._child.poll()  # reaped: the pidfd said it has ended
+        if not self._exited.done():
+            self._exited.set_result(None)
 
     @property
     def emptied_its_namespace(self) -> bool:
         """Whether the server has exited after its PID namespace ended with every process in it: nothing
         it ran can be left anywhere."""
-        return self.pid_namespace and self._proc.returncode == 0
+        return self.pid_namespace and self._exited.done() and self._exit_code == 0
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self._proc.returncode is None
+        return not self._closed and not self._exited.done()
 
     async def spawn(self, params: dict[str, Any], env: dict[str, str]) -> ServedExec:
         """Fork a supervisor for ``params`` with the command's environment ``env``."""
-        if self._closed or self._proc.stdin is None:
+        if self._closed:
             raise SandboxLostError("the sandbox's supervisor server has exited")
         req_id = next(self._ids)
         started: asyncio.Future[ServedExec] = asyncio.get_running_loop().create_future()
         self._starting[req_id] = started
         try:
-            self._proc.stdin.write(json.dumps({"id": req_id, "params": params, "env": env}).encode() + b"\n")
-            await self._proc.stdin.drain()
+            self._stdin.write(json.dumps({"id": req_id, "params": params, "env": env}).encode() + b"\n")
+            await self._stdin.drain()
             return await asyncio.wait_for(asyncio.shield(started), SPAWN_TIMEOUT_S)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise SandboxLostError(f"the sandbox's supervisor server has exited: {exc}") from exc
@@ -148,12 +310,11 @@ class ExecServer:
             self._starting.pop(req_id, None)
 
     async def _read(self) -> None:
-        assert self._proc.stdout is not None
         try:
-            while line := await self._proc.stdout.readline():
+            while line := await self._stdout.readline():
                 self._dispatch(json.loads(line))
         except (ValueError, OSError) as exc:
-            log.warning("supervisor server %d: unreadable answer: %s", self._proc.pid, str(exc)[:200])
+            log.warning("supervisor server %d: unreadable answer: %s", self.pid, str(exc)[:200])
         finally:
             # The server is gone: nothing more starts, and what was running will not be reported.
             self._closed = True
@@ -164,6 +325,9 @@ class ExecServer:
                 served._end(None)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
+        if "exit" in message:
+            self._exit_code = int(message["exit"])
+            return
         req_id = int(message["id"])
         started = self._starting.get(req_id)
         if "pid" in message:
@@ -182,12 +346,46 @@ class ExecServer:
     async def close(self, timeout: float) -> None:
         """No more commands: the server exits once its supervisors have; forced past ``timeout``."""
         self._closed = True
-        if self._proc.stdin is not None and not self._proc.stdin.is_closing():
-            self._proc.stdin.close()
+        if not self._stdin.is_closing():
+            self._stdin.close()
         try:
-            await asyncio.wait_for(self._proc.wait(), timeout)
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            await self._proc.wait()
+            if not self._exited.done():  # the pidfd names it until we close it, whoever reaps it
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            await self._exited
         await self._reader
+
+
+def _spawn_server(
+    env: dict[str, str],
+    log_path: Path,
+    pid_namespace: bool,
+    network_forward: tuple[int, str] | None,
+    stdin: int,
+    stdout: int,
+) -> subprocess.Popen[bytes]:
+    """A supervisor server as a new interpreter, where there is no fork server."""
+    network = ["--network", str(network_forward[0]), network_forward[1]] if network_forward else []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as server_log:
+        # -I keeps PYTHON* variables of the sandbox's environment from steering the interpreter; -S skips
+        # site start-up, which a standard-library-only script does not need.
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                SERVER_PATH,
+                "--serve",
+                str(os.getpid()),
+                *(["--pid-namespace", *network] if pid_namespace else []),
+            ],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=server_log,
+            cwd="/",
+            env=env,
+            start_new_session=True,
+        )

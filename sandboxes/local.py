@@ -6,7 +6,7 @@ Layout of one session, ``<root>/<run_id>/<session_id>/``::
     home/         HOME, with the XDG directories under it
     tmp/          TMPDIR
     logs/         <name>.stdout / <name>.stderr of each exec, capped
-    run/          each exec's supervisor result and log
+    run/          each exec's supervisor result; the supervisors' log
     sandbox.json  the descriptor another process uses to reap this sandbox; it names the owner
 
 The owner is the process that started the sandbox, proven alive by the lock on its record
@@ -14,10 +14,12 @@ The owner is the process that started the sandbox, proven alive by the lock on i
 TTL has passed. A run's state stays under ``<root>/<run_id>/``, so runs sharing a root meet only there.
 
 Commands reach their supervisors through the sandbox's supervisor server (sandboxes/exec_server.py),
-which forks one per command. Processes are ended three ways, so that no one mechanism has to be
-perfect: each exec's supervisor kills its tree (on exit, timeout, TTL, SIGTERM and the worker's death),
-the sandbox kills a supervisor's tree from outside when the supervisor overruns, and
-``stop``/``reap_stale`` sweep /proc for every process that carries the sandbox's environment marker.
+which forks one per command; the server itself is forked by the provider's fork server
+(sandboxes/zygote.py), or started as an interpreter of its own once that has died too often.
+Processes are ended three ways, so that no one mechanism has to be perfect: each exec's supervisor
+kills its tree (on exit, timeout, TTL, SIGTERM and the worker's death), the sandbox kills a
+supervisor's tree from outside when the supervisor overruns, and ``stop``/``reap_stale`` sweep /proc
+for every process that carries the sandbox's environment marker.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from sandboxes.environment import (
     merge_environment,
     xdg_dirs,
 )
-from sandboxes.exec_server import ExecServer, ServedExec
+from sandboxes.exec_server import ExecServer, ServedExec, Zygote, ZygoteGone
 from sandboxes.inline import inline_if, small_inline, small_tree
 from sandboxes.isolation import Choice, IsolationMode
 from sandboxes.owner import boot_id, start_ticks
@@ -79,6 +81,8 @@ DEFAULT_KILL_GRACE_S = 1.0
 DEFAULT_NOFILE_LIMIT = 65_536
 DEFAULT_MAX_FILE_MB = 4096
 SUPERVISOR_SLACK_S = sup.SLACK_S
+# Fork servers a provider starts before it starts each sandbox's server as a new interpreter instead.
+MAX_ZYGOTE_STARTS = 3
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -256,6 +260,9 @@ class LocalSandboxProvider:
         self.max_disk_bytes = max_disk_mb * 1024 * 1024 if max_disk_mb else None
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
+        # The fork server of supervisor servers (sandboxes/zygote.py), started with the first sandbox.
+        self._zygote: Zygote | None = None
+        self._zygote_starts = 0
         # A spare starts at the lowest CPU priority while the machine may need the CPU for a harness, and
         # gets the normal one back when taken; False once this process turns out not to be allowed to.
         self._spare_nice = True
@@ -303,12 +310,23 @@ class LocalSandboxProvider:
         except SandboxError as exc:
             await server.close(self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
-        try:
-            # A few mkdirs (and chowns): less than a hop to a thread.
+
+        def lay_out() -> None:
             self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
             if self.max_processes:
                 sandbox.pids_cgroup = pidlimit.make(sandbox._marker_token, self.max_processes)
             sandbox._write_descriptor(create=True)
+
+        # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on
+        # the event loop, which a worker's hundred other sessions share.
+        laying = asyncio.ensure_future(asyncio.to_thread(lay_out))
+        try:
+            await asyncio.shield(laying)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # whatever it made, stop() undoes as for any sandbox
+                await laying
+            await asyncio.shield(sandbox.stop())
+            raise
         except OSError as exc:
             await server.close(self.kill_grace_s)
             if isinstance(exc, FileExistsError):
@@ -364,14 +382,49 @@ class LocalSandboxProvider:
     async def _new_server(self) -> ExecServer:
         token = uuid.uuid4().hex
         # Not yet any sandbox's: it runs from / and carries only its marker, which the sandbox adopts.
-        return await ExecServer.start(
-            cwd="/",
-            env={SANDBOX_MARKER_VAR: token},
-            marker_token=token,
-            log_path=self._server_log,
-            pid_namespace=isolation.server_pid_namespace(self.isolation),
-            network_forward=isolation.server_network(self.isolation),
-        )
+        options: dict[str, Any] = {
+            "env": {SANDBOX_MARKER_VAR: token},
+            "marker_token": token,
+            "log_path": self._server_log,
+            "pid_namespace": isolation.server_pid_namespace(self.isolation),
+            "network_forward": isolation.server_network(self.isolation),
+        }
+        while (zygote := self._live_zygote()) is not None:
+            try:
+                return await ExecServer.start(zygote=zygote, **options)
+            except ZygoteGone:
+                await zygote.close()  # the next round starts another, or none
+        return await ExecServer.start(**options)
+
+    def _live_zygote(self) -> Zygote | None:
+        """The fork server, started again if it has died, at most ``MAX_ZYGOTE_STARTS`` times in all;
+        None from then on. Its first death and the giving up are each said once."""
+        zygote = self._zygote
+        if zygote is not None and zygote.alive:
+            return zygote
+        if zygote is not None and self._zygote_starts == 1:
+            log.warning(
+                "sandboxes: the supervisor fork server (pid %d) exited with status %s; starting another "
+                "(after %d, each sandbox's supervisor server starts as a new interpreter)",
+                zygote.pid,
+                zygote.returncode,
+                MAX_ZYGOTE_STARTS,
+            )
+        self._zygote = None
+        if self._zygote_starts >= MAX_ZYGOTE_STARTS:
+            if zygote is not None:  # the last one: from here on, nothing to say
+                log.warning(
+                    "sandboxes: the supervisor fork server exited %d times; each sandbox's supervisor "
+                    "server now starts as a new interpreter",
+                    MAX_ZYGOTE_STARTS,
+                )
+            return None
+        self._zygote_starts += 1
+        try:
+            self._zygote = Zygote(self._server_log)
+        except OSError as exc:
+            log.warning("sandboxes: cannot start the supervisor fork server: %s", exc)
+        return self._zygote
 
     async def aclose(self) -> None:
         """End the spare supervisor server, if any, and finish removing stopped sandboxes' directories.
@@ -380,6 +433,9 @@ class LocalSandboxProvider:
         if spare is not None and spare[0] is asyncio.get_running_loop():
             with contextlib.suppress(Exception):
                 await (await spare[1]).close(self.kill_grace_s)
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            await zygote.close()
         await self.finish_removals()
 
     async def finish_removals(self) -> None:
@@ -610,7 +666,9 @@ class LocalSandbox:
                 stdout=stdout,
                 stderr=stderr,
                 result=run.with_name(f"{stem}.result.json"),
-                log=run.with_name(f"{stem}.supervisor.log"),
+                # One for the sandbox, appended to: supervisors rarely write, and on a busy disk each file
+                # made costs the kernel a search for a free inode.
+                log=self._run / "supervisors.log",
                 stdin=run.with_name(f"{stem}.stdin"),
             )
         raise SandboxError(f"no free log name for exec {name!r}")

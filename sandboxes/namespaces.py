@@ -17,9 +17,11 @@ imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
+import time
 
 if __package__:
     from sandboxes import netns, proctree
@@ -38,9 +40,10 @@ NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's pr
 class PidNamespace:
     """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
 
-    def __init__(self, network: tuple[int, str] | None = None) -> None:
+    def __init__(self, network: tuple[int, str] | None = None, close: tuple[int, ...] = ()) -> None:
         """``network`` (port, gateway socket): the init also makes the sandbox's loopback-only network
-        namespace and runs its gateway forwarder (netns.py), which every supervisor joins."""
+        namespace and runs its gateway forwarder (netns.py), which every supervisor joins. ``close``:
+        descriptors of the server's that the init must not hold."""
         # Takes effect for our children only: the first is the namespace's pid 1, every later one is
         # born inside it too.
         proctree.libc_call("unshare", CLONE_NEWPID)
@@ -50,8 +53,8 @@ class PidNamespace:
         if pid == 0:
             code = 1
             try:
-                os.close(ready_r)
-                os.close(self.hold)
+                for fd in (ready_r, self.hold, *close):
+                    os.close(fd)
                 code = _pid_namespace_init(ready_w, hold_r, network)
             except BaseException as exc:  # a forked child must never return into the server
                 os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
@@ -70,19 +73,30 @@ class PidNamespace:
         self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.net_ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC) if network else None
 
-    def end(self, timeout: float) -> bool:
+    def end(self, timeout: float, wake: int | None = None) -> bool:
         """Close our end, which ends the init and with it the namespace; True once the init is reaped,
-        which the kernel allows only when every other process of the namespace is gone."""
+        which the kernel allows only when every other process of the namespace is gone: our own
+        supervisors too, which are reaped here as they die (``wake``: readable on a SIGCHLD)."""
         os.close(self.hold)
-        if self.init_reaped:
-            return True
-        exited = os.pidfd_open(self.init_pid)  # our unreaped child: its pid is still its own
+        deadline = time.monotonic() + timeout
+        exited = -1 if self.init_reaped else os.pidfd_open(self.init_pid)  # our unreaped child
+        waits = [exited] if wake is None else [exited, wake]
         try:
-            select.select([exited], [], [], timeout)
+            while not self.init_reaped:
+                for pid, _status in proctree.exited_children():
+                    self.init_reaped = self.init_reaped or pid == self.init_pid
+                remaining = deadline - time.monotonic()
+                if self.init_reaped or remaining <= 0:
+                    break
+                ready, _w, _x = select.select(waits, [], [], remaining)
+                if wake is not None and wake in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake, 512):
+                            pass
         finally:
-            os.close(exited)
-        pid, _status = os.waitpid(self.init_pid, os.WNOHANG)
-        return pid == self.init_pid
+            if exited >= 0:
+                os.close(exited)
+        return self.init_reaped
 
     def enter(self) -> None:
         """In a supervisor just forked by the server: join the init's mount namespace (its /proc) and

@@ -36,7 +36,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, NoReturn
 
 DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is gone
 # A supervisor's own worst case past its command's timeout (start-up, every kill round, the pipe drain):
@@ -183,6 +183,10 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+    if listener is None:
+        # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
+        # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.
+        _exec_command(p, env, user, _command_limits(p), _candidates(p["argv"], env))
     command = _fork_exec(p, env, user)
     if listener is not None:  # threads only once the command is forked: a fork copies none of them
         netns.serve(listener, str(forward[1]))
@@ -207,17 +211,32 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     return 0
 
 
+def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
+    """Where ``argv[0]`` may be, as execvpe looks: resolved before the switch to the sandbox user, past
+    which nothing may need a file of ours (an import, say)."""
+    return [argv[0]] if os.sep in argv[0] else [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
+
+
 def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | None) -> int:
     """Start the command as Popen would (its limits, the sandbox user, default signals, only stdio), by
-    fork and exec: the init never imports `subprocess`, ~10 ms a command. A failed start exits 127 (not
-    found) or 126, saying why on stderr, as a shell would."""
-    limits = _command_limits(p)
-    argv, command_env = p["argv"], os.environ if env is None else env
-    # Resolved here: past the switch to the sandbox user nothing may need a file of ours (an import, say).
-    candidates = [argv[0]] if os.sep in argv[0] else [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
+    fork and exec: the init never imports `subprocess`, ~10 ms a command."""
+    limits, candidates = _command_limits(p), _candidates(p["argv"], env)
     pid = os.fork()
     if pid:
         return pid
+    _exec_command(p, env, user, limits, candidates)
+
+
+def _exec_command(
+    p: dict[str, Any],
+    env: dict[str, str] | None,
+    user: list[int] | None,
+    limits: Callable[[], None] | None,
+    candidates: list[str],
+) -> NoReturn:
+    """In the process that becomes the command: its limits, the sandbox user, default signals, only stdio,
+    then exec. A failed start exits 127 (not found) or 126, saying why on stderr, as a shell would."""
+    argv, command_env = p["argv"], os.environ if env is None else env
     code = 126
     try:
         for sig in (*_RESTORED_SIGNALS, *STOP_SIGNALS, signal.SIGCHLD):

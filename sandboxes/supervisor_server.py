@@ -1,25 +1,30 @@
 """A sandbox's supervisor server: one process per sandbox that forks a supervisor for each command.
 
 Starting an interpreter and importing the supervisor costs tens of milliseconds, paid once per sandbox
-instead of once per command. The local sandbox starts it (through sandboxes/exec_server.py) as
+instead of once per command, and usually not even that: the provider's fork server (zygote.py) forks a
+pre-imported one and calls ``serve``. Where there is no fork server, the local sandbox starts it (through
+sandboxes/exec_server.py) as
 
     python3 -I -S supervisor_server.py --serve PARENT_PID [--pid-namespace [--network PORT SOCKET]]
 
 With ``--pid-namespace``, every command of the sandbox runs in one PID namespace the server makes at its
 start (namespaces.py); with ``--network PORT SOCKET`` also, in one loopback-only network namespace whose
-127.0.0.1:PORT reaches the gateway's SOCKET.
+127.0.0.1:PORT reaches the gateway's SOCKET. The server watches the worker through a pidfd: the worker's
+death ends the sandbox (every supervisor is told to end its tree), whoever the server's parent is.
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
-supervisor.run() plus "log_path" (the forked supervisor's stderr). Out (stdout): {"id": N, "pid": P} once
-the supervisor is forked, {"id": N, "error": "..."} if it could not be, and {"id": N, "status": S} (a
-wait status) when it has ended. End of stdin: no more commands; the server exits when its supervisors
-have. The environment travels through the pipe, never through a file.
+supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to). Out (stdout):
+{"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
+could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
+PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
+its supervisors have. The environment travels through the pipe, never through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -44,9 +49,17 @@ if TYPE_CHECKING:
 MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
 
 
+def write_line(fd: int, message: dict[str, Any]) -> None:
+    """One answer line on ``fd``, a blocking pipe that our worker always reads; a line is far below its
+    capacity."""
+    data = memoryview((json.dumps(message) + "\n").encode())
+    while data:
+        data = data[os.write(fd, data) :]
+
+
 class _Server:
-    def __init__(self, parent_pid: int, pid_namespace: namespaces.PidNamespace | None) -> None:
-        self.parent_pid = parent_pid
+    def __init__(self, worker: int, pid_namespace: namespaces.PidNamespace | None) -> None:
+        self.worker = worker  # a pidfd of the worker: readable once it has died
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
         self.children: dict[int, int] = {}  # supervisor pid -> request id
@@ -57,6 +70,8 @@ class _Server:
         self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
         os.set_blocking(0, False)
         self.sel.register(0, selectors.EVENT_READ)
+        # The worker's death is our SIGTERM; each supervisor is bound to us by its parent-death signal.
+        self.sel.register(worker, selectors.EVENT_READ)
 
     def install_signals(self) -> None:
         def on_stop(signum: int, _frame: object) -> None:
@@ -64,16 +79,9 @@ class _Server:
                 self.stop_signal = signum
 
         supervisor.handle_stop_signals(on_stop)
-        # SIGTERM when the worker that started us dies; each supervisor is bound to us the same way.
-        proctree.prctl(proctree.PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != self.parent_pid:
-            self.stop_signal = signal.SIGTERM
 
     def reply(self, message: dict[str, Any]) -> None:
-        # stdout is a blocking pipe that our worker always reads; a line is far below its capacity.
-        data = memoryview((json.dumps(message) + "\n").encode())
-        while data:
-            data = data[os.write(1, data) :]
+        write_line(1, message)
 
     def handle(self, line: bytes) -> None:
         try:
@@ -105,11 +113,11 @@ class _Server:
             if self.pid_namespace is not None:
                 self.pid_namespace.enter()
                 params["parent_pid"] = 0
-            for fd in (self.wake_r, self.wake_w):
+            for fd in (self.wake_r, self.wake_w, self.worker):
                 os.close(fd)
             self.sel.close()
             null = os.open(os.devnull, os.O_RDWR)
-            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(null, 0)
             os.dup2(null, 1)
             os.dup2(log, 2)
@@ -162,8 +170,30 @@ class _Server:
                     supervisor.drain_wakeup(self.wake_r)
                 elif key.fd == 0:
                     self.read_requests()
+                elif key.fd == self.worker:
+                    self.stop_signal = signal.SIGTERM
             self.reap()
         return 0
+
+
+def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> int:
+    """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd)."""
+    write_line(1, {"ready": os.getpid()})
+    # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
+    # where a walk would copy every page it touches.
+    gc.freeze()
+    code = 1
+    try:
+        namespace = namespaces.PidNamespace(network, close=(worker,)) if pid_namespace else None
+        server = _Server(worker, namespace)
+        server.install_signals()
+        code = server.serve()
+        # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
+        if namespace is not None and not namespace.end(namespaces.NAMESPACE_END_S, server.wake_r):
+            code = 1
+    finally:
+        write_line(1, {"exit": code})
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -180,14 +210,11 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--serve" or not (options in ([], ["--pid-namespace"]) or with_network):
         print(usage, file=sys.stderr)
         return 2
-    network = (int(options[2]), options[3]) if with_network else None
-    pid_namespace = namespaces.PidNamespace(network) if options else None
-    server = _Server(int(argv[2]), pid_namespace)
-    server.install_signals()
-    code = server.serve()
-    # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
-    if pid_namespace is not None and not pid_namespace.end(namespaces.NAMESPACE_END_S):
-        code = 1
+    parent = int(argv[2])
+    worker = os.pidfd_open(parent)
+    if os.getppid() != parent:
+        os._exit(0)  # the worker died before its pidfd was open: its sandbox is gone
+    code = serve(worker, bool(options), (int(options[2]), options[3]) if with_network else None)
     os._exit(code)  # nothing to flush or finalize: the sandbox's stop() waits for this exit
 
 

@@ -85,3 +85,24 @@ def test_markdown_into_a_page_without_a_bench_part_fails_before_measuring(tmp_pa
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--markdown" in lines[0] and "notes.md" in lines[0] and "'bench'" in lines[0]
     assert page.read_text() == "# Notes\n"
+
+
+def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
+    """A grandchild orphaned before it works (so neither we nor its parent reap it) is still counted."""
+    import select
+
+    from executor.testing.bench_scale import TreeCpu
+
+    work = "import os, time\nif os.fork() == 0:\n    t = time.process_time() + 0.2\n"
+    work += "    while time.process_time() < t: pass\n"
+    with TreeCpu() as ours:
+        if ours.group is None:
+            pytest.skip("no cpuacct cgroup of our own here (not root, or no cgroup v1)")
+        done_r, done_w = os.pipe()
+        subprocess.run([sys.executable, "-c", work], pass_fds=(done_w,), check=True)
+        os.close(done_w)
+        # The pipe ends when the orphan, its last holder, exits; bounded as a safety net only.
+        assert select.select([done_r], [], [], 60)[0] and os.read(done_r, 1) == b""
+        os.close(done_r)
+    assert ours.seconds is not None and ours.seconds >= 0.2
+    assert not ours.group.exists()

@@ -128,6 +128,45 @@ def _fds(pid: int) -> int:
         return 0
 
 
+class TreeCpu:
+    """The CPU of this process and of everything it starts meanwhile (Ray, the workers, every sandbox
+    process), exactly, whoever reaps whom, and nothing of the rest of the machine: from a cpuacct cgroup
+    of its own (cgroup v1), which nothing of a run leaves (the sandboxes' pids cgroups are another
+    hierarchy). ``seconds`` is None where it cannot be made (not root, no cpuacct hierarchy)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self) -> None:
+        self.group: Path | None = None
+        self.seconds: float | None = None
+        self._home: str | None = None
+
+    def __enter__(self) -> TreeCpu:
+        try:
+            home = next(
+                line.split(":", 2)[2]
+                for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if "cpuacct" in line.split(":", 2)[1].split(",")
+            )
+            group = self.ROOT / home.lstrip("/") / f"rollout-bench-{os.getpid()}"
+            group.mkdir()
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+        except (OSError, StopIteration, IndexError):
+            return self
+        self.group, self._home = group, home
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.group is None:
+            return
+        try:
+            self.seconds = int((self.group / "cpuacct.usage").read_text()) / 1e9
+            (self.ROOT / str(self._home).lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
+            self.group.rmdir()  # fails while a process is left in it: then it stays, to be looked at
+        except OSError:
+            pass
+
+
 def _tree_cpu_s() -> float:
     """CPU of this process and of the children it reaped (the cluster it started, once stopped, and
     through them the workers and what they reaped)."""
@@ -151,7 +190,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path) -> dict[st
     )
     config = _write_config(scratch, "f", tasks, extra)
     cpu0, tree0, t0 = _machine_cpu_s(), _tree_cpu_s(), time.monotonic()
-    with Sampler(scratch / "sb") as sampler:
+    with Sampler(scratch / "sb") as sampler, TreeCpu() as ours:
         summary, wall = _run_driver(config)
     cpu, tree = _machine_cpu_s() - cpu0, _tree_cpu_s() - tree0
     phases = ["t_setup_s", "t_agent_s", "t_verify_s", "t_cleanup_s"]
@@ -182,6 +221,9 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path) -> dict[st
             name: _median_p90([v for v in cols[name] if v is not None]) for name in phases
         },
         "machine_cpu_s": cpu,  # everything the machine did meanwhile
+        # The driver, its cluster and every sandbox process: the run's whole cost (None: unmeasured).
+        "run_cpu_s": ours.seconds,
+        "run_cpu_ms_per_rollout": ours.seconds / max(len(starts), 1) * 1000 if ours.seconds else None,
         "tree_cpu_s": tree,  # this process and the cluster it started, once reaped
         "cpu_ms_per_rollout": tree / max(len(starts), 1) * 1000,
         "elapsed_s": time.monotonic() - t0,
@@ -197,7 +239,14 @@ def line(f: dict[str, Any]) -> str:
         f"{f['sessions_per_worker']}): sessions' span {f['sessions_span_s']:.1f} s against "
         f"{f['ideal_s']:.0f} s ideal (overhead {f['overhead_of_span']:.1%} of the span), whole run "
         f"{f['wall_s']:.1f} s; CPU of the driver and its cluster {f['tree_cpu_s']:.0f} s "
-        f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s); peaks: "
+        f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s); "
+        + (
+            f"CPU of the run as a whole, its sandboxes included, {f['run_cpu_s']:.0f} s "
+            f"({f['run_cpu_ms_per_rollout']:.0f} ms per rollout); "
+            if f.get("run_cpu_s")
+            else ""
+        )
+        + "peaks: "
         f"driver RSS {f['driver_peak_rss_mb']:.0f} MB, fds {p.get('driver_fds', 0):.0f}, threads "
         f"{p.get('driver_threads', 0):.0f}; {p.get('workers', 0):.0f} workers' PSS "
         f"{p.get('workers_pss_mb', 0):.0f} MB, fds {p.get('workers_fds', 0):.0f}, threads "
@@ -207,4 +256,89 @@ def line(f: dict[str, Any]) -> str:
         f"outcomes {f['outcomes']}; the last session started {f['starts_spread_s']:.1f} s after the first; "
         "phases median/p90 s: "
         + ", ".join(f"{k[2:-2]} {m:.2f}/{q:.2f}" for k, (m, q) in f["phase_median_p90_s"].items())
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The provider-level probe: what one local sandbox costs the machine, without Ray or a session around it
+
+
+def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) -> dict[str, Any]:
+    """``n`` local sandboxes at once, as a run's defaults make them: start, ``execs`` commands of ``true``
+    one after another, stop. (Two runs with different ``execs`` give what one more command costs.)
+
+    The CPU is this process's and its reaped children's (the supervisor servers and everything under
+    them, and the provider's fork server once the provider is closed), so it excludes the rest of the
+    machine; the provider's construction (its probes of what the host allows) is left out, one sandbox
+    before the ``n`` (the first spare server's start) is counted in."""
+    import asyncio
+    import socket
+    import uuid
+
+    from sandboxes.base import SandboxSpec
+    from sandboxes.local import LocalSandboxConfig
+
+    gateway = scratch / "gateway.sock"  # a listening socket; the probe's `true` never connects
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(gateway))
+    listener.listen()
+    config = LocalSandboxConfig(isolation=isolation, keep=False)
+    forward = (8, str(gateway)) if config.needs_gateway_socket else None
+    provider = config.build(scratch / "sb", forward)
+    run_id = f"probe-{uuid.uuid4().hex[:6]}"
+
+    def spec() -> SandboxSpec:
+        return SandboxSpec(run_id=run_id, session_id=uuid.uuid4().hex[:12], ttl_s=600)
+
+    async def one() -> Any:
+        sandbox = await provider.start(spec())
+        for _ in range(execs):
+            result = await sandbox.exec(["true"], timeout=60)
+            if result.exit_code != 0:
+                await sandbox.stop()
+                raise RuntimeError(f"`true` in a probe sandbox: {result}")
+        return sandbox
+
+    async def main() -> tuple[float, float, int]:
+        t0 = time.monotonic()
+        sandboxes = await asyncio.gather(*(one() for _ in range(n)))
+        threads = threading.active_count()  # every sandbox started, none stopped
+        await asyncio.gather(*(sandbox.stop() for sandbox in sandboxes))
+        wall = time.monotonic() - t0
+        await provider.aclose()
+        return wall, time.monotonic() - t0, threads
+
+    own0 = resource.getrusage(resource.RUSAGE_SELF)
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    machine0 = _machine_cpu_s()
+    peak_threads = 0
+    try:
+        wall, wall_closed, peak_threads = asyncio.run(main())
+    finally:
+        listener.close()
+    own1 = resource.getrusage(resource.RUSAGE_SELF)
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime
+    kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+    return {
+        "sandboxes": n,
+        "execs": execs,
+        "isolation": provider.isolation_label,
+        "wall_s": wall,
+        "wall_closed_s": wall_closed,
+        "worker_cpu_ms_per_sandbox": own / n * 1000,
+        "processes_cpu_ms_per_sandbox": kids / n * 1000,
+        "cpu_ms_per_sandbox": (own + kids) / n * 1000,
+        "machine_cpu_ms_per_sandbox": (_machine_cpu_s() - machine0) / n * 1000,
+        "threads_all_started": peak_threads,
+    }
+
+
+def sandbox_line(p: dict[str, Any]) -> str:
+    return (
+        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + {p['execs']} x `true` + stop: "
+        f"{p['cpu_ms_per_sandbox']:.1f} ms CPU per sandbox ({p['worker_cpu_ms_per_sandbox']:.1f} in the "
+        f"worker, {p['processes_cpu_ms_per_sandbox']:.1f} in its processes; the whole machine "
+        f"{p['machine_cpu_ms_per_sandbox']:.1f}), wall {p['wall_s']:.2f} s, worker threads with all "
+        f"started {p['threads_all_started']}"
     )

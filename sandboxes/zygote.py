@@ -1,0 +1,185 @@
+"""A fork server for supervisor servers: one pre-imported interpreter per provider that forks each
+sandbox's server, instead of a fresh ``python -I -S supervisor_server.py`` per sandbox.
+
+An interpreter's start-up and the server's imports are ~30 ms of CPU a sandbox; a fork of this small
+process is well under one. The worker (sandboxes/exec_server.py) starts it as
+
+    python3 -I -S zygote.py WORKER_PID CONTROL_FD
+
+with the environment a server gets (only the sandbox marker variable, here a placeholder of a token's
+length), from /, every other descriptor closed: nothing of the worker's (its key, its sockets, another
+sandbox's pipes) is ever in this process. Each request is one message on CONTROL_FD (a SOCK_SEQPACKET
+socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null}`` with two
+descriptors, the read end of the new server's request pipe and the write end of its answer pipe. The
+child gets those as its stdin and stdout, a pidfd of the worker as fd 3, and nothing else; writes its
+sandbox's marker over the placeholder in its own environment block, so that /proc/PID/environ shows it
+as it would for a server the worker had started; and runs ``supervisor_server.serve``. A fork that fails
+is answered on the answer pipe as ``{"error": ...}``.
+
+The zygote exits when the worker does, or when the worker closes the control socket and the servers it
+forked have exited; a server it forked outlives it (reparented), bound to the worker by its pidfd.
+Standard library only, like supervisor_server.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path with -I
+# fsview, netns, pidlimit: what supervisor_server.main imports for an isolated command's init, here once.
+import fsview  # noqa: F401
+import netns  # noqa: F401
+import pidlimit  # noqa: F401
+import proctree
+import supervisor
+import supervisor_server
+
+MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
+WORKER_FD = 3  # where a forked server finds the worker's pidfd
+MAX_REQUEST_BYTES = 64 * 1024
+_ENV_START_FIELD = 50  # /proc/PID/stat: the address of the environment block (proc(5))
+
+
+def _marker_address() -> int:
+    """Where the marker's value lies in this process's environment block, which /proc/PID/environ shows
+    (and a fork inherits at the same address). Checked by reading it back through /proc/self/mem."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    env_start = int(fields[_ENV_START_FIELD - 3])
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    entry = f"{MARKER_VAR}=".encode()
+    at = 0 if block.startswith(entry) else block.find(b"\0" + entry) + 1
+    if at == 0 and not block.startswith(entry):
+        raise OSError(f"no {MARKER_VAR} in the zygote's environment")
+    address = env_start + at + len(entry)
+    expected = os.environ[MARKER_VAR].encode()
+    fd = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.pread(fd, len(expected), address) != expected:
+            raise OSError("the zygote's environment block is not where /proc says")
+    finally:
+        os.close(fd)
+    return address
+
+
+class _Zygote:
+    def __init__(self, worker_pid: int, control_fd: int) -> None:
+        self.worker = os.pidfd_open(worker_pid)
+        if os.getppid() != worker_pid:
+            raise SystemExit(0)  # the worker died before its pidfd was open: nobody to serve
+        self.placeholder = os.environ[MARKER_VAR]
+        self.marker_at = _marker_address()
+        self.control = socket.socket(fileno=control_fd)
+        self.control.setblocking(False)
+        self.children: set[int] = set()
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
+        signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a handler, so that it wakes the select
+        self.sel.register(self.control, selectors.EVENT_READ)
+        self.sel.register(self.worker, selectors.EVENT_READ)
+        self.open = True
+
+    def serve(self) -> int:
+        # Bounded by the worker: its death ends us, and its control socket's end stops the forks.
+        while self.open or self.children:
+            for key, _events in self.sel.select():
+                if key.fd == self.wake_r:
+                    supervisor.drain_wakeup(self.wake_r)
+                elif key.fd == self.worker:
+                    return 0  # our servers see the same pidfd and end their sandboxes
+                else:
+                    self.receive()
+            self.reap()
+        return 0
+
+    def reap(self) -> None:
+        for pid, _status in proctree.exited_children():
+            self.children.discard(pid)
+
+    def receive(self) -> None:
+        try:
+            data, ancdata, _flags, _addr = self.control.recvmsg(MAX_REQUEST_BYTES, socket.CMSG_SPACE(8 * 4))
+        except BlockingIOError:
+            return
+        fds: list[int] = []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(payload) - len(payload) % 4
+                fds += [int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
+        if not data and not fds:
+            self.open = False  # the worker closed its end: no more sandboxes
+            self.sel.unregister(self.control)
+            self.control.close()
+            return
+        try:
+            req = json.loads(data)
+            token = str(req["marker"])
+            if len(fds) != 2 or len(token) != len(self.placeholder) or not token.isalnum():
+                raise ValueError("a request takes a marker of the placeholder's length and two descriptors")
+            self.fork(token, bool(req.get("pid_namespace")), req.get("network"), fds[0], fds[1])
+        except (ValueError, KeyError, TypeError) as exc:
+            os.write(2, f"zygote: bad request: {str(exc)[:200]}\n".encode())
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def fork(
+        self, token: str, pid_namespace: bool, network: list[object] | None, stdin: int, out: int
+    ) -> None:
+        gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            supervisor_server.write_line(out, {"error": f"fork failed: {exc}"})
+            return
+        if pid:
+            self.children.add(pid)
+            return
+        code = 1
+        try:
+            self._become_server(token, stdin, out)
+            forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
+            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward)
+        except BaseException as exc:  # a forked child must never return into the zygote
+            os.write(2, f"zygote child: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+        finally:
+            os._exit(code)
+
+    def _become_server(self, token: str, stdin: int, out: int) -> None:
+        """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sel.close()
+        if self.open:
+            self.control.close()
+        os.setsid()
+        os.dup2(stdin, 0)
+        os.dup2(out, 1)
+        if self.worker != WORKER_FD:  # dup3 refuses a descriptor onto itself
+            os.dup2(self.worker, WORKER_FD, inheritable=False)
+        os.closerange(WORKER_FD + 1, supervisor.MAX_FD)  # another request's pipes, our own, the wake-up
+        mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.pwrite(mem, token.encode(), self.marker_at)
+        finally:
+            os.close(mem)
+        os.environ[MARKER_VAR] = token
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or not (argv[1].isdigit() and argv[2].isdigit()):
+        print("usage: zygote.py WORKER_PID CONTROL_FD", file=sys.stderr)
+        return 2
+    zygote = _Zygote(int(argv[1]), int(argv[2]))
+    return zygote.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,189 @@
+"""The fork server of supervisor servers (sandboxes/zygote.py): what it forks is a server as a new
+interpreter would be, and its failures cost no sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import SandboxLostError
+from sandboxes.environment import marker_entry
+from sandboxes.local import MAX_ZYGOTE_STARTS, LocalSandbox, LocalSandboxProvider
+from sandboxes.proctree import has_env_entry, read_proc
+from tests.test_local_sandbox import REPO, Fifo, identify, running, spec, wait_exit
+
+
+def _fds(pid: int) -> dict[int, str]:
+    """What each descriptor of ``pid`` names (``pipe:[INODE]``, a path, ``anon_inode:[pidfd]``...)."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def _environ(pid: int) -> list[bytes]:
+    return [e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e]
+
+
+@pytest.fixture
+async def provider(tmp_path: Path):
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", kill_grace_s=0.5, pids="isolated")
+    yield provider
+    await provider.aclose()
+
+
+async def _started(provider: LocalSandboxProvider) -> LocalSandbox:
+    sandbox = await provider.start(spec())
+    assert (await sandbox.exec(["true"], timeout=30)).exit_code == 0
+    return sandbox
+
+
+async def test_a_forked_server_holds_its_own_pipes_its_marker_and_nothing_of_another_sandbox(
+    provider: LocalSandboxProvider,
+) -> None:
+    first, second = await _started(provider), await _started(provider)
+    try:
+        zygote = provider._zygote
+        assert zygote is not None
+        for sandbox in (first, second):
+            assert read_proc(sandbox._server.pid).ppid == zygote.pid  # forked, not a new interpreter
+            # The environment a server started from here gets: its own marker and nothing else.
+            assert _environ(sandbox._server.pid) == [sandbox._marker]
+        assert _environ(zygote.pid)[0].startswith(b"ROLLOUT_SANDBOX=") and len(_environ(zygote.pid)) == 1
+        theirs = {name for fd, name in _fds(second._server.pid).items() if fd in (0, 1)}
+        mine = _fds(first._server.pid)
+        assert theirs and not theirs & set(mine.values())
+        # stdio, the worker's pidfd, then only what the server itself opened (its wake-up pipe, its
+        # selector, its namespace's handles): neither the fork server's control socket nor a file.
+        assert not [name for fd, name in mine.items() if fd != 2 and name.startswith(("socket:", "/"))], mine
+        # The fork server keeps no pipe of a sandbox once it has forked its server.
+        pipes = {name for box in (first, second) for fd, name in _fds(box._server.pid).items() if fd < 2}
+        assert not pipes & set(_fds(zygote.pid).values())
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def test_a_killed_fork_server_is_started_again_and_then_given_up_and_no_sandbox_is_lost(
+    provider: LocalSandboxProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sandboxes.local")
+    first = await _started(provider)
+    survivors = [first]
+    try:
+        for _ in range(MAX_ZYGOTE_STARTS):
+            zygote = provider._zygote
+            assert zygote is not None
+            os.kill(zygote.pid, signal.SIGKILL)
+            assert await zygote.ended(60)
+            # The next sandbox starts (on a new fork server while they last, then as a new interpreter);
+            # the sandboxes of the dead one still run commands.
+            survivors.append(await _started(provider))
+            for sandbox in survivors:
+                assert (await sandbox.exec(["true"], timeout=30)).exit_code == 0
+        # The last fork server's spare went to the last sandbox; the next one is a new interpreter's.
+        survivors.append(await _started(provider))
+        assert provider._zygote is None and provider._zygote_starts == MAX_ZYGOTE_STARTS
+        assert read_proc(survivors[-1]._server.pid).ppid == os.getpid()
+        said = [r.getMessage() for r in caplog.records if "fork server" in r.getMessage()]
+        assert len(said) == 2, said  # its first death, and the giving up: once each
+    finally:
+        for sandbox in survivors:
+            await sandbox.stop()
+
+
+async def test_a_forked_server_that_dies_loses_its_sandbox(provider: LocalSandboxProvider, tmp_path: Path):
+    sandbox = await _started(provider)
+    fifo = Fifo(tmp_path / "fifo")
+    running = None
+    try:
+        command = ["sh", "-c", f"echo up > {fifo.path}; exec sleep 300"]
+        running = asyncio.ensure_future(sandbox.exec(command, timeout=120))
+        await fifo.lines(1)
+        server = sandbox._server.pid
+        os.kill(server, signal.SIGKILL)
+        await wait_exit(server)
+        with pytest.raises(SandboxLostError):
+            await running
+        with pytest.raises(SandboxLostError):
+            await sandbox.exec(["true"], timeout=30)
+    finally:
+        fifo.close()
+        await sandbox.stop()
+
+
+async def test_a_request_the_fork_server_took_with_it_is_served_by_the_next_one(
+    provider: LocalSandboxProvider,
+) -> None:
+    """Killed with a sandbox's request still unread: that sandbox's server comes from the next one."""
+    first = await _started(provider)
+    zygote = provider._zygote
+    assert zygote is not None
+    os.kill(zygote.pid, signal.SIGSTOP)
+    try:
+        starting = asyncio.ensure_future(provider._new_server())
+        await asyncio.sleep(0)  # the task runs to its first wait: its request is in the socket by then
+        os.kill(zygote.pid, signal.SIGKILL)
+        server = await starting
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # not left stopped if the test failed before
+            os.kill(zygote.pid, signal.SIGCONT)
+    try:
+        assert provider._zygote is not None and provider._zygote.pid != zygote.pid
+        assert read_proc(server.pid).ppid == provider._zygote.pid and server.alive
+    finally:
+        await server.close(5)
+        await first.stop()
+
+
+WORKER = """
+import asyncio, sys
+from pathlib import Path
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+
+async def main() -> None:
+    provider = LocalSandboxProvider(Path(sys.argv[1]), pids="isolated")
+    sandbox = await provider.start(SandboxSpec(run_id="run", session_id="s", ttl_s=600))
+    await sandbox.exec(["sh", "-c", f"echo $$ > {sys.argv[2]}; exec sleep 300"], timeout=300)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_workers_death_ends_its_forked_servers_and_everything_in_their_namespaces(
+    tmp_path: Path,
+) -> None:
+    fifo = Fifo(tmp_path / "fifo")
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER, str(tmp_path / "sb"), str(fifo.path),
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await fifo.lines(1)  # the command runs
+        descriptor = json.loads((tmp_path / "sb" / "run" / "s" / "sandbox.json").read_text())
+        marker = marker_entry(descriptor["marker"])
+        ours = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if has_env_entry(p, marker)}
+        # The server, the namespace's init, the supervisor and the command.
+        assert descriptor["server_pid"] in ours and len(ours) == 4, ours
+        procs = [identify(p) for p in ours]
+        worker.kill()
+        await worker.wait()
+        await wait_exit(descriptor["server_pid"])  # it saw the worker's pidfd, and its namespace ended
+        assert not [p for p in procs if running(p)]
+    finally:
+        fifo.close()
+        if worker.returncode is None:
+            worker.kill()
+            await worker.wait()
