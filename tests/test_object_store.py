@@ -70,15 +70,26 @@ def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"}
 
 
-def _config(tmp_path: Path, out: str, tasks: int = 3, samples: int = 1) -> Path:
-    lines = [json.dumps({"id": f"t{i}", "prompt": "p", "verify": "test -f done.txt"}) for i in range(tasks)]
+def _config(
+    tmp_path: Path,
+    out: str,
+    tasks: int = 3,
+    samples: int = 1,
+    prompts: list[str] | None = None,
+    agent: str = AGENT,
+) -> Path:
+    """A run of ``tasks`` tasks (prompted ``prompts``, else "p"), all in flight at once."""
+    prompts = prompts or ["p"] * tasks
+    lines = [
+        json.dumps({"id": f"t{i}", "prompt": prompts[i], "verify": "test -f done.txt"}) for i in range(tasks)
+    ]
     (tmp_path / "tasks.jsonl").write_text("\n".join(lines) + "\n")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"tasks: tasks.jsonl\nout: {out}\nrun_id: r\nsamples: {samples}\n"
         f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
-        f"harness: {{name: command, command: {json.dumps(AGENT)}}}\n"
-        "concurrency: {workers: 1, sessions_per_worker: 3}\n"
+        f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
+        f"concurrency: {{workers: 1, sessions_per_worker: {tasks}}}\n"
     )
     return config
 
@@ -174,18 +185,7 @@ def test_a_driver_sigkilled_mid_run_on_s3_resumes_from_the_uri_with_each_pair_on
     uri = f"s3://{bucket}/runs"
     gate = gate_dir / "open"
     wait = f'if [ "$ROLLOUT_PROMPT" = gated ]; then until [ -e {gate} ]; do sleep 0.1; done; fi; '
-    lines = [
-        json.dumps({"id": f"t{i}", "prompt": "quick" if i < 3 else "gated", "verify": "test -f done.txt"})
-        for i in range(6)
-    ]
-    (tmp_path / "tasks.jsonl").write_text("\n".join(lines) + "\n")
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"tasks: tasks.jsonl\nout: {uri}\nrun_id: r\n"
-        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
-        f"harness: {{name: command, command: {json.dumps(wait + AGENT)}}}\n"
-        "concurrency: {workers: 1, sessions_per_worker: 6}\n"
-    )
+    config = _config(tmp_path, uri, tasks=6, prompts=["quick"] * 3 + ["gated"] * 3, agent=wait + AGENT)
     driver = subprocess.Popen(
         [sys.executable, "-m", "executor.cli", "run", str(config), "--no-preflight"],
         stdout=subprocess.DEVNULL,
