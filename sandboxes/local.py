@@ -80,6 +80,9 @@ DEFAULT_OUTPUT_CAP_BYTES = 64 * 1024 * 1024
 DEFAULT_KILL_GRACE_S = 1.0
 DEFAULT_NOFILE_LIMIT = 65_536
 DEFAULT_MAX_FILE_MB = 4096
+# A runaway of many files stops here, well above a repository with its dependencies installed; the
+# watcher's walks are then at most MAX_DELAY_S apart (sandboxes/diskbound.py).
+DEFAULT_MAX_DISK_MB = 10240
 SUPERVISOR_SLACK_S = sup.SLACK_S
 # Fork servers a provider starts before it starts each sandbox's server as a new interpreter instead.
 MAX_ZYGOTE_STARTS = 3
@@ -111,7 +114,7 @@ class LocalSandboxConfig(ProviderConfig):
     max_processes: int | None = Field(default=None, gt=0)
     max_file_mb: int | None = Field(default=None, gt=0)
     # The disk a sandbox's files take in total (work, home, tmp), however many: past it, the running
-    # command ends as timed out (sandboxes/diskbound.py). Unset: no bound.
+    # command ends as timed out (sandboxes/diskbound.py). Unset: DEFAULT_MAX_DISK_MB (off: no bound).
     max_disk_mb: int | None = Field(default=None, gt=0)
     _layers: Choice | None = PrivateAttr(default=None)
 
@@ -151,7 +154,7 @@ class LocalSandboxConfig(ProviderConfig):
             hidden=self.hide,
             max_processes=self.max_processes or (None if self.isolation == "off" else pidlimit.DEFAULT_LIMIT),
             max_file_mb=self.max_file_mb or (None if self.isolation == "off" else DEFAULT_MAX_FILE_MB),
-            max_disk_mb=self.max_disk_mb,
+            max_disk_mb=self.max_disk_mb or (None if self.isolation == "off" else DEFAULT_MAX_DISK_MB),
         )
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:

@@ -316,6 +316,16 @@ def test_strict_is_the_default_here():
     assert LocalSandboxConfig().build(Path("/nonexistent"), (1, "/gw.sock")).isolation_label == FULL
 
 
+def test_the_bounds_are_on_by_default_and_off_only_with_isolation():
+    """The disk, file and process bounds the attacks above meet with their own small values hold by
+    default too; ``isolation: off`` drops them unless set."""
+    default = LocalSandboxConfig().build(Path("/nonexistent"), (1, "/gw.sock"))
+    assert (default.max_disk_bytes, default.max_file_bytes) == (10240 * 2**20, 4096 * 2**20)
+    off = LocalSandboxConfig(isolation="off").build(Path("/nonexistent"))
+    assert (off.max_disk_bytes, off.max_file_bytes) == (None, None)
+    assert LocalSandboxConfig(isolation="off", max_disk_mb=5).build(Path("/x")).max_disk_bytes == 5 * 2**20
+
+
 async def test_a_codex_shell_step_gets_nothing_and_the_row_says_how_it_was_isolated(
     tmp_path, host, monkeypatch
 ):
