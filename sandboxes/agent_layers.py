@@ -58,7 +58,6 @@ ISOLATION_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(fsview.__file__)
 _BWRAP_PROBE = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid"]
 _BWRAP_PROBE += ["--unshare-net", "--die-with-parent", "--", "true"]
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Layers:
@@ -174,7 +173,7 @@ def enter_pid_namespace() -> None:
     proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
     init = os.fork()
     if init:
-        os._exit(_wait_passing_signals(init))
+        os._exit(proctree.shell_exit_code(proctree.wait_passing_signals(init, reap_all=False)))
     code = 1
     try:
         proctree.prctl(proctree.PR_SET_PDEATHSIG, signal.SIGKILL)  # the namespace ends with its parent
@@ -182,27 +181,10 @@ def enter_pid_namespace() -> None:
         agent = os.fork()
         if agent == 0:
             return  # the agent
-        code = _wait_passing_signals(agent, reap_all=True)
+        code = proctree.shell_exit_code(proctree.wait_passing_signals(agent, reap_all=True))
     except BaseException as exc:  # a forked child must never return into the caller
         os.write(2, f"agent: pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
     os._exit(code)
-
-
-def _wait_passing_signals(child: int, reap_all: bool = False) -> int:
-    def pass_on(signum: int, _frame: object) -> None:
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
-
-    for sig in _FORWARDED:
-        signal.signal(sig, pass_on)
-    while True:
-        # As the namespace's init, orphans of supervisors that died are reparented here.
-        pid, status = os.waitpid(-1 if reap_all else child, 0)
-        if pid == child:
-            code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status >> 8
-            return code if code >= 0 else 128 - code
 
 
 def _dial(address: tuple) -> socket.socket:

@@ -126,27 +126,20 @@ def inner(status_fd: int, forward: list[str], argv: list[str]) -> int:
     except OSError as exc:
         print(f"cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126
-    reaped = False
-
-    def pass_on(signum: int, _frame: object) -> None:
-        if not reaped:  # once reaped, its pid may name another process
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in _SIGNALS:
-        signal.signal(sig, pass_on)
     # Under unshare this is the namespace's init: orphans are reparented here and must be reaped.
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == child:
-            reaped = True
-            break
+    status = _proctree().wait_passing_signals(child, reap_all=True)
     os.write(status_fd, str(status).encode())
     os.close(status_fd)
-    code = os.waitstatus_to_exitcode(status)
-    return code if code >= 0 else 128 - code
+    return _proctree().shell_exit_code(status)
+
+
+def _proctree() -> Any:
+    if __package__:
+        from sandboxes import proctree
+    else:  # run by path with -I: proctree.py is our sibling
+        sys.path.insert(0, os.path.dirname(ISOLATION_PATH))
+        import proctree
+    return proctree
 
 
 def _split(args: list[str]) -> tuple[dict[str, list[str]], list[str]]:

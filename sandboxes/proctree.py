@@ -162,6 +162,37 @@ def exited_children() -> Iterator[tuple[int, int]]:
         yield pid, status
 
 
+# What a process standing in for its child (a namespace's init, a waiting parent) passes on to it.
+PASSED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def wait_passing_signals(child: int, *, reap_all: bool) -> int:
+    """Wait for ``child``, passing ``PASSED_SIGNALS`` on to it, and return its wait status. ``reap_all``:
+    as a PID namespace's init, also reap the orphans reparented here while waiting."""
+    reaped = False
+
+    def pass_on(signum: int, _frame: object) -> None:
+        if not reaped:  # once reaped, its pid may name another process
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in PASSED_SIGNALS:
+        signal.signal(sig, pass_on)
+    while True:
+        pid, status = os.waitpid(-1 if reap_all else child, 0)
+        if pid == child:
+            reaped = True
+            return status
+
+
+def shell_exit_code(status: int) -> int:
+    """A wait status as a shell reports it: the exit code, or 128 + N for a death by signal N."""
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
 def libc_call(name: str, *args: object) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if getattr(libc, name)(*args) != 0:
