@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,18 @@ def holders(path: Path) -> list[int]:
     return found
 
 
+def ended(pid: int, bound_s: float) -> bool:
+    """Whether process ``pid`` (not necessarily our child) has ended within ``bound_s``."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([pidfd], [], [], bound_s)[0])  # a pidfd is readable once it has ended
+    finally:
+        os.close(pidfd)
+
+
 NOTHING: dict[str, list[str]] = {"prepared": [], "sandboxes": [], "records": []}
 
 
@@ -135,7 +148,8 @@ def test_a_reaper_in_another_pid_namespace_leaves_a_live_owner_alone_and_reaps_a
         descriptor = root / "owned" / "s1" / "sandbox.json"
         prepared = root / "owned" / "prepared-workspaces" / name
         # Only the owner holds its record: nothing the sandbox runs inherited it, or it would outlive us.
-        assert len(holders(record)) == 1
+        holding = holders(record)
+        assert len(holding) == 1
         assert reap(root, own_pid_namespace=inside == "reaper") == NOTHING
         assert descriptor.exists() and prepared.is_dir() and record.exists()
         assert owner.poll() is None  # its command still runs
@@ -143,6 +157,8 @@ def test_a_reaper_in_another_pid_namespace_leaves_a_live_owner_alone_and_reaps_a
         os.killpg(owner.pid, signal.SIGKILL)  # with unshare --kill-child, the namespace goes with it
         owner.wait()
 
+    # Inside its own namespace the owner is not our child: unshare's end does not wait for it.
+    assert all(ended(pid, bound_s=60) for pid in holding)
     assert holders(record) == []
     reaped = reap(root, own_pid_namespace=inside == "reaper")
     assert reaped == {
