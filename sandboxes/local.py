@@ -637,9 +637,9 @@ class LocalSandbox:
             raise SandboxError(f"cannot copy {src} into sandbox {self.id}: {str(exc)[:2000]}") from exc
 
     def _copy_tree(self, src: Path, target: str) -> None:
-        shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
-        if self._user is not None:
-            identity.give([Path(target)], self._user)
+        os.makedirs(target, exist_ok=True)
+        copy_tree(str(src), target, self._user)
+        _copy_dir_stat(os.stat(src), target, self._user)
 
     # -- exec -------------------------------------------------------------------------------------------
 
@@ -965,6 +965,63 @@ def write_confined(
     if owner is not None:
         for directory in made:
             os.lchown(directory, owner.uid, owner.gid)
+
+
+def copy_tree(src: str, dst: str, owner: identity.Identity | None = None) -> None:
+    """Copy what directory ``src`` holds into the existing directory ``dst``: regular files with their
+    mode and times, symlinks as links, directories with their mode and times; with ``owner``, all it
+    makes is the owner's. Anything else (a FIFO, a device), or a symlink where a directory or file is to
+    be made, is an OSError. Blocking.
+
+    Unlike ``shutil.copytree`` + ``identity.give``: one pass, and per file only its open, copy, chmod,
+    chown and utime (no second stat, no extended attributes, no walk to chown): a prepared workspace is
+    copied into every sandbox, so each call here is a system call of every rollout."""
+    with os.scandir(src) as entries:
+        for entry in entries:
+            target = os.path.join(dst, entry.name)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), target)
+                if owner is not None:
+                    os.lchown(target, owner.uid, owner.gid)
+            elif entry.is_dir(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                try:
+                    os.mkdir(target, 0o700)
+                except FileExistsError:
+                    if not stat.S_ISDIR(os.lstat(target).st_mode):
+                        raise
+                copy_tree(entry.path, target, owner)
+                _copy_dir_stat(st, target, owner)
+            elif entry.is_file(follow_symlinks=False):
+                _copy_file(entry.path, target, owner)
+            else:
+                raise OSError(f"{entry.path}: not a regular file, directory or symlink")
+
+
+def _copy_dir_stat(st: os.stat_result, target: str, owner: identity.Identity | None) -> None:
+    os.chmod(target, stat.S_IMODE(st.st_mode))
+    if owner is not None:
+        os.lchown(target, owner.uid, owner.gid)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _copy_file(src: str, dst: str, owner: identity.Identity | None) -> None:
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fin)
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            offset = 0
+            while offset < st.st_size and (sent := os.sendfile(fout, fin, offset, st.st_size - offset)):
+                offset += sent
+            os.fchmod(fout, stat.S_IMODE(st.st_mode))
+            if owner is not None:  # after the chmod, so that it clears set-user-ID bits as before
+                os.fchown(fout, owner.uid, owner.gid)
+            os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
 
 
 def reap_stale(
