@@ -34,6 +34,7 @@ from sandboxes.inline import inline_if
 from sandboxes.local import write_confined
 from sandboxes.workspace import (
     BASELINE_SCRIPT,
+    COMPACT_BASELINE_SCRIPT,
     GIT_NOT_FOUND,
     GIT_TIMEOUT_S,
     WorkspaceError,
@@ -150,7 +151,7 @@ def _build(spec: WorkspaceSpec, files: dict[str, str], path: Path) -> bool:
                 write_confined(inside, inside, rel, text.encode(), 0o644, "the workspace")
             except SandboxError as exc:
                 raise WorkspaceError(str(exc)) from exc
-        argv, env = git_script(BASELINE_SCRIPT, str(workdir))
+        argv, env = git_script(BASELINE_SCRIPT + COMPACT_BASELINE_SCRIPT, str(workdir))
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", **env}
         try:
             proc = subprocess.run(

@@ -144,6 +144,20 @@ else
 fi
 """
 
+# For a baseline made once and copied into every sandbox (sandboxes/prepared.py): the fewest files and
+# directories that still make it a git directory the diff reads (on a churned ext4 each one copied is
+# an inode search), so its objects go into one pack, HEAD names the baseline and the empty directories go.
+# 17 entries to 11 for an empty workspace; a workspace of N files no longer copies ~N loose objects.
+COMPACT_BASELINE_SCRIPT = f"""set -e
+if [ -f "${_BASELINE_GIT_ENV}/HEAD" ]; then
+  export GIT_DIR="${_BASELINE_GIT_ENV}"
+  g -c pack.writeReverseIndex=false repack -a -d -q -n
+  g symbolic-ref HEAD {BASELINE_REF}
+  g update-ref -d refs/heads/main
+  rm -rf "$GIT_DIR/objects/info" "$GIT_DIR/refs/tags" "$GIT_DIR/refs/heads" "$GIT_DIR/logs"
+fi
+"""
+
 _NOT_A_REPO = 3
 _DIFF_NAME = "workspace-diff"
 # Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
