@@ -213,6 +213,26 @@ async def test_layout_and_descriptor(sandbox: LocalSandbox, root: Path) -> None:
     assert on_disk["supervisor_pids"] == []
 
 
+async def test_copy_in_keeps_modes_times_and_links_and_refuses_a_fifo(
+    sandbox: LocalSandbox, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    (src / "bin").mkdir(parents=True)
+    (src / "bin" / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "bin" / "run.sh").chmod(0o750)
+    os.utime(src / "bin" / "run.sh", (1_000_000_000, 1_000_000_000))
+    (src / "link").symlink_to("bin/run.sh")
+    await sandbox.copy_in(src)
+    work = Path(sandbox.workdir)
+    copied = (work / "bin" / "run.sh").stat()
+    assert (work / "bin" / "run.sh").read_text() == "#!/bin/sh\necho hi\n"
+    assert copied.st_mode & 0o7777 == 0o750 and copied.st_mtime == 1_000_000_000
+    assert os.readlink(work / "link") == "bin/run.sh"
+    os.mkfifo(src / "pipe")
+    with pytest.raises(SandboxError, match="not a regular file"):
+        await sandbox.copy_in(src, "elsewhere")
+
+
 async def test_start_refuses_a_taken_session_or_a_bad_spec(
     provider: LocalSandboxProvider, root: Path
 ) -> None:
