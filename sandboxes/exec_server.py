@@ -139,7 +139,6 @@ class ServedExec:
     def __init__(self, pid: int, marker: bytes) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self.result: dict[str, Any] | None = None  # what the supervisor reported, through its server
         self._marker = marker
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -158,10 +157,9 @@ class ServedExec:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    def _end(self, status: int | None, result: object = None) -> None:
+    def _end(self, status: int | None) -> None:
         if not self._ended.done():
             self.returncode = None if status is None else os.waitstatus_to_exitcode(status)
-            self.result = result if isinstance(result, dict) else None
             self._ended.set_result(None)
 
 
@@ -343,7 +341,7 @@ class ExecServer:
             if started is not None and not started.done():
                 started.set_exception(SandboxError(f"cannot start a command: {str(message['error'])[:500]}"))
         elif "status" in message and (served := self._live.pop(req_id, None)) is not None:
-            served._end(int(message["status"]), message.get("result"))
+            served._end(int(message["status"]))
 
     async def close(self, timeout: float) -> None:
         """No more commands: the server exits once its supervisors have; forced past ``timeout``."""

@@ -6,7 +6,7 @@ Layout of one session, ``<root>/<run_id>/<session_id>/``::
     home/         HOME, with the XDG directories under it
     tmp/          TMPDIR
     logs/         <name>.stdout / <name>.stderr of each exec, capped
-    run/          each exec's stdin, if given; the supervisors' log (results come through the server's pipe)
+    run/          each exec's supervisor result; the supervisors' log
     sandbox.json  the descriptor another process uses to reap this sandbox; it names the owner
 
 The owner is the process that started the sandbox, proven alive by the lock on its record
@@ -220,6 +220,7 @@ def _text(data: bytes) -> str:
 class _ExecFiles:
     stdout: Path
     stderr: Path
+    result: Path
     log: Path
     stdin: Path
 
@@ -667,6 +668,7 @@ class LocalSandbox:
             return _ExecFiles(
                 stdout=stdout,
                 stderr=stderr,
+                result=run.with_name(f"{stem}.result.json"),
                 # One for the sandbox, appended to: supervisors rarely write, and on a busy disk each file
                 # made costs the kernel a search for a free inode.
                 log=self._run / "supervisors.log",
@@ -721,6 +723,7 @@ class LocalSandbox:
             "stdout_path": str(files.stdout),
             "stderr_path": str(files.stderr),
             "stdin_path": str(files.stdin) if stdin is not None else None,
+            "result_path": str(files.result),
             "timeout_s": float(timeout),
             "deadline_epoch": self.ttl_deadline,
             "parent_pid": os.getpid(),
@@ -828,7 +831,10 @@ class LocalSandbox:
         duration: float,
         before_files: _ExecFiles | None = None,
     ) -> ExecResult:
-        res = proc.result  # the supervisor's, through its server's pipe (sandboxes/supervisor_server.py)
+        try:
+            res: dict[str, Any] | None = json.loads(files.result.read_text())
+        except (OSError, ValueError):
+            res = None
         if res is None:
             if killed and not self._stopping:
                 (out_n, out), (err_n, err) = _file_tail(files.stdout), _file_tail(files.stderr)

@@ -571,12 +571,6 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
     # Report like a shell would (127 not found, 126 not executable), with the reason on stderr.
     message = f"cannot run {params['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace")
@@ -596,10 +590,9 @@ def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
 
 
 def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
-    """Supervise one command to its end and write its result (to ``result_fd`` if the params name one,
-    else to the file ``result_path``); ``env`` is the command's environment (None: our own). With
-    ``before`` (argv, timeout_s, stdout_path, stderr_path and env of a step), that step runs to its end
-    first and its result goes under "before": two commands for one supervisor."""
+    """Supervise one command to its end and write its result; ``env`` is the command's environment
+    (None: our own). With ``before`` (argv, timeout_s, stdout_path, stderr_path and env of a step), that
+    step runs to its end first and its result goes under "before": two commands for one supervisor."""
     result: dict[str, Any] = {}
     previous: Supervisor | None = None
     failure: BaseException | None = None
@@ -612,10 +605,7 @@ def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
         result.update(main)
     else:
         result.update(result["before"])
-    if params.get("result_fd") is not None:  # forked by a server, which hands it to the worker
-        _write_all(int(params["result_fd"]), json.dumps(result).encode())
-    else:
-        _write_json_atomic(params["result_path"], result)
+    _write_json_atomic(params["result_path"], result)
     if failure is not None:
         raise failure
     return 0

@@ -15,8 +15,7 @@ death ends the sandbox (every supervisor is told to end its tree), whoever the s
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
 supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to). Out (stdout):
 {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
-could not be, and {"id": N, "status": S, "result": R} (a wait status, and the supervisor's result, which
-it wrote on a pipe of its own; null if it wrote none) when it has ended; {"exit": CODE} last (0: its
+could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
 PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
 its supervisors have. The environment travels through the pipe, never through a file.
 
@@ -31,7 +30,6 @@ import os
 import selectors
 import signal
 import sys
-import time
 
 if __package__:
     from sandboxes import namespaces, proctree, supervisor
@@ -49,8 +47,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
-# A command's result is a few fields and two tails of supervisor.TAIL bytes (three with a before step).
-MAX_RESULT_BYTES = 1024 * 1024
 
 
 def write_line(fd: int, message: dict[str, Any]) -> None:
@@ -67,9 +63,6 @@ class _Server:
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
         self.children: dict[int, int] = {}  # supervisor pid -> request id
-        # Each supervisor writes its result on a pipe of its own, read here and sent with its status (no
-        # result file: on a busy disk each file made costs the kernel an inode search).
-        self.results: dict[int, tuple[int, bytearray]] = {}  # result pipe -> (supervisor pid, data)
         self.stop_signal: int | None = None
         self.stdin_open = True
         self.buf = bytearray()
@@ -88,10 +81,7 @@ class _Server:
         supervisor.handle_stop_signals(on_stop)
 
     def reply(self, message: dict[str, Any]) -> None:
-        try:
-            write_line(1, message)
-        except BrokenPipeError:
-            pass  # the worker has died: nobody to tell, and its sandbox still has to end in order
+        write_line(1, message)
 
     def handle(self, line: bytes) -> None:
         try:
@@ -102,27 +92,16 @@ class _Server:
         # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
         # one sent right after the fork is not lost.
         signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
-        result_r = result_w = -1
         try:
-            result_r, result_w = os.pipe()  # close-on-exec: never the command's
             pid = os.fork()
         except OSError as exc:
-            for fd in (result_r, result_w):
-                if fd >= 0:
-                    os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
             self.reply({"id": req_id, "error": f"fork failed: {exc}"})
             return
         if pid == 0:
-            os.close(result_r)
-            req["params"]["result_fd"] = result_w
             self._child(req)
-        os.close(result_w)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
         self.children[pid] = req_id
-        self.results[result_r] = (pid, bytearray())
-        os.set_blocking(result_r, False)
-        self.sel.register(result_r, selectors.EVENT_READ)
         self.reply({"id": req_id, "pid": pid})
 
     def _child(self, req: dict[str, Any]) -> None:
@@ -134,7 +113,7 @@ class _Server:
             if self.pid_namespace is not None:
                 self.pid_namespace.enter()
                 params["parent_pid"] = 0
-            for fd in (self.wake_r, self.wake_w, self.worker, *self.results):
+            for fd in (self.wake_r, self.wake_w, self.worker):
                 os.close(fd)
             self.sel.close()
             null = os.open(os.devnull, os.O_RDWR)
@@ -171,61 +150,20 @@ class _Server:
             self.stdin_open = False  # our worker never writes this much: stop taking requests
             self.sel.unregister(0)
 
-    def read_result(self, fd: int) -> None:
-        """Take what a supervisor has written of its result, so that it never blocks on a full pipe; past
-        the bound, read and dropped (the worker gets no result, as from a supervisor killed on the way)."""
-        _pid, data = self.results[fd]
-        for _ in range(MAX_RESULT_BYTES // supervisor.READ_CHUNK + 2):  # bounded: then the next select
-            try:
-                chunk = os.read(fd, supervisor.READ_CHUNK)
-            except BlockingIOError:
-                return
-            if not chunk:  # every writer has closed it: nothing more to wait for here
-                if fd in self.sel.get_map():
-                    self.sel.unregister(fd)
-                return
-            data += chunk
-            if len(data) > MAX_RESULT_BYTES:
-                data[:] = b"\0"  # not JSON: no result
-
-    def answer(self, pid: int, status: int) -> None:
-        """A reaped supervisor's status with its result: all of it is in its pipe, as it wrote it before
-        it exited (None if it wrote none, or not all: killed on the way)."""
-        req_id = self.children.pop(pid)
-        fd = next((fd for fd, (owner, _data) in self.results.items() if owner == pid), None)
-        result = None
-        if fd is not None:
-            self.read_result(fd)
-            data = self.results.pop(fd)[1]
-            if fd in self.sel.get_map():
-                self.sel.unregister(fd)
-            os.close(fd)
-            try:
-                result = json.loads(data) if 0 < len(data) <= MAX_RESULT_BYTES else None
-            except ValueError:
-                result = None
-        self.reply({"id": req_id, "status": status, "result": result})
-
     def reap(self) -> None:
         for pid, status in proctree.exited_children():
-            if pid in self.children:
-                self.answer(pid, status)
+            req_id = self.children.pop(pid, None)
+            if req_id is not None:
+                self.reply({"id": req_id, "status": status})
             elif self.pid_namespace is not None and pid == self.pid_namespace.init_pid:
                 self.pid_namespace.init_reaped = True  # its pid is free for reuse from here on
 
     def serve(self) -> int:
         # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
         # its command's timeout and the sandbox's TTL.
-        stop_by: float | None = None
-        while (self.stdin_open and stop_by is None) or self.children:
-            if self.stop_signal is not None and stop_by is None:
+        while self.stdin_open or self.children:
+            if self.stop_signal is not None:
                 proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
-                # Their results ("terminated") come through us: wait for them, as long as a supervisor's
-                # own end may take, then leave the rest to the namespace's end.
-                stop_by = time.monotonic() + supervisor.SLACK_S
-                if 0 in self.sel.get_map():
-                    self.sel.unregister(0)  # no more commands
-            if stop_by is not None and time.monotonic() > stop_by:
                 return 0
             for key, _events in self.sel.select(1.0):
                 if key.fd == self.wake_r:
@@ -234,9 +172,6 @@ class _Server:
                     self.read_requests()
                 elif key.fd == self.worker:
                     self.stop_signal = signal.SIGTERM
-                    self.sel.unregister(self.worker)  # readable from now on: once is enough
-                elif key.fd in self.results:
-                    self.read_result(key.fd)
             self.reap()
         return 0
 
