@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from executor.store import read_table
+from sandboxes.proctree import read_proc
 from tests.conftest import REPO, processes_under
 from tests.ports import free_ports
 from tests.s3_server import s3_server
@@ -58,12 +59,17 @@ def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
 
 
 def _raylet_pid(temp_dir: Path) -> int | None:
-    """The raylet of the node whose temp dir is ``temp_dir`` (it names it on its command line)."""
+    """The raylet of the node whose temp dir is ``temp_dir`` (it names it on its command line). A process
+    in the middle of an exec shows an empty command line; one the raylet forked shows the raylet's until
+    its exec, so a raylet whose parent is one too is not the raylet."""
+    raylets: dict[int, int] = {}
     for entry in processes_under(str(temp_dir)):
         pid, _, cmdline = entry.partition(":")
-        if cmdline.split()[0].endswith("/raylet"):
-            return int(pid)
-    return None
+        if cmdline.split()[:1] and cmdline.split()[0].endswith("/raylet"):
+            info = read_proc(int(pid))
+            if info is not None:
+                raylets[info.pid] = info.ppid
+    return next((pid for pid, ppid in raylets.items() if ppid not in raylets), None)
 
 
 def _gated_sessions(marker: str) -> int:
