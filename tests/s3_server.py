@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
+
 MOTO = Path(sys.executable).parent / "moto_server"
 START_BOUND_S = 60.0
 
@@ -56,12 +58,6 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:

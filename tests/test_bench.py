@@ -93,16 +93,20 @@ def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
 
     from executor.testing.bench_scale import TreeCpu
 
-    work = "import os, time\nif os.fork() == 0:\n    t = time.process_time() + 0.2\n"
-    work += "    while time.process_time() < t: pass\n"
+    work = "import os, time\nif (pid := os.fork()) == 0:\n    t = time.process_time() + 0.2\n"
+    work += "    while time.process_time() < t: pass\nelse:\n    print(pid)\n"
     with TreeCpu() as ours:
         if ours.group is None:
             pytest.skip("no cpuacct cgroup of our own here (not root, or no cgroup v1)")
-        done_r, done_w = os.pipe()
-        subprocess.run([sys.executable, "-c", work], pass_fds=(done_w,), check=True)
-        os.close(done_w)
-        # The pipe ends when the orphan, its last holder, exits; bounded as a safety net only.
-        assert select.select([done_r], [], [], 60)[0] and os.read(done_r, 1) == b""
-        os.close(done_r)
+        orphan = int(subprocess.run([sys.executable, "-c", work], capture_output=True, check=True).stdout)
+        # Waited for by its pidfd, readable once it has left the group: a pipe of its would close
+        # before that (its files go first), and the group cannot be removed while it is in it.
+        try:
+            pidfd = os.pidfd_open(orphan)
+        except ProcessLookupError:
+            pidfd = None  # gone already
+        if pidfd is not None:
+            assert select.select([pidfd], [], [], 60)[0]  # bounded as a safety net only
+            os.close(pidfd)
     assert ours.seconds is not None and ours.seconds >= 0.2
     assert not ours.group.exists()

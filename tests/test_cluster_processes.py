@@ -20,13 +20,16 @@ from pathlib import Path
 import pytest
 
 from executor.store import read_table
+from sandboxes.proctree import read_proc
 from tests.conftest import REPO, processes_under
+from tests.ports import free_ports
 from tests.s3_server import s3_server
-from tests.test_ray_job import RAY, _dashboard_up, _end, _free_ports
+from tests.test_ray_job import RAY, _dashboard_up, _end
 
 pytestmark = pytest.mark.integration
 
 N_TASKS = 6
+WORKER_PORTS = 41  # each worker raylet's range
 BOUND_S = 180.0
 NODE_PORTS = (
     "node-manager-port object-manager-port metrics-export-port dashboard-agent-listen-port "
@@ -56,12 +59,17 @@ def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
 
 
 def _raylet_pid(temp_dir: Path) -> int | None:
-    """The raylet of the node whose temp dir is ``temp_dir`` (it names it on its command line)."""
+    """The raylet of the node whose temp dir is ``temp_dir`` (it names it on its command line). A process
+    in the middle of an exec shows an empty command line; one the raylet forked shows the raylet's until
+    its exec, so a raylet whose parent is one too is not the raylet."""
+    raylets: dict[int, int] = {}
     for entry in processes_under(str(temp_dir)):
         pid, _, cmdline = entry.partition(":")
-        if cmdline.split()[0].endswith("/raylet"):
-            return int(pid)
-    return None
+        if cmdline.split()[:1] and cmdline.split()[0].endswith("/raylet"):
+            info = read_proc(int(pid))
+            if info is not None:
+                raylets[info.pid] = info.ppid
+    return next((pid for pid, ppid in raylets.items() if ppid not in raylets), None)
 
 
 def _gated_sessions(marker: str) -> int:
@@ -92,7 +100,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             "RAY_health_check_initial_delay_ms": "1000",
         }
         try:
-            head_ports = dict(zip(["port", "dashboard-port", *NODE_PORTS], _free_ports(8), strict=True))
+            head_ports = dict(zip(["port", "dashboard-port", *NODE_PORTS], free_ports(8), strict=True))
             procs.append(
                 _start(
                     ["--head", "--temp-dir", str(root / "head"), "--num-cpus", "2"]
@@ -110,15 +118,15 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                 temp = root / f"n{name}"
                 scratch = root / f"scratch-{name}"  # this node's TMPDIR: the worker's evidence scratch
                 scratch.mkdir()
-                ports = dict(zip(NODE_PORTS, _free_ports(len(NODE_PORTS)), strict=True))
-                low = _free_ports(1)[0]
+                ports = dict(zip(NODE_PORTS, free_ports(len(NODE_PORTS)), strict=True))
+                low = free_ports(WORKER_PORTS, consecutive=True)[0]  # all free, not only the first
                 procs.append(
                     _start(
                         ["--address", f"127.0.0.1:{head_ports['port']}", "--temp-dir", str(temp)]
                         + ["--num-cpus", "1", "--node-ip-address", "127.0.0.1"]
                         + ["--resources", json.dumps({"sandbox_slot": 2, f"node_{name}": 1})]
                         + [f"--{k}={v}" for k, v in ports.items()]
-                        + [f"--min-worker-port={low}", f"--max-worker-port={low + 40}"],
+                        + [f"--min-worker-port={low}", f"--max-worker-port={low + WORKER_PORTS - 1}"],
                         logs / f"node-{name}.log",
                         {**base_env, "TMPDIR": str(scratch)},
                     )

@@ -155,8 +155,11 @@ async def test_a_sandboxs_commands_share_its_namespace_which_ends_with_its_serve
     mine = await provider.start(SandboxSpec(run_id="r", session_id="mine", ttl_s=300))
     other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
     # The marked process reports itself once its exec is done: /proc/PID/cmdline reads empty while an
-    # exec is under way, so a report before it would race the reads below.
-    marked = f"exec -a {mark} bash -c " + shlex.quote(f"echo $$ > {fifo.path}; sleep 300 & wait")
+    # exec is under way, so a report before it would race the reads below. It then blocks in a builtin
+    # (a read of a pipe of its own, which nobody writes): a child forked to wait on would show the mark
+    # too until its own exec, a second marked process for the checks below.
+    blocked = f'echo $$ > {fifo.path}; read -r _ <> "$TMPDIR/hold.fifo"'
+    marked = f'mkfifo "$TMPDIR/hold.fifo" && exec -a {mark} bash -c ' + shlex.quote(blocked)
     long = asyncio.ensure_future(mine.exec(["bash", "-c", marked], timeout=300))
     try:
         inner_pid = int((await fifo.lines(1))[0])

@@ -80,14 +80,29 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+PF_KTHREAD = 0x00200000  # in field 9 of /proc/<pid>/stat: a kernel thread, whose command line is empty
+
+
+def _settled_cmdline(pid: int) -> bytes:
+    """The command line of ``pid``, read again while it reads empty on a live process: it does so in the
+    middle of an exec (and of an exit, until the process is a zombie)."""
+    deadline = time.monotonic() + WAIT_S
+    while not (cmdline := _cmdline(pid)) and time.monotonic() < deadline:
+        fields = _stat(pid)
+        if fields is None or fields[0] in (b"Z", b"X") or int(fields[6]) & PF_KTHREAD:
+            break
+        time.sleep(0.01)  # polling a process through its exec, bounded
+    return cmdline
+
+
 def live_with(mark: str) -> list[int]:
     """Live (non-zombie) processes whose command line contains ``mark``: a sweep for strays, on top of
-    the exact checks by ``running``."""
+    the exact checks by ``running``. One in the middle of an exec is not missed."""
     found = []
     for name in os.listdir("/proc"):
         if (
             name.isdigit()
-            and mark.encode() in _cmdline(int(name))
+            and mark.encode() in _settled_cmdline(int(name))
             and _state(int(name)) not in (None, "Z", "X")
         ):
             found.append(int(name))

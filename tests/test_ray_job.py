@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from executor.cluster import RUNTIME_ENV_DIR, WORKING_DIR_FILES, check_out, clus
 from executor.store import read_table
 from executor.tasks import InputError
 from tests.conftest import REPO, processes_under, rollout_run
+from tests.ports import free_ports
 
 RAY = Path(sys.executable).parent / "ray"
 REFUSED = "inside Ray's copy of the job's working directory"
@@ -130,16 +130,6 @@ class Head:
         return {p for p in self.temp_dir.glob("session_2*") if p.is_dir()}
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 HEAD_PORTS = (
     "port dashboard-port ray-client-server-port dashboard-agent-listen-port dashboard-agent-grpc-port "
     "node-manager-port object-manager-port runtime-env-agent-port metrics-export-port"
@@ -152,7 +142,7 @@ def start_head(
     """`ray start --head --block` with its temp dir under ``root``, loopback only, every port free and
     named (``HEAD_PORTS``), ``env`` over ours (no RAY_ADDRESS); its process, its ports and its log. End
     it with ``_end``, never `ray stop`."""
-    ports = dict(zip(HEAD_PORTS, _free_ports(len(HEAD_PORTS)), strict=True))
+    ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS)), strict=True))
     full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
     full_env.pop("RAY_ADDRESS", None)
     log = root / "head.log"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
 REPO = Path(__file__).parents[1]
@@ -50,16 +51,10 @@ def test_replay_reproduces_status_and_reward(demo_run, rollout_id):
     assert replayed["run_id"] != recorded["run_id"]  # its own sandbox directory, never the run's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_replay_against_another_endpoint_shows_what_differs(demo_run, tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps([{"type": "text", "text": "I did nothing."}]))
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,

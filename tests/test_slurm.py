@@ -34,7 +34,7 @@ from sandboxes.slurm import (
     reap_jobs,
 )
 from tests.chaos.conftest import REPO, env, rollout, rows_of, write_config
-from tests.test_shared_root import needs_pid_namespace, python
+from tests.test_shared_root import ended, holders, needs_pid_namespace, python
 
 REPO_ROOT = Path(__file__).parents[1]
 
@@ -272,10 +272,14 @@ def test_jobs_of_a_dead_owner_are_reaped(tmp_path: Path, inside: str | None) -> 
         assert job_state(job_id) == "RUNNING"
         (fields,) = [f for job, _run, f in list_jobs(run_id) if job == job_id]
         assert fields["record"] in os.listdir(root / "owners")
+        holding = holders(root / "owners" / fields["record"])
+        assert holding
         assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == []  # a live owner's: not ours
         assert job_state(job_id) == "RUNNING"
         os.killpg(owner.pid, signal.SIGKILL)  # with unshare --kill-child, the namespace goes with it
         owner.wait(10)
+        # Inside its own namespace the owner is not our child: unshare's end does not wait for it.
+        assert all(ended(pid, bound_s=60) for pid in holding)
         assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == [job_id]
         assert job_state(job_id) not in LIVE_STATES
         assert _reap(root, run_id, own_pid_namespace=inside == "reaper") == []  # idempotent

@@ -149,6 +149,9 @@ async def test_a_request_the_fork_server_took_with_it_is_served_by_the_next_one(
 
 WORKER = """
 import asyncio, sys
+# The command reports its pid from its own image: one that reported and then exec'd could be read in
+# the middle of its exec, when /proc/PID/environ reads empty.
+REPORT_THEN_WAIT = "import os, sys, time; print(os.getpid(), file=open(sys.argv[1], 'w')); time.sleep(300)"
 from pathlib import Path
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider
@@ -156,7 +159,7 @@ from sandboxes.local import LocalSandboxProvider
 async def main() -> None:
     provider = LocalSandboxProvider(Path(sys.argv[1]), pids="isolated")
     sandbox = await provider.start(SandboxSpec(run_id="run", session_id="s", ttl_s=600))
-    await sandbox.exec(["sh", "-c", f"echo $$ > {sys.argv[2]}; exec sleep 300"], timeout=300)
+    await sandbox.exec([sys.executable, "-c", REPORT_THEN_WAIT, sys.argv[2]], timeout=300)
 
 asyncio.run(main())
 """

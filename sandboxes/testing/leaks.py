@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+
+# How long a process whose command line reads empty is watched: that is one in the middle of an exec,
+# or of an exit (its memory gone, its working directory not yet), which ends as a zombie in moments.
+SETTLE_S = 10.0
+SETTLE_POLL_S = 0.01
+
+
+def _read(pid: str) -> tuple[str, str, str]:
+    """The command line, working directory and state of ``pid``; raises OSError once it is gone."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    cwd = os.readlink(f"/proc/{pid}/cwd")
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return cmdline, cwd, state
+
+
+def _settled(pid: str, marker: str, cmdline: str, cwd: str, state: str) -> tuple[str, str, str]:
+    """What ``pid`` shows once its command line reads again or it is a zombie, within ``SETTLE_S``; only
+    for one in ``marker`` by its working directory (a kernel thread's command line is empty for good)."""
+    deadline = time.monotonic() + SETTLE_S
+    while not cmdline and cwd.startswith(marker) and state != "Z" and time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)  # polling a process through its exec or exit, bounded
+        cmdline, cwd, state = _read(pid)
+    return cmdline, cwd, state
 
 
 def processes_under(marker: str) -> list[str]:
-    """Live processes whose command line or working directory mentions ``marker`` (a sandbox root)."""
+    """Live processes whose command line or working directory mentions ``marker`` (a sandbox root). One in
+    the middle of its exit is not counted, nor one in the middle of an exec missed."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            cmdline = (
-                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-            )
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline, cwd, state = _settled(pid, marker, *_read(pid))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         if state != "Z" and (marker in cmdline or cwd.startswith(marker)):
