@@ -151,6 +151,11 @@ def start_local_ray() -> str:
             # Its INFO line would be the only output of a run the preflight refuses in one line.
             logging_level=logging.WARNING,
             _node_ip_address="127.0.0.1",
+            # Ray starts one idle worker process per CPU for the first driver and holds that driver's
+            # connection until they are up: ~1 s of imports each, on the CPUs the node is starting on,
+            # for processes a run may never use (its worker actors get processes of their own as they
+            # are created, which then overlaps the driver's own start).
+            _system_config={"prestart_worker_first_driver": False},
         )
     return str(ray.get_runtime_context().gcs_address)
 
