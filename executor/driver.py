@@ -125,7 +125,7 @@ def connect_ray(cfg: RunConfig) -> bool:
     if not asks_own_cluster(cfg.ray_address) and (lease := warm.attach()) is not None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the warm executor's cluster was started
         try:
-            ray.init(address=lease.record.gcs_address, log_to_driver=False)
+            warm.connect(lease.record)
         except Exception:
             lease.release()
             raise

@@ -64,7 +64,8 @@ import executor.driver
 from executor.schema import rows_to_batch, warm_up
 warm_up()
 rows_to_batch([{}]).to_pylist()
-print(json.dumps(sorted(m for m in ("aiohttp", "httpx", "pandas", "harnesses.gateway.server") if m in sys.modules)))
+unwanted = ("aiohttp", "httpx", "pandas", "harnesses.gateway.server")
+print(json.dumps(sorted(m for m in unwanted if m in sys.modules)))
 """
 
 
