@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from pydantic import Field
 
 from harnesses.install import default_cache_root
@@ -320,6 +319,8 @@ class ContainerSandboxProvider:
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
 
         async def build() -> ContainerSandbox:
+            from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
+
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
             if proc.returncode != 0:
                 raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
@@ -340,7 +341,7 @@ class ContainerSandboxProvider:
                 probe=lambda: self._probe(name),
                 marker_token=uuid.uuid4().hex,
                 extra={"container": name, "image": image.ref, "engine": self.engine},
-                transport=httpx.AsyncHTTPTransport(uds=socket_path),
+                transport=AsyncHTTPTransport(uds=socket_path),
             )
 
         return await ready_or_torn_down(

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from pydantic import Field
 
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError
@@ -418,6 +417,8 @@ class EcsSandboxProvider:
         raise SandboxStartError(f"ECS task {arn} not running within {self.cfg.start_timeout_s}s")
 
     async def _wait_healthy(self, base_url: str, token: str, arn: str) -> dict[str, Any]:
+        import httpx  # here: a driver imports the provider configs only
+
         # RUNNING means the container started, not that the agent listens yet.
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while True:

@@ -20,10 +20,8 @@ import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
-
-import httpx
 
 from sandboxes.base import (
     TAIL_BYTES,
@@ -34,6 +32,9 @@ from sandboxes.base import (
     SandboxStartError,
 )
 from sandboxes.environment import base_environment, merge_environment, xdg_dirs
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class RemoteSandbox:
         self.base_env = merge_environment(base, spec.env)
         self.created_at = time.time()
         self.ttl_deadline = self.created_at + spec.ttl_s
+        import httpx  # here: a driver imports the provider configs only
+
         self._client = httpx.AsyncClient(
             base_url=base_url,
             headers={"Authorization": f"Bearer {token}"},
@@ -162,6 +165,8 @@ class RemoteSandbox:
     async def _request(
         self, method: str, path: str, *, timeout: float | None = None, **kw: Any
     ) -> httpx.Response:
+        import httpx
+
         if self._stopped:
             raise SandboxError(f"sandbox {self.id} is stopped")
         try:
@@ -271,6 +276,8 @@ class RemoteSandbox:
         async with self._stop_lock:
             if self._stopped:
                 return
+            import httpx
+
             with contextlib.suppress(httpx.HTTPError):
                 await self._client.post("/stop", timeout=STOP_TIMEOUT_S)
             self._stopped = True
@@ -280,6 +287,8 @@ class RemoteSandbox:
 
 async def agent_health(base_url: str, token: str, timeout: float = 5.0) -> dict[str, Any]:
     """The agent's /health answer (its root among it); raises httpx errors or SandboxError."""
+    import httpx
+
     async with httpx.AsyncClient(trust_env=False, timeout=timeout) as client:
         resp = await client.get(f"{base_url}/health", headers={"Authorization": f"Bearer {token}"})
     if resp.status_code != 200:

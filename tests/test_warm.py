@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,6 +69,8 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     assert "warm executor up" in up.stdout and "warmed 1 workers" in up.stdout
     record = warm.live_record(tmp_path / "warm")
     assert record is not None
+    # The record names the cluster's node: an attaching driver is spared Ray's scan of every process.
+    assert [n.hex() for n in _alive_nodes(record)] == [record.node_id]
     again = _rollout(env, "up")
     assert "already up" in again.stdout and warm.live_record(tmp_path / "warm") == record
 
@@ -107,6 +110,14 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     assert _gone(env["RAY_TMPDIR"]) == []
     assert processes_under(str(tmp_path / "sandboxes")) == []
     assert "no warm executor" in _rollout(env, "down").stdout
+
+
+def _alive_nodes(record: warm.Record) -> list[Any]:
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    gcs = GcsClient(address=record.gcs_address)
+    return list(gcs.get_all_node_info(state_filter=GcsNodeInfo.GcsNodeState.ALIVE))
 
 
 def _connected_drivers(record: warm.Record, bound_s: float = 30.0) -> list[int]:
