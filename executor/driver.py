@@ -140,8 +140,7 @@ def start_local_ray() -> str:
     # Loopback only, no token to distribute, no dashboard to pay for.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    with _lean_node():
+    with _loopback_only(), _lean_node():
         ray.init(
             # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
             address=LOCAL,
@@ -158,6 +157,34 @@ def start_local_ray() -> str:
             _system_config={"prestart_worker_first_driver": False},
         )
     return str(ray.get_runtime_context().gcs_address)
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While ``ray.init`` starts a local cluster of ours: its servers listen on 127.0.0.1 only. Ray turns
+    ``_node_ip_address="127.0.0.1"`` into the machine's routable address and binds its GCS, raylet and
+    workers to every interface, which with no token (``RAY_AUTH_MODE=disabled``) would let anyone on the
+    network run code on this host. Ray keeps to the loopback only where it thinks clusters unsupported,
+    which it reads from the environment at its import (long before this call) and then from its
+    constants module: both are set, the environment for the processes it starts."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    previous = getattr(constants, "ENABLE_RAY_CLUSTER", None), os.environ.get(_CLUSTERS_ENV)
+    os.environ[_CLUSTERS_ENV] = "0"  # the processes it starts now (and theirs later) inherit it
+    if previous[0] is not None:
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if previous[0] is not None:
+            constants.ENABLE_RAY_CLUSTER = previous[0]  # type: ignore[union-attr]
+        if previous[1] is None:
+            os.environ.pop(_CLUSTERS_ENV, None)
+        else:
+            os.environ[_CLUSTERS_ENV] = previous[1]
+
+
+# Ray reads it as "clusters are unsupported here (Windows, macOS): keep to the loopback".
+_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,67 @@
+"""A run's own local cluster listens on the loopback only: it runs with no token, so a server of it on
+another interface would let anyone on the network run code on this host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+# Starts the cluster as `rollout run` does, then reports the GCS address and every TCP port in LISTEN
+# held by this process or one it started (Ray's GCS, raylet, agents and workers), with its address.
+PROBE = r"""
+import json, os
+from executor.driver import start_local_ray, stop_own_ray
+from sandboxes import proctree
+
+def sockets(pid):
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                found.add(link[8:-1])
+    except OSError:
+        pass
+    return found
+
+gcs = start_local_ray()
+ours = {os.getpid()} | proctree.descendants(proctree.snapshot(), os.getpid())
+inodes = set().union(*(sockets(pid) for pid in ours))
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                listening.append(fields[1])
+stop_own_ray([])
+print(json.dumps({"gcs": gcs, "listening": listening}))
+"""
+
+LOOPBACK = {
+    "0100007F",  # 127.0.0.1, as /proc/net/tcp writes it
+    "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
+    "00000000000000000000000001000000",  # ::1
+}
+
+
+def test_a_runs_own_cluster_listens_on_the_loopback_only() -> None:
+    # As a user's shell has it: not conftest's setting, which keeps the tests' own clusters on the loopback.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, cwd=REPO, env=env
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["gcs"].startswith("127.0.0.1:")
+    addresses = {entry.split(":")[0] for entry in report["listening"]}
+    assert report["listening"]  # the probe saw Ray's servers at all
+    assert addresses <= LOOPBACK, report["listening"]
