@@ -140,7 +140,7 @@ def start_local_ray() -> str:
     # Loopback only, no token to distribute, no dashboard to pay for.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with _loopback_only(), _lean_node():
+    with loopback_only(), _lean_node():
         ray.init(
             # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
             address=LOCAL,
@@ -160,8 +160,9 @@ def start_local_ray() -> str:
 
 
 @contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
-    """While ``ray.init`` starts a local cluster of ours: its servers listen on 127.0.0.1 only. Ray turns
+def loopback_only() -> Iterator[None]:
+    """While ``ray.init`` starts a local cluster of ours, or attaches to one (the warm executor's): its
+    servers listen on 127.0.0.1 only, and the attaching driver looks for them there. Ray turns
     ``_node_ip_address="127.0.0.1"`` into the machine's routable address and binds its GCS, raylet and
     workers to every interface, which with no token (``RAY_AUTH_MODE=disabled``) would let anyone on the
     network run code on this host. Ray keeps to the loopback only where it thinks clusters unsupported,

@@ -373,10 +373,13 @@ def connect(record: Record) -> None:
     longer alive, gets Ray's own search (the scan, then GCS)."""
     import ray
 
+    from executor.driver import loopback_only
+
     services = getattr(getattr(ray, "_private", None), "services", None)
     scan = getattr(services, "find_node_ids", None)
     if not record.node_id or scan is None:
-        ray.init(address=record.gcs_address, log_to_driver=False)
+        with loopback_only():
+            ray.init(address=record.gcs_address, log_to_driver=False)
         return
     answers = iter([[record.node_id]])
 
@@ -385,7 +388,8 @@ def connect(record: Record) -> None:
 
     services.find_node_ids = known_node_first
     try:
-        ray.init(address=record.gcs_address, log_to_driver=False)
+        with loopback_only():
+            ray.init(address=record.gcs_address, log_to_driver=False)
     finally:
         services.find_node_ids = scan
 

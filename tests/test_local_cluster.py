@@ -1,5 +1,9 @@
 """A run's own local cluster listens on the loopback only: it runs with no token, so a server of it on
-another interface would let anyone on the network run code on this host."""
+another interface would let anyone on the network run code on this host. A driver attaching to such a
+cluster (the warm executor's) finds it there.
+
+The probes run in processes of their own, with the environment a user's shell has: not conftest's
+setting, which keeps the tests' own clusters on the loopback whatever the code does."""
 
 from __future__ import annotations
 
@@ -46,6 +50,11 @@ stop_own_ray([])
 print(json.dumps({"gcs": gcs, "listening": listening}))
 """
 
+
+def _user_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+
+
 LOOPBACK = {
     "0100007F",  # 127.0.0.1, as /proc/net/tcp writes it
     "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
@@ -54,10 +63,8 @@ LOOPBACK = {
 
 
 def test_a_runs_own_cluster_listens_on_the_loopback_only() -> None:
-    # As a user's shell has it: not conftest's setting, which keeps the tests' own clusters on the loopback.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, cwd=REPO, env=env
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, cwd=REPO, env=_user_env()
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,3 +72,47 @@ def test_a_runs_own_cluster_listens_on_the_loopback_only() -> None:
     addresses = {entry.split(":")[0] for entry in report["listening"]}
     assert report["listening"]  # the probe saw Ray's servers at all
     assert addresses <= LOOPBACK, report["listening"]
+
+
+# A cluster of ours held open (as `rollout up` holds one) until its stdin closes.
+HOLD = r"""
+import json, sys
+import ray
+from executor.driver import start_local_ray, stop_own_ray
+gcs = start_local_ray()
+print(json.dumps({"gcs": gcs, "node_id": ray.get_runtime_context().get_node_id()}), flush=True)
+sys.stdin.read()
+stop_own_ray([])
+"""
+
+# A driver attaching to it as `rollout run` attaches to the warm executor, and running a task there.
+ATTACH = r"""
+import json, sys, time
+import ray
+from executor.warm import Record, connect
+held = json.loads(sys.argv[1])
+connect(Record(0, held["gcs"], 60.0, time.time(), held["node_id"]))
+print(json.dumps({"answer": ray.get(ray.remote(lambda: 42).remote(), timeout=120)}))
+"""
+
+
+def test_a_driver_attaches_to_a_loopback_cluster_of_ours() -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO, env=_user_env(),
+    )  # fmt: skip
+    try:
+        held = holder.stdout.readline() if holder.stdout else ""
+        assert held, holder.stderr.read() if holder.stderr and holder.poll() is not None else "no cluster"
+        assert json.loads(held)["gcs"].startswith("127.0.0.1:")
+        # Without the fix Ray looked for the GCS on the machine's routable address and retried for minutes.
+        proc = subprocess.run(
+            [sys.executable, "-c", ATTACH, held], capture_output=True, text=True, timeout=180, cwd=REPO,
+            env=_user_env(),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"answer": 42}
+    finally:
+        if holder.stdin:
+            holder.stdin.close()
+        holder.wait(timeout=120)
