@@ -377,21 +377,19 @@ def connect(record: Record) -> None:
 
     services = getattr(getattr(ray, "_private", None), "services", None)
     scan = getattr(services, "find_node_ids", None)
-    if not record.node_id or scan is None:
-        with loopback_only():
-            ray.init(address=record.gcs_address, log_to_driver=False)
-        return
-    answers = iter([[record.node_id]])
+    answers = iter([[record.node_id]] if record.node_id and scan is not None else [])
 
     def known_node_first() -> list[str]:
         return next(answers, None) or scan()
 
-    services.find_node_ids = known_node_first
+    if scan is not None:
+        services.find_node_ids = known_node_first
     try:
         with loopback_only():
             ray.init(address=record.gcs_address, log_to_driver=False)
     finally:
-        services.find_node_ids = scan
+        if scan is not None:
+            services.find_node_ids = scan
 
 
 def prewarm(cfg: RunConfig, worker_class: Any, options: dict[str, Any]) -> list[str]:

@@ -166,9 +166,10 @@ def exited_children() -> Iterator[tuple[int, int]]:
 PASSED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def wait_passing_signals(child: int, *, reap_all: bool) -> int:
+def wait_passing_signals(child: int, *, reap_all: bool, unblock: bool = False) -> int:
     """Wait for ``child``, passing ``PASSED_SIGNALS`` on to it, and return its wait status. ``reap_all``:
-    as a PID namespace's init, also reap the orphans reparented here while waiting."""
+    as a PID namespace's init, also reap the orphans reparented here while waiting. ``unblock``: the
+    caller held those signals blocked until their handlers are set (so none is lost in between)."""
     reaped = False
 
     def pass_on(signum: int, _frame: object) -> None:
@@ -180,6 +181,8 @@ def wait_passing_signals(child: int, *, reap_all: bool) -> int:
 
     for sig in PASSED_SIGNALS:
         signal.signal(sig, pass_on)
+    if unblock:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_SIGNALS)
     while True:
         pid, status = os.waitpid(-1 if reap_all else child, 0)
         if pid == child:

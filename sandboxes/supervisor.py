@@ -43,7 +43,7 @@ DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is go
 # only once that has passed too does its owner kill it from outside.
 SLACK_S = 5.0 + proctree.KILL_ROUNDS * proctree.KILL_SETTLE_S + DRAIN_S
 READ_CHUNK = 64 * 1024
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = proctree.PASSED_SIGNALS  # passed on to the command by its init, as by any stand-in
 # "Your timeout is now": the command ends as if its timeout had passed (timed out, not terminated). The
 # owner sends it when a budget other than wall time runs out (limits.deadline_counts: agent).
 EXPIRE_SIGNAL = signal.SIGUSR1
@@ -192,21 +192,8 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         netns.serve(listener, str(forward[1]))
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
-    reaped = False
-
-    def pass_on(signum: int, _frame: object) -> None:
-        if not reaped:  # once reaped, its pid may name another process
-            try:
-                os.kill(command, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, pass_on)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    _pid, status = os.waitpid(command, 0)
-    reaped = True
+    status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
     os.write(status_fd, str(status).encode())
     return 0
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from executor.testing.bench import _end_to_end_rate, _steady_rate
+from tests.conftest import ended
 
 
 def test_the_steady_rate_leaves_out_the_first_ramp_and_the_drain():
@@ -89,8 +90,6 @@ def test_markdown_into_a_page_without_a_bench_part_fails_before_measuring(tmp_pa
 
 def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
     """A grandchild orphaned before it works (so neither we nor its parent reap it) is still counted."""
-    import select
-
     from executor.testing.bench_scale import TreeCpu
 
     work = "import os, time\nif (pid := os.fork()) == 0:\n    t = time.process_time() + 0.2\n"
@@ -101,12 +100,6 @@ def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
         orphan = int(subprocess.run([sys.executable, "-c", work], capture_output=True, check=True).stdout)
         # Waited for by its pidfd, readable once it has left the group: a pipe of its would close
         # before that (its files go first), and the group cannot be removed while it is in it.
-        try:
-            pidfd = os.pidfd_open(orphan)
-        except ProcessLookupError:
-            pidfd = None  # gone already
-        if pidfd is not None:
-            assert select.select([pidfd], [], [], 60)[0]  # bounded as a safety net only
-            os.close(pidfd)
+        assert ended(orphan, bound_s=60)  # bounded as a safety net only
     assert ours.seconds is not None and ours.seconds >= 0.2
     assert not ours.group.exists()

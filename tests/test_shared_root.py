@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import yaml
 from executor.store import read_table
 from sandboxes.isolation import pid_namespace_unavailable
 from tests.chaos.conftest import wait_until
-from tests.conftest import processes_under
+from tests.conftest import ended, processes_under
 
 REPO = Path(__file__).parents[1]
 ROLLOUTS = 10
@@ -114,18 +113,6 @@ def holders(path: Path) -> list[int]:
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{pid}/fd")):
                 found.append(int(pid))
     return found
-
-
-def ended(pid: int, bound_s: float) -> bool:
-    """Whether process ``pid`` (not necessarily our child) has ended within ``bound_s``."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([pidfd], [], [], bound_s)[0])  # a pidfd is readable once it has ended
-    finally:
-        os.close(pidfd)
 
 
 NOTHING: dict[str, list[str]] = {"prepared": [], "sandboxes": [], "records": []}

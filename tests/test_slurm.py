@@ -34,7 +34,8 @@ from sandboxes.slurm import (
     reap_jobs,
 )
 from tests.chaos.conftest import REPO, env, rollout, rows_of, write_config
-from tests.test_shared_root import ended, holders, needs_pid_namespace, python
+from tests.conftest import ended
+from tests.test_shared_root import holders, needs_pid_namespace, python
 
 REPO_ROOT = Path(__file__).parents[1]
 

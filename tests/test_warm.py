@@ -20,9 +20,8 @@ import pytest
 
 from executor import warm
 from executor.store import read_table
-from tests.conftest import REPO, processes_under, rollout_run
+from tests.conftest import REPO, ended, processes_under, rollout_run
 from tests.test_fast_exit import _config, _gone
-from tests.test_shared_root import ended
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import time
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def processes_under(marker: str) -> list[str]:
         if state != "Z" and (marker in cmdline or cwd.startswith(marker)):
             found.append(f"{pid}: {cmdline[:200]}")
     return found
+
+
+def ended(pid: int, bound_s: float) -> bool:
+    """Whether process ``pid`` (not necessarily our child) has ended within ``bound_s``: waited for by its
+    pidfd, readable once it has ended, so after its files are closed and it has left its cgroup."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([pidfd], [], [], bound_s)[0])
+    finally:
+        os.close(pidfd)
