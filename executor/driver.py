@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import json
 import logging
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +28,9 @@ from ray.exceptions import (
 
 from executor import phases, warm
 from executor.admission import OBSERVED_FIELDS, Admission
-from executor.cluster import LOCAL, asks_own_cluster, cluster_address
+from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
+from executor.local_ray import start_local_ray
 from executor.progress import Progress
 from executor.reaper import reap_quietly
 from executor.runs import run_lock
@@ -133,160 +132,6 @@ def connect_ray(cfg: RunConfig) -> bool:
         return False
     _own_gcs = start_local_ray()
     return True
-
-
-def start_local_ray() -> str:
-    """Start a local cluster of this process's own; its GCS address."""
-    # Loopback only, no token to distribute, no dashboard to pay for.
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with loopback_only(), _lean_node():
-        ray.init(
-            # "local", not None: without an address ray.init joins a cluster `ray start` left on this machine.
-            address=LOCAL,
-            num_cpus=max(2, os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=False,
-            # Its INFO line would be the only output of a run the preflight refuses in one line.
-            logging_level=logging.WARNING,
-            _node_ip_address="127.0.0.1",
-            # Ray starts one idle worker process per CPU for the first driver and holds that driver's
-            # connection until they are up: ~1 s of imports each, on the CPUs the node is starting on,
-            # for processes a run may never use (its worker actors get processes of their own as they
-            # are created, which then overlaps the driver's own start).
-            _system_config={"prestart_worker_first_driver": False},
-        )
-    return str(ray.get_runtime_context().gcs_address)
-
-
-@contextlib.contextmanager
-def loopback_only() -> Iterator[None]:
-    """While ``ray.init`` starts a local cluster of ours, or attaches to one (the warm executor's): its
-    servers listen on 127.0.0.1 only, and the attaching driver looks for them there. Ray turns
-    ``_node_ip_address="127.0.0.1"`` into the machine's routable address and binds its GCS, raylet and
-    workers to every interface, which with no token (``RAY_AUTH_MODE=disabled``) would let anyone on the
-    network run code on this host. Ray keeps to the loopback only where it thinks clusters unsupported,
-    which it reads from the environment at its import (long before this call) and then from its
-    constants module: both are set, the environment for the processes it starts."""
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    previous = getattr(constants, "ENABLE_RAY_CLUSTER", None), os.environ.get(_CLUSTERS_ENV)
-    os.environ[_CLUSTERS_ENV] = "0"  # the processes it starts now (and theirs later) inherit it
-    if previous[0] is not None:
-        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        if previous[0] is not None:
-            constants.ENABLE_RAY_CLUSTER = previous[0]  # type: ignore[union-attr]
-        if previous[1] is None:
-            os.environ.pop(_CLUSTERS_ENV, None)
-        else:
-            os.environ[_CLUSTERS_ENV] = previous[1]
-
-
-# Ray reads it as "clusters are unsupported here (Windows, macOS): keep to the loopback".
-_CLUSTERS_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-@contextlib.contextmanager
-def _lean_node() -> Iterator[None]:
-    """While ``ray.init`` starts a local cluster of ours: what it does not need is not started or not
-    waited for, and what it needs does not wait on another cluster of this machine. ``ray.init`` takes
-    none of these settings, which ``ray start`` takes in part (``--no-monitor``, ``--include-log-monitor``,
-    ``--dashboard-agent-listen-port``), so they go into the node it builds:
-
-    - the dashboard agent's HTTP port: a free one, not Ray's fixed 52365. With another cluster on the
-      machine (a warm executor, a test's) that port is taken, and the agent retried it with backoff for
-      3.4 s before going on without it, while the node's registration, and so ``ray.init``, waited;
-    - no autoscaler monitor: it scales nothing on one node, holds nothing, and its SIGTERM handler made
-      ``ray.shutdown()`` wait 1 s (it reports its own "failure" to a GCS that has just been stopped);
-    - no log monitor: it streams workers' output to drivers, and ours take none (``log_to_driver``);
-    - the dashboard process and the dashboard agent in Ray's minimal mode, as a ``ray`` without the
-      dashboard's packages runs them: no metrics, HTTP or gRPC servers, nothing imported for them. The
-      node registers only once its agent is up, so the agent's start is on ``ray.init``'s path. Jobs
-      and the state API go through these servers; a cluster of a run's own serves neither;
-    - the dashboard process starts beside the raylet, not before it: ``ray.init`` waited for it to
-      come up (~1 s of imports) before it started the raylet, which needs nothing of it. It is waited
-      for before the driver connects (the process must be known to the node for its shutdown).
-
-    The monitor and the log monitor are each a Python process importing on the CPUs the node's agents
-    and the first worker actor start on. Where Ray's private modules moved, ray.init starts its default
-    node."""
-    import threading
-
-    private = getattr(ray, "_private", None)
-    params = getattr(private, "parameter", None)
-    base = getattr(params, "RayParams", None)
-    utils = getattr(private, "utils", None)
-    node = getattr(getattr(private, "node", None), "Node", None)
-    worker = getattr(private, "worker", None)
-    if base is None or not all(
-        hasattr(*pair)
-        for pair in (
-            (utils, "get_dashboard_dependency_error"),
-            (node, "start_api_server"),
-            (worker, "connect"),
-        )
-    ):
-        yield
-        return
-
-    class LeanParams(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("dashboard_agent_listen_port", _free_port())
-            kwargs.setdefault("no_monitor", True)
-            kwargs.setdefault("include_log_monitor", False)
-            super().__init__(*args, **kwargs)
-
-    dependency_error, start_api_server, connect = (
-        utils.get_dashboard_dependency_error,
-        node.start_api_server,
-        worker.connect,
-    )
-    started: list[threading.Thread] = []
-    failed: list[BaseException] = []
-
-    def join_api_server() -> None:
-        for thread in started:
-            thread.join()  # bounded: Ray gives the dashboard RAY_DASHBOARD_STARTUP_TIMEOUT_S (60 s)
-        started.clear()
-
-    def api_server_beside(self: Any, **kwargs: Any) -> None:
-        def start() -> None:
-            try:
-                start_api_server(self, **kwargs)
-            except BaseException as exc:  # re-raised in ray.init's thread, by join_api_server
-                failed.append(exc)
-
-        thread = threading.Thread(target=start, name="rollout-ray-dashboard", daemon=True)
-        thread.start()
-        started.append(thread)
-
-    def connect_after_api_server(*args: Any, **kwargs: Any) -> Any:
-        join_api_server()
-        if failed:
-            raise failed.pop()
-        return connect(*args, **kwargs)
-
-    params.RayParams = LeanParams
-    utils.get_dashboard_dependency_error = lambda: ImportError("a local cluster of rollout's own")
-    node.start_api_server = api_server_beside
-    worker.connect = connect_after_api_server
-    try:
-        yield
-    finally:
-        params.RayParams = base
-        utils.get_dashboard_dependency_error = dependency_error
-        node.start_api_server = start_api_server
-        worker.connect = connect
-        join_api_server()  # a ray.init that failed before connecting leaves no thread behind
-
-
-def _free_port() -> int:
-    """A TCP port free on every address now (the node picks its IP itself)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def attached_lease() -> warm.Lease | None:

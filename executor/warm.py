@@ -170,7 +170,8 @@ def _idle(lease_fd: int, lease_path: Path, idle_timeout_s: float) -> bool:
 
 def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     """Hold a local cluster until ``down`` (SIGTERM) or ``idle_timeout_s`` without a run."""
-    from executor.driver import start_local_ray, stop_own_ray
+    from executor.driver import stop_own_ray
+    from executor.local_ray import start_local_ray
 
     directory = warm_dir()
     daemon_fd = _open_lock(directory / DAEMON_LOCK)
@@ -373,7 +374,7 @@ def connect(record: Record) -> None:
     longer alive, gets Ray's own search (the scan, then GCS)."""
     import ray
 
-    from executor.driver import loopback_only
+    from executor.local_ray import loopback_only
 
     services = getattr(getattr(ray, "_private", None), "services", None)
     scan = getattr(services, "find_node_ids", None)

@@ -19,7 +19,8 @@ REPO = Path(__file__).parents[1]
 # held by this process or one it started (Ray's GCS, raylet, agents and workers), with its address.
 PROBE = r"""
 import json, os
-from executor.driver import start_local_ray, stop_own_ray
+from executor.driver import stop_own_ray
+from executor.local_ray import start_local_ray
 from sandboxes import proctree
 
 def sockets(pid):
@@ -78,7 +79,8 @@ def test_a_runs_own_cluster_listens_on_the_loopback_only() -> None:
 HOLD = r"""
 import json, sys
 import ray
-from executor.driver import start_local_ray, stop_own_ray
+from executor.driver import stop_own_ray
+from executor.local_ray import start_local_ray
 gcs = start_local_ray()
 print(json.dumps({"gcs": gcs, "node_id": ray.get_runtime_context().get_node_id()}), flush=True)
 sys.stdin.read()
