@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,9 +34,21 @@ def start_local_ray() -> str:
             # connection until they are up: ~1 s of imports each, on the CPUs the node is starting on,
             # for processes a run may never use (its worker actors get processes of their own as they
             # are created, which then overlaps the driver's own start).
-            _system_config={"prestart_worker_first_driver": False},
+            _system_config={"prestart_worker_first_driver": False, **_PROMPT_CONNECTS},
         )
     return str(ray.get_runtime_context().gcs_address)
+
+
+# A Ray process connecting to a local socket (the raylet to its object store, a worker to its raylet)
+# that is not listening yet retries every 1 s, 10 times: the raylet lost a whole second to its own
+# object store's thread in about one start in three. The same 10 s bound, in 20 ms steps.
+_PROMPT_CONNECTS = {
+    "raylet_client_connect_timeout_milliseconds": 20,
+    "raylet_client_num_connect_attempts": 500,
+}
+# How often the driver asks the GCS whether its node's raylet has registered (Ray asks every 1 s).
+_NODE_POLL_S = 0.02
+_RAYLET_START_S = 30.0  # Ray's own bound for it (raylet_start_wait_time_s)
 
 
 @contextlib.contextmanager
@@ -86,7 +99,9 @@ def _lean_node() -> Iterator[None]:
       and the state API go through these servers; a cluster of a run's own serves neither;
     - the dashboard process starts beside the raylet, not before it: ``ray.init`` waited for it to
       come up (~1 s of imports) before it started the raylet, which needs nothing of it. It is waited
-      for before the driver connects (the process must be known to the node for its shutdown).
+      for before the driver connects (the process must be known to the node for its shutdown);
+    - the driver learns of its raylet's registration within 20 ms (``_registered_soon``), not within
+      Ray's 1 s poll: half a second of every start on average.
 
     The monitor and the log monitor are each a Python process importing on the CPUs the node's agents
     and the first worker actor start on. Where Ray's private modules moved, ray.init starts its default
@@ -99,12 +114,15 @@ def _lean_node() -> Iterator[None]:
     utils = getattr(private, "utils", None)
     node = getattr(getattr(private, "node", None), "Node", None)
     worker = getattr(private, "worker", None)
+    services = getattr(private, "services", None)
     if base is None or not all(
         hasattr(*pair)
         for pair in (
             (utils, "get_dashboard_dependency_error"),
             (node, "start_api_server"),
             (worker, "connect"),
+            (services, "get_node"),
+            (services, "_get_gcs_client_options"),
         )
     ):
         yield
@@ -117,10 +135,11 @@ def _lean_node() -> Iterator[None]:
             kwargs.setdefault("include_log_monitor", False)
             super().__init__(*args, **kwargs)
 
-    dependency_error, start_api_server, connect = (
+    dependency_error, start_api_server, connect, get_node = (
         utils.get_dashboard_dependency_error,
         node.start_api_server,
         worker.connect,
+        services.get_node,
     )
     started: list[threading.Thread] = []
     failed: list[BaseException] = []
@@ -147,10 +166,15 @@ def _lean_node() -> Iterator[None]:
             raise failed.pop()
         return connect(*args, **kwargs)
 
+    def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
+        _registered_soon(services._get_gcs_client_options(gcs_address), node_id)
+        return get_node(gcs_address, node_id)
+
     params.RayParams = LeanParams
     utils.get_dashboard_dependency_error = lambda: ImportError("a local cluster of rollout's own")
     node.start_api_server = api_server_beside
     worker.connect = connect_after_api_server
+    services.get_node = get_node_once_registered
     try:
         yield
     finally:
@@ -158,7 +182,30 @@ def _lean_node() -> Iterator[None]:
         utils.get_dashboard_dependency_error = dependency_error
         node.start_api_server = start_api_server
         worker.connect = connect
+        services.get_node = get_node
         join_api_server()  # a ray.init that failed before connecting leaves no thread behind
+
+
+def _registered_soon(gcs_options: Any, node_id: str) -> None:
+    """Wait, bounded, until the GCS lists node ``node_id`` alive, asking every ``_NODE_POLL_S``.
+
+    Ray's own wait for it asks the GCS, then sleeps a whole second before asking again, while the
+    raylet's registration (its agents' start) takes 1-2 s; Ray's wait then follows at once and keeps
+    its own bound and error. A GCS that does not answer is left to it as well."""
+    from ray._private.state import GlobalState
+
+    state = GlobalState()
+    state._initialize_global_state(gcs_options)
+    deadline = time.monotonic() + _RAYLET_START_S
+    try:
+        while time.monotonic() < deadline:
+            if any(n.get("NodeID") == node_id and n.get("Alive") for n in state.node_table()):
+                return
+            time.sleep(_NODE_POLL_S)
+    except Exception:  # Ray's own wait reports it, as it would have without this one
+        return
+    finally:
+        state.disconnect()
 
 
 def _free_port() -> int:
