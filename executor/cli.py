@@ -31,19 +31,6 @@ def _fail_input(message: str) -> None:
     raise typer.Exit(2)
 
 
-class _NoPandas:
-    """An import finder that refuses pandas to a driver: pyarrow imports it, when it is installed, at its
-    first conversion of Python values (0.3-0.4 s of CPU, before the first session's row), and nothing a
-    driver does needs it. (A None in sys.modules would not do: pyarrow's compiled import takes the None
-    for the module.)"""
-
-    @staticmethod
-    def find_spec(name: str, path: object = None, target: object = None) -> None:
-        if name.partition(".")[0] == "pandas":
-            raise ModuleNotFoundError(f"{name}: not imported by `rollout run`", name=name)
-        return None
-
-
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Run config (YAML).")],
@@ -76,11 +63,11 @@ def run(
     from executor import phases
     from executor.cluster import check_out
     from executor.config import load_config, local_path
+    from executor.schema import refuse_pandas
     from executor.storage import check_writable, is_object_uri, locate
 
     phases.mark("cli")
-    if "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _NoPandas())
+    refuse_pandas()
 
     overrides: dict[str, object] = {}
     for key, value in (

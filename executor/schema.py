@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pyarrow as pa
@@ -54,6 +55,26 @@ def model_call_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dic
     lists (capture_tokens: up to a million per call) never become Python objects in the driver."""
     calls = batch.column("model_calls").flatten()
     return pa.StructArray.from_arrays([calls.field(n) for n in names], names=list(names)).to_pylist()
+
+
+class _NoPandas:
+    """An import finder that refuses pandas: pyarrow imports it, when it is installed, at its first
+    conversion of Python values (0.2-0.4 s of CPU, before a process's first row), and nothing a driver or
+    a worker does needs it. (A None in sys.modules would not do: pyarrow's compiled import takes the None
+    for the module.)"""
+
+    @staticmethod
+    def find_spec(name: str, path: object = None, target: object = None) -> None:
+        if name.partition(".")[0] == "pandas":
+            raise ModuleNotFoundError(f"{name}: not imported by rollout's driver or workers", name=name)
+        return None
+
+
+def refuse_pandas() -> None:
+    """Keep pandas out of this process, where it is ours alone: the ``rollout`` command's, a worker
+    actor's (Ray gives an actor a process of its own). Not a library user's, whose code may want it."""
+    if "pandas" not in sys.modules and not any(isinstance(f, _NoPandas) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NoPandas())
 
 
 def warm_up() -> None:

@@ -23,7 +23,7 @@ import ray
 
 from executor.config import RunConfig
 from executor.reaper import new_evidence_scratch, reap_quietly
-from executor.schema import batch_to_wire, rows_to_batch, warm_up
+from executor.schema import batch_to_wire, refuse_pandas, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, locate
 from executor.tasks import Task
@@ -50,6 +50,7 @@ class SandboxWorker:
     """Thin host around ``run_session``; everything with state lives in the session's objects."""
 
     def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
+        refuse_pandas()  # the actor's process is its own: pyarrow's first conversion, 0.2 s lighter
         self._bind(config_json, run_dir)
         self.worker_id = f"w{worker_index}-{os.getpid()}"
         self._ctx: SessionContext | None = None

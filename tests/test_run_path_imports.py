@@ -59,9 +59,9 @@ _DRIVER = """
 import json, sys
 sys.argv = ["rollout"]
 import executor.cli
-executor.cli.sys.meta_path.insert(0, executor.cli._NoPandas())
 import executor.driver
-from executor.schema import rows_to_batch, warm_up
+from executor.schema import refuse_pandas, rows_to_batch, warm_up
+refuse_pandas()
 warm_up()
 rows_to_batch([{}]).to_pylist()
 unwanted = ("aiohttp", "httpx", "pandas", "harnesses.gateway.server")
@@ -76,3 +76,24 @@ def test_a_driver_imports_neither_the_gateway_server_nor_pandas_nor_httpx() -> N
         [sys.executable, "-c", _DRIVER], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+# A worker actor's process, as Ray's worker entry point leaves it before the actor is constructed: Ray
+# and the actor's module imported; then the actor's constructor and its warm-up (the first session's).
+_WORKER = """
+import json, sys
+import executor.worker
+from executor.config import RunConfig
+from executor.schema import warm_up
+executor.worker.SandboxWorker(RunConfig(tasks="t.jsonl").model_dump_json(), "/nonexistent/run", 0)
+warm_up()
+print(json.dumps("pandas" in sys.modules))
+"""
+
+
+def test_a_worker_does_not_import_pandas() -> None:
+    """pyarrow's first conversion in a worker imported pandas, 0.2 s before its first session's row."""
+    out = subprocess.run(
+        [sys.executable, "-c", _WORKER], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) is False
