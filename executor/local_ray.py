@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,7 +49,11 @@ _PROMPT_CONNECTS = {
 }
 # How often the driver asks the GCS whether its node's raylet has registered (Ray asks every 1 s).
 _NODE_POLL_S = 0.02
-_RAYLET_START_S = 30.0  # Ray's own bound for it (raylet_start_wait_time_s)
+_RAYLET_START_S = 30.0
+# The dashboard process serves nothing a cluster of ours uses; it must not starve (Ray gives it 60 s).
+_DASHBOARD_NICE = 10
+# Ray's bound on the dashboard's start (RAY_DASHBOARD_STARTUP_TIMEOUT_S, 60 s), and some.
+_DASHBOARD_START_S = 90.0  # Ray's own bound for it (raylet_start_wait_time_s)
 
 
 @contextlib.contextmanager
@@ -97,17 +102,17 @@ def _lean_node() -> Iterator[None]:
       dashboard's packages runs them: no metrics, HTTP or gRPC servers, nothing imported for them. The
       node registers only once its agent is up, so the agent's start is on ``ray.init``'s path. Jobs
       and the state API go through these servers; a cluster of a run's own serves neither;
-    - the dashboard process starts beside the raylet, not before it: ``ray.init`` waited for it to
-      come up (~1 s of imports) before it started the raylet, which needs nothing of it. It is waited
-      for before the driver connects (the process must be known to the node for its shutdown);
+    - the dashboard process starts beside the raylet, not before it, and at a lower priority (nice
+      ``_DASHBOARD_NICE``): ``ray.init`` waited for it to come up (~1 s of imports) before it started
+      the raylet, which needs nothing of it, and its imports took the CPUs from the node's agents, which
+      the raylet's registration waits for, and from the first worker actor's. Nothing of ours waits for
+      it but the cluster's shutdown, which must know its process to stop it (``_DashboardBeside``);
     - the driver learns of its raylet's registration within 20 ms (``_registered_soon``), not within
       Ray's 1 s poll: half a second of every start on average.
 
     The monitor and the log monitor are each a Python process importing on the CPUs the node's agents
     and the first worker actor start on. Where Ray's private modules moved, ray.init starts its default
     node."""
-    import threading
-
     private = getattr(ray, "_private", None)
     params = getattr(private, "parameter", None)
     base = getattr(params, "RayParams", None)
@@ -121,6 +126,7 @@ def _lean_node() -> Iterator[None]:
             (utils, "get_dashboard_dependency_error"),
             (node, "start_api_server"),
             (worker, "connect"),
+            (worker, "disconnect"),
             (services, "get_node"),
             (services, "_get_gcs_client_options"),
         )
@@ -141,29 +147,11 @@ def _lean_node() -> Iterator[None]:
         worker.connect,
         services.get_node,
     )
-    started: list[threading.Thread] = []
-    failed: list[BaseException] = []
+    dashboard = _DashboardBeside(start_api_server, worker)
 
-    def join_api_server() -> None:
-        for thread in started:
-            thread.join()  # bounded: Ray gives the dashboard RAY_DASHBOARD_STARTUP_TIMEOUT_S (60 s)
-        started.clear()
-
-    def api_server_beside(self: Any, **kwargs: Any) -> None:
-        def start() -> None:
-            try:
-                start_api_server(self, **kwargs)
-            except BaseException as exc:  # re-raised in ray.init's thread, by join_api_server
-                failed.append(exc)
-
-        thread = threading.Thread(target=start, name="rollout-ray-dashboard", daemon=True)
-        thread.start()
-        started.append(thread)
-
-    def connect_after_api_server(*args: Any, **kwargs: Any) -> Any:
-        join_api_server()
-        if failed:
-            raise failed.pop()
+    def connect_unless_failed(*args: Any, **kwargs: Any) -> Any:
+        if dashboard.failed:
+            raise dashboard.failed.pop()
         return connect(*args, **kwargs)
 
     def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
@@ -172,18 +160,69 @@ def _lean_node() -> Iterator[None]:
 
     params.RayParams = LeanParams
     utils.get_dashboard_dependency_error = lambda: ImportError("a local cluster of rollout's own")
-    node.start_api_server = api_server_beside
-    worker.connect = connect_after_api_server
+    node.start_api_server = lambda self, **kwargs: dashboard.start(self, **kwargs)
+    worker.connect = connect_unless_failed
     services.get_node = get_node_once_registered
     try:
         yield
+    except BaseException:
+        dashboard.wait_started()  # a ray.init that failed leaves no start of it under way
+        raise
     finally:
         params.RayParams = base
         utils.get_dashboard_dependency_error = dependency_error
         node.start_api_server = start_api_server
         worker.connect = connect
         services.get_node = get_node
-        join_api_server()  # a ray.init that failed before connecting leaves no thread behind
+
+
+class _DashboardBeside:
+    """The dashboard process of a node of ours, started beside its raylet by a thread of its own.
+
+    Before the driver disconnects (the first step of ``ray.shutdown()``, whoever calls it, at exit too),
+    the start is waited for: it polls the GCS through the driver's client, which the disconnect drops,
+    and only once it is done is the process known to the node, and so stopped with the rest. The thread
+    then lives as long as the process: Ray fate-shares the processes it starts with what started them
+    (``PR_SET_PDEATHSIG``), which the kernel reads as the thread, so the dashboard ended with it."""
+
+    def __init__(self, start_api_server: Any, worker: Any) -> None:
+        self._start_api_server = start_api_server
+        self._worker = worker
+        self._done = threading.Event()
+        self.failed: list[BaseException] = []
+
+    def start(self, node: Any, **kwargs: Any) -> None:
+        """In place of ``Node.start_api_server``: returns at once."""
+        threading.Thread(
+            target=self._run, args=(node, kwargs), name="rollout-ray-dashboard", daemon=True
+        ).start()
+        disconnect = self._worker.disconnect
+
+        def disconnect_once_started(*args: Any, **kwargs: Any) -> Any:
+            self.wait_started()
+            if self._worker.disconnect is disconnect_once_started:
+                self._worker.disconnect = disconnect
+            return disconnect(*args, **kwargs)
+
+        self._worker.disconnect = disconnect_once_started
+
+    def wait_started(self) -> None:
+        self._done.wait(_DASHBOARD_START_S)
+
+    def _run(self, node: Any, kwargs: dict[str, Any]) -> None:
+        # Per thread on Linux, and inherited by the process this thread starts.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _DASHBOARD_NICE)
+        try:
+            self._start_api_server(node, **kwargs)
+        except BaseException as exc:  # re-raised in ray.init's thread if it is still there
+            self.failed.append(exc)
+        finally:
+            self._done.set()
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        key = getattr(constants, "PROCESS_TYPE_DASHBOARD", "dashboard")
+        for info in node.all_processes.get(key, ()):
+            info.process.wait()  # bounded by the node's life: its shutdown stops the process
 
 
 def _registered_soon(gcs_options: Any, node_id: str) -> None:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sandboxes.testing.leaks import ended
+
 REPO = Path(__file__).parents[1]
 
 # Starts the cluster as `rollout run` does, then reports the GCS address and every TCP port in LISTEN
@@ -118,3 +120,59 @@ def test_a_driver_attaches_to_a_loopback_cluster_of_ours() -> None:
         if holder.stdin:
             holder.stdin.close()
         holder.wait(timeout=120)
+
+
+# The dashboard process of a cluster of ours, which Ray fate-shares with the thread that starts it: it
+# must outlive that thread's start of it, and be stopped with the cluster, also when the cluster is
+# stopped while the dashboard is still starting (its start is waited for before the driver disconnects).
+DASHBOARD = r"""
+import json, os, sys, time
+import ray
+from executor.driver import stop_own_ray
+from executor.local_ray import start_local_ray
+from sandboxes import proctree
+
+def tree():
+    return sorted(proctree.descendants(proctree.snapshot(), os.getpid()))
+
+def dashboards(pids):
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"dashboard/dashboard.py" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+report = {}
+start_local_ray()
+report["at_once"] = tree()
+stop_own_ray([])  # at once: the dashboard is still importing
+
+start_local_ray()
+node = ray._private.worker._global_node
+deadline = time.monotonic() + 120
+while "dashboard" not in node.all_processes and time.monotonic() < deadline:
+    time.sleep(0.05)  # bounded: Ray's own start of the dashboard gives up after 60 s
+assert ray.get(ray.remote(lambda: os.getpid()).remote(), timeout=120)  # a worker's start: long after
+report["running"] = tree()
+report["dashboards_running"] = dashboards(report["running"])
+stop_own_ray([])
+print(json.dumps(report))
+"""
+
+
+def test_the_dashboard_lives_with_the_cluster_and_is_stopped_with_it() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", DASHBOARD], capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=_user_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A stop during the dashboard's start used to cut its poll of the GCS short (Ray logged the error).
+    assert "internal_kv_get" not in proc.stderr and "Failed to start" not in proc.stderr, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["dashboards_running"]) == 1  # alive long after the thread that started it was done
+    for pid in report["at_once"] + report["running"]:
+        assert ended(pid, 60), f"process {pid} of a stopped cluster still runs"
