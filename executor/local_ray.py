@@ -49,11 +49,11 @@ _PROMPT_CONNECTS = {
 }
 # How often the driver asks the GCS whether its node's raylet has registered (Ray asks every 1 s).
 _NODE_POLL_S = 0.02
-_RAYLET_START_S = 30.0
+_RAYLET_START_S = 30.0  # Ray's own bound for it (raylet_start_wait_time_s)
 # The dashboard process serves nothing a cluster of ours uses; it must not starve (Ray gives it 60 s).
 _DASHBOARD_NICE = 10
 # Ray's bound on the dashboard's start (RAY_DASHBOARD_STARTUP_TIMEOUT_S, 60 s), and some.
-_DASHBOARD_START_S = 90.0  # Ray's own bound for it (raylet_start_wait_time_s)
+_DASHBOARD_START_S = 90.0
 
 
 @contextlib.contextmanager
