@@ -318,6 +318,8 @@ class LocalSandboxProvider:
             self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
             if self.max_processes:
                 sandbox.pids_cgroup = pidlimit.make(sandbox._marker_token, self.max_processes)
+                if sandbox.pids_cgroup:  # else each command's init moves itself: slower, as capped
+                    pidlimit.adopt(sandbox.pids_cgroup, server.pid)
             sandbox._write_descriptor(create=True)
 
         # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on

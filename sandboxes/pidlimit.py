@@ -2,8 +2,11 @@
 
 A fork bomb in one sandbox must not take the pids of the host, nor those of the other sandboxes; all of
 them run as one sandbox user, so a per-user limit (RLIMIT_NPROC) would let one sandbox starve the rest.
-Each sandbox gets ``<pids hierarchy>/rollout-executor/<marker>`` with ``pids.max`` set, and each of its
-commands' inits moves itself there before starting the command (sandboxes/supervisor.py). Needs root and
+Each sandbox gets ``<pids hierarchy>/rollout-executor/<marker>`` with ``pids.max`` set, and its supervisor
+server moves there once (``adopt``), so that every command's init is born there; an init that is not
+(the server could not be moved, or a sweep removed the group) moves itself there before starting the
+command (``join``, sandboxes/supervisor.py). A move costs the kernel an RCU grace period, ~10 ms of
+the command's start with cgroup v1, three times a session; a birth in the group costs nothing. Needs root and
 a pids controller (cgroup v1's ``pids`` hierarchy, or v2 with ``pids`` enabled at the root); without
 them a sandbox has no such cap, which ``unavailable`` says.
 """
@@ -104,7 +107,8 @@ def remove(procs_path: str | None, wait_s: float = 0.0) -> bool:
 
 def sweep() -> None:
     """Remove the empty cgroups under ours: those of sandboxes whose owners died, and of live sandboxes
-    between commands (each command's init makes its sandbox's again: ``join``)."""
+    whose server could not be moved in, between commands (each command's init makes its sandbox's
+    again: ``join``)."""
     parent = _parent()
     if parent is None:
         return
@@ -115,6 +119,31 @@ def sweep() -> None:
                 os.rmdir(group)
             except OSError:
                 pass
+
+
+def adopt(procs_path: str, pid: int) -> bool:
+    """Move process ``pid`` (a sandbox's supervisor server) into the cgroup whose ``cgroup.procs`` is
+    ``procs_path``: what it starts from then on is born there. False where it cannot be moved."""
+    try:
+        with open(procs_path, "w") as procs:
+            procs.write(str(pid))
+    except OSError:
+        return False
+    return True
+
+
+def member(procs_path: str) -> bool:
+    """Whether the calling process is in the cgroup whose ``cgroup.procs`` is ``procs_path`` already."""
+    group = os.path.dirname(procs_path)
+    for root, controllers in ((_V1, "pids"), (_V2, "")):
+        if group.startswith(root + "/"):
+            wanted = group[len(root) :]
+            for line in _read("/proc/self/cgroup").splitlines():
+                _id, listed, path = line.split(":", 2)
+                if path == wanted and (controllers in listed.split(",") if controllers else not listed):
+                    return True
+            return False
+    return False
 
 
 def join(procs_path: str, limit: int) -> None:

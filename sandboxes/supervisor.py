@@ -166,7 +166,8 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     if p.get("cgroup_procs"):  # the sandbox's process cap (sandboxes/pidlimit.py), before /sys is read-only
         import pidlimit
 
-        pidlimit.join(p["cgroup_procs"], int(p["pids_max"]))
+        if not pidlimit.member(p["cgroup_procs"]):  # born there, from the server it adopted: no move
+            pidlimit.join(p["cgroup_procs"], int(p["pids_max"]))
     flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
     if flags:
         proctree.libc_call("unshare", flags)
