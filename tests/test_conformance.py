@@ -137,6 +137,34 @@ def test_a_check_reason_is_bounded_and_a_raising_check_fails_its_cell():
     assert check_cell(scenario, [], _ctx())[0].reason == "the session produced no row"
 
 
+def test_agent_hang_counts_a_call_the_model_sat_on_not_one_the_deadline_cut():
+    """agent_hang's time must be the agent's: a request the model left unanswered fails the cell, one the
+    harness sent as its deadline fell (and left as it was stopped) does not."""
+    import datetime
+
+    scenario = SCENARIOS_BY_NAME["agent_hang"]
+    start = datetime.datetime(2026, 12, 2, tzinfo=datetime.UTC)
+
+    def agent_time(*calls: tuple[float, str]) -> bool:
+        at0 = start.timestamp()
+        row = {
+            "started_at": start,
+            "t_setup_s": 0.5,
+            "t_agent_s": 8.05,
+            "timed_out": True,
+            "model_calls": [
+                {"started_at": at0 + at, "status": 200 if kind == "none" else None, "kind": kind}
+                for at, kind in calls
+            ],
+        }
+        return {r.name: r for r in check_cell(scenario, [row], _ctx())}["agent_time"].passed
+
+    assert agent_time((1.0, "none"), (8.6, "transport_error"))  # sent as the deadline (8.5 s) fell
+    assert agent_time((1.0, "none"), (8.2, "transport_error"))  # in its last second
+    assert not agent_time((1.0, "none"), (3.0, "transport_error"))  # the model sat on it for 5 s
+    assert not agent_time((1.0, "model_timeout"))
+
+
 def test_targets_and_scenarios_from_the_command_line():
     assert parse_targets("codex", []) == [Target("codex")]
     assert parse_targets("codex", ["0.144.4"]) == [Target("codex", "0.144.4")]

@@ -57,6 +57,9 @@ BASE_CONFIG: dict[str, Any] = {
 # start-up, kill rounds, the parse of what the harness left).
 HANG_DEADLINE_S = 8.0
 HANG_SLACK_S = 8.0
+# agent_hang: a request unanswered when the harness was stopped counts against the model unless it was
+# sent within this long before the stop (or after it): cut by the stop, not left waiting by the model.
+KILL_WINDOW_S = 1.0
 
 # A plain 400 that is no context overflow and holds none of the words that make a harness retry
 # (reference/harnesses.md section 9).
@@ -282,7 +285,19 @@ def _hang_bounded(rows: Rows, ctx: CheckContext) -> str | None:
 
 
 def _agent_spent_the_time(rows: Rows, ctx: CheckContext) -> str | None:
-    waiting = [a for a in _attempts(rows[-1]) if a["kind"] != FailureKind.NONE.value]
+    row = rows[-1]
+    started = row.get("started_at")
+    start_s = started.timestamp() if hasattr(started, "timestamp") else float(started or 0.0)
+    # The deadline cannot fall before this; the model answers within milliseconds here.
+    killed_at = start_s + float(row.get("t_setup_s") or 0.0) + HANG_DEADLINE_S
+
+    def cut_by_the_kill(a: dict[str, Any]) -> bool:
+        # Sent in the last second before the harness was stopped, or as it was being stopped (a harness
+        # may answer the end of its killed tool with one more request), and left by the harness as it
+        # ended: not a call the model sat on.
+        return float(a.get("started_at") or 0.0) >= killed_at - KILL_WINDOW_S
+
+    waiting = [a for a in _attempts(row) if a["kind"] != FailureKind.NONE.value and not cut_by_the_kill(a)]
     if waiting:
         return f"model calls that did not answer: {[(a['status'], a['kind']) for a in waiting]}"
     return _hang_bounded(rows, ctx)
