@@ -15,6 +15,8 @@ import ray
 
 from executor.cluster import LOCAL
 
+log = logging.getLogger(__name__)
+
 
 def start_local_ray() -> str:
     """Start a local cluster of this process's own; its GCS address."""
@@ -125,7 +127,6 @@ def _lean_node() -> Iterator[None]:
         for pair in (
             (utils, "get_dashboard_dependency_error"),
             (node, "start_api_server"),
-            (worker, "connect"),
             (worker, "disconnect"),
             (services, "get_node"),
             (services, "_get_gcs_client_options"),
@@ -141,18 +142,12 @@ def _lean_node() -> Iterator[None]:
             kwargs.setdefault("include_log_monitor", False)
             super().__init__(*args, **kwargs)
 
-    dependency_error, start_api_server, connect, get_node = (
+    dependency_error, start_api_server, get_node = (
         utils.get_dashboard_dependency_error,
         node.start_api_server,
-        worker.connect,
         services.get_node,
     )
     dashboard = _DashboardBeside(start_api_server, worker)
-
-    def connect_unless_failed(*args: Any, **kwargs: Any) -> Any:
-        if dashboard.failed:
-            raise dashboard.failed.pop()
-        return connect(*args, **kwargs)
 
     def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
         _registered_soon(services._get_gcs_client_options(gcs_address), node_id)
@@ -161,7 +156,6 @@ def _lean_node() -> Iterator[None]:
     params.RayParams = LeanParams
     utils.get_dashboard_dependency_error = lambda: ImportError("a local cluster of rollout's own")
     node.start_api_server = lambda self, **kwargs: dashboard.start(self, **kwargs)
-    worker.connect = connect_unless_failed
     services.get_node = get_node_once_registered
     try:
         yield
@@ -172,7 +166,6 @@ def _lean_node() -> Iterator[None]:
         params.RayParams = base
         utils.get_dashboard_dependency_error = dependency_error
         node.start_api_server = start_api_server
-        worker.connect = connect
         services.get_node = get_node
 
 
@@ -189,7 +182,6 @@ class _DashboardBeside:
         self._start_api_server = start_api_server
         self._worker = worker
         self._done = threading.Event()
-        self.failed: list[BaseException] = []
 
     def start(self, node: Any, **kwargs: Any) -> None:
         """In place of ``Node.start_api_server``: returns at once."""
@@ -215,8 +207,8 @@ class _DashboardBeside:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _DASHBOARD_NICE)
         try:
             self._start_api_server(node, **kwargs)
-        except BaseException as exc:  # re-raised in ray.init's thread if it is still there
-            self.failed.append(exc)
+        except Exception as exc:  # as Ray's own failure to start it (raise_on_failure false): said, not fatal
+            log.warning("the Ray dashboard process did not start: %s", str(exc)[:500])
         finally:
             self._done.set()
         constants = getattr(getattr(ray, "_private", None), "ray_constants", None)

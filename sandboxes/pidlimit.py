@@ -13,6 +13,7 @@ them a sandbox has no such cap, which ``unavailable`` says.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -121,15 +122,12 @@ def sweep() -> None:
                 pass
 
 
-def adopt(procs_path: str, pid: int) -> bool:
+def adopt(procs_path: str, pid: int) -> None:
     """Move process ``pid`` (a sandbox's supervisor server) into the cgroup whose ``cgroup.procs`` is
-    ``procs_path``: what it starts from then on is born there. False where it cannot be moved."""
-    try:
-        with open(procs_path, "w") as procs:
-            procs.write(str(pid))
-    except OSError:
-        return False
-    return True
+    ``procs_path``: what it starts from then on is born there. Where it cannot be moved, each command's
+    init joins the group itself (``join``)."""
+    with contextlib.suppress(OSError), open(procs_path, "w") as procs:
+        procs.write(str(pid))
 
 
 def member(procs_path: str) -> bool:
