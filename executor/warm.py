@@ -170,9 +170,6 @@ def _idle(lease_fd: int, lease_path: Path, idle_timeout_s: float) -> bool:
 
 def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     """Hold a local cluster until ``down`` (SIGTERM) or ``idle_timeout_s`` without a run."""
-    from executor.driver import stop_own_ray
-    from executor.local_ray import start_local_ray
-
     directory = warm_dir()
     daemon_fd = _open_lock(directory / DAEMON_LOCK)
     try:
@@ -183,6 +180,11 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     lease_path = directory / LEASE_LOCK
     lease_fd = _open_lock(lease_path)
     os.utime(lease_path)  # idle from now
+    # Its imports overlap the cluster's start.
+    drivers = _DriverServer(directory)
+    from executor.driver import stop_own_ray
+    from executor.local_ray import start_local_ray
+
     gcs = start_local_ray()
     stop = threading.Event()
     # After ray.init, which sets a SIGTERM handler of its own that exits at once.
@@ -194,6 +196,7 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     tmp = directory / (RECORD + ".tmp")
     tmp.write_text(json.dumps(asdict(record)), encoding="utf-8")
     os.replace(tmp, directory / RECORD)
+    drivers.wait_ready()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
@@ -204,14 +207,70 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
         if _idle(lease_fd, lease_path, idle_timeout_s):
             reason = f"idle for {idle_timeout_s:.0f} s"
             break
+        drivers.keep_up()
     else:
         # `down`: a run still attached finishes first (its sessions are bounded by their deadlines).
         fcntl.flock(lease_fd, fcntl.LOCK_EX)
     # Under the lease: no run can attach while the cluster goes.
     (directory / RECORD).unlink(missing_ok=True)
     log.warning("warm executor stopping: %s", reason)
+    drivers.stop()
     stop_own_ray(named_workers())
     return 0
+
+
+class _DriverServer:
+    """The warm executor's pre-imported driver (executor/driver_server.py): started with it, started
+    again when it stopped (its imports went stale), stopped with it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        # As `rollout up` was given it: Ray adds variables to this process's once it starts.
+        self.env = dict(os.environ)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready_r: int | None = None
+        self._start()
+
+    def _start(self) -> None:
+        from executor.driver_server import SOCKET
+
+        ready_r, ready_w = os.pipe()
+        with open(self.directory / LOG, "ab") as logfile:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "executor.driver_server", str(self.directory / SOCKET), str(ready_w)],
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=logfile,
+                pass_fds=(ready_w,),
+                cwd=Path(__file__).parents[1],
+                env=self.env,
+            )
+        os.close(ready_w)
+        self.ready_r = ready_r
+
+    def wait_ready(self, timeout_s: float = UP_TIMEOUT_S / 2) -> None:
+        """Until it listens: a run right after `up` finds it. Without it runs still attach, slower."""
+        if self.ready_r is None:
+            return
+        try:
+            readable, _, _ = select.select([self.ready_r], [], [], timeout_s)
+            if not (readable and os.read(self.ready_r, 16)):
+                log.warning("the pre-imported driver did not start; runs import their own (%s)", LOG)
+        finally:
+            os.close(self.ready_r)
+            self.ready_r = None
+
+    def keep_up(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            log.warning("the pre-imported driver exited (%s); starting a fresh one", self.proc.returncode)
+            self._start()
+            self.wait_ready()
+
+    def stop(self) -> None:
+        """It stops taking runs at once, and exits once the runs it started (none attached to this
+        executor: the lease is held) have ended."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
 
 
 def up(
@@ -294,7 +353,7 @@ def _tail(path: Path, limit: int = 300) -> str:
 # Workers, from an attached driver
 
 
-def _code_fingerprint() -> str:
+def code_fingerprint() -> str:
     """Our modules' paths, sizes and mtimes: an edited checkout must not run in workers of the old code."""
     root = Path(__file__).parents[1]
     digest = hashlib.sha256()
@@ -314,7 +373,7 @@ def worker_key(cfg: RunConfig) -> str:
         built_once(cfg),
         concurrency.sessions_per_worker,
         concurrency.worker_resources,
-        _code_fingerprint(),
+        code_fingerprint(),
     ]
     return hashlib.sha256(json.dumps(built, sort_keys=True).encode()).hexdigest()[:16]
 

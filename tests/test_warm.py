@@ -4,7 +4,9 @@ nothing left running. How fast an attached run is, is `rollout bench --parts e`'
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +180,137 @@ def test_bad_input_to_up_is_one_line(tmp_path, env):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "missing.yaml" in proc.stderr
     assert warm.live_record(tmp_path / "warm") is None
+
+
+def _command(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``rollout`` command as a user's shell runs it: the entry point that hands a run over."""
+    argv = [sys.executable, "-m", "executor", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
+def _served(log: Path, config: Path) -> list[str]:
+    """The server's lines about the runs of ``config`` it forked a driver for, and how they exited."""
+    lines = log.read_text().splitlines()
+    pids = [ln.rsplit(" ", 1)[1] for ln in lines if "serving `rollout run" in ln and str(config) in ln]
+    return [ln for ln in lines if any(re.search(rf"pid {p}\b", ln) for p in pids)]
+
+
+def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_process(tmp_path, env):
+    from executor.driver_server import SOCKET
+
+    assert _command(env, "up", "--idle-timeout", "600").returncode == 0
+    log = tmp_path / "warm" / warm.LOG
+    assert (tmp_path / "warm" / SOCKET).exists()
+    assert oct((tmp_path / "warm" / SOCKET).stat().st_mode & 0o777) == "0o600"
+
+    # Served: the command's output, exit code and rows are the run's own.
+    config = _config(tmp_path, "handed", 2).rename(tmp_path / "handed.yaml")
+    proc = _command(env, "run", str(config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows: 2  final: 2" in proc.stdout
+    assert read_table(tmp_path / "out" / "handed", ["reward"]).to_pydict()["reward"] == [1.0, 1.0]
+    served = _served(log, config)
+    assert len(served) == 2 and served[1].endswith("exited 0"), log.read_text()[-2000:]
+
+    # Bad input: its one line on the command's stderr, its exit code the command's.
+    missing = tmp_path / "missing.yaml"
+    bad = _command(env, "run", str(missing))
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1 and "missing.yaml" in bad.stderr
+    assert _served(log, missing)[-1].endswith("exited 2")
+
+    # An environment its imports did not see: refused, and the command runs the run itself.
+    other = _config(tmp_path, "other-env", 2).rename(tmp_path / "other-env.yaml")
+    proc = _command({**env, "RAY_DEDUP_LOGS": "0"}, "run", str(other))
+    assert proc.returncode == 0 and "rows: 2  final: 2" in proc.stdout, proc.stderr[-3000:]
+    assert _served(log, other) == []
+    assert "refused a run: the environment differs where modules read it at import: ['RAY_DEDUP_LOGS']" in (
+        log.read_text()
+    )
+
+    # Ctrl-C reaches the driver: it stops as a run in its own process does, its rows kept.
+    hang = tmp_path / "hang.jsonl"
+    hang.write_text(json.dumps({"id": "slow", "prompt": "p", "deadline_s": 300, "model_script": [HANG]}))
+    interrupted = tmp_path / "interrupted.yaml"
+    interrupted.write_text(
+        f"tasks: {hang}\nout: {tmp_path / 'out'}\nrun_id: interrupted\n"
+        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+    )
+    assert _signalled(env, interrupted, signal.SIGINT) == 1
+    summary = json.loads((tmp_path / "out" / "interrupted" / "summary.json").read_text())
+    assert summary["stopped"] == "interrupted" and summary["pending"] == 1
+    assert _served(log, interrupted)[-1].endswith("exited 1")
+
+    # A command killed outright: its driver is interrupted as by a Ctrl-C, and stops as cleanly.
+    (tmp_path / "out" / "interrupted" / "summary.json").unlink()
+    assert _signalled(env, interrupted, signal.SIGKILL) == -signal.SIGKILL
+    assert _waited(lambda: _served(log, interrupted)[-1].endswith("exited 1"), 120), log.read_text()[-2000:]
+    assert "went; interrupted it" in _served(log, interrupted)[-2]
+    summary = json.loads((tmp_path / "out" / "interrupted" / "summary.json").read_text())
+    assert summary["stopped"] == "interrupted" and summary["pending"] == 1
+
+    # Source edited since the server's imports: refused, the run made in its own process, and a fresh
+    # server (the executor starts one) serves the next.
+    edited = REPO / "executor" / "phases.py"
+    times = edited.stat()
+    os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns + 1_000_000_000))
+    try:
+        stale = _config(tmp_path, "stale", 1).rename(tmp_path / "stale.yaml")
+        proc = _command(env, "run", str(stale))
+    finally:
+        os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
+    assert _served(log, stale) == [] and "refused a run: source files changed" in log.read_text()
+    restarted = "starting a fresh one"
+    assert _waited(lambda: restarted in log.read_text() and (tmp_path / "warm" / SOCKET).exists(), 60)
+    fresh = _config(tmp_path, "fresh", 1).rename(tmp_path / "fresh.yaml")
+    assert _command(env, "run", str(fresh)).returncode == 0
+    assert _served(log, fresh)[-1].endswith("exited 0")
+
+    down = _command(env, "down")
+    assert down.returncode == 0
+    assert _gone(str(tmp_path / "warm")) == []  # the server, and every driver it forked
+    assert not (tmp_path / "warm" / SOCKET).exists()
+    assert processes_under(str(tmp_path / "sandboxes")) == []
+
+
+HANG = {"type": "hang", "max_s": 600}
+
+
+def _note_progress(command: subprocess.Popen[str], seen: threading.Event) -> None:
+    assert command.stderr is not None
+    for line in command.stderr:
+        if '"event": "progress"' in line and '"in_flight": 1' in line:
+            seen.set()
+
+
+def _signalled(env: dict[str, str], config: Path, signum: int) -> int:
+    """Start `rollout run CONFIG`, send it ``signum`` once its driver's loop is going; its exit code."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "executor", "run", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,  # where progress goes
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    progress = threading.Event()
+    reader = threading.Thread(target=_note_progress, args=(command, progress), daemon=True)
+    reader.start()
+    try:
+        assert progress.wait(120), "no progress line within the bound"
+        command.send_signal(signum)
+        return command.wait(timeout=180)
+    finally:
+        if command.poll() is None:
+            command.kill()
+        reader.join(timeout=30)
+
+
+def _waited(condition: Callable[[], bool], bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)  # waiting for a condition, bounded; not synchronisation by sleeping
+    return True

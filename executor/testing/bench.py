@@ -518,7 +518,7 @@ def _one_run(config: Path, run_id: str, sandboxes: Path, env: dict[str, str]) ->
     from executor.store import read_table
     from sandboxes.testing.leaks import processes_under
 
-    argv = [sys.executable, "-m", "executor.cli", "run", str(config), "--run-id", run_id]
+    argv = [sys.executable, "-m", "executor", "run", str(config), "--run-id", run_id]
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawned = time.monotonic()
     proc = subprocess.run(
@@ -544,7 +544,7 @@ def _one_run(config: Path, run_id: str, sandboxes: Path, env: dict[str, str]) ->
 
 
 def _rollout(env: dict[str, str], *args: str) -> None:
-    argv = [sys.executable, "-m", "executor.cli", *args]
+    argv = [sys.executable, "-m", "executor", *args]
     proc = subprocess.run(
         argv, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2], env=env
     )
