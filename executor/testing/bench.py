@@ -602,19 +602,25 @@ def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> di
     }
 
 
+# A run handed to the warm executor's pre-imported driver (executor/driver_server.py) is a child of that
+# server, not of the command: its CPU is not the command's.
+WARM_CPU_NOTE = "; its driver, forked by the warm executor, not counted"
+
+
 def _phase_line(e: dict[str, Any]) -> str:
     # In the order they fell: phases that run side by side (the harness check, Ray's start) may swap.
     left = max(m.get("left_sandbox_processes", 0) for m in (e["median_s"], e["warm_median_s"]))
 
-    def marks(medians: dict[str, float]) -> str:
+    def marks(medians: dict[str, float], whose: str = "") -> str:
         order = sorted((n for n in PHASES if n in medians), key=medians.__getitem__)
-        cpu = f" (the command's CPU {medians['cpu_s']:.2f} s)" if "cpu_s" in medians else ""
+        cpu = f" (the command's CPU {medians['cpu_s']:.2f} s{whose})" if "cpu_s" in medians else ""
         return ", ".join(f"{n} {medians[n]:.2f}" for n in order) + cpu
 
     return (
         f"(e) fixed costs, {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
         f"concurrency {e['concurrency']}, each in a fresh process; median seconds after the spawn: "
-        f"cold {marks(e['median_s'])}; attached to a warm executor {marks(e['warm_median_s'])}; "
+        f"cold {marks(e['median_s'])}; attached to a warm executor "
+        f"{marks(e['warm_median_s'], WARM_CPU_NOTE)}; "
         f"the same rollouts by hand {e['by_hand_median_s']:.2f} s; sandbox processes left "
         f"{left:.0f}"
     )
@@ -770,7 +776,8 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             for n in order
         ]
         if "cpu_s" in cold and "cpu_s" in warm:
-            lines.append(f"| the command's CPU (s) | {cold['cpu_s']:.2f} | {warm['cpu_s']:.2f} |")
+            warm_cpu = f"{warm['cpu_s']:.2f}{WARM_CPU_NOTE}"
+            lines.append(f"| the command's CPU (s) | {cold['cpu_s']:.2f} | {warm_cpu} |")
     return "\n".join(lines)
 
 
