@@ -28,11 +28,9 @@ import signal
 import socket
 import struct
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SOCKET = "driver.sock"
 # Variables a module reads when it is imported (Python itself, Ray, gRPC, Arrow, the locale, typer's and
 # rich's switches): the server's imports saw its own, so a request whose values differ is refused.
 IMPORT_TIME_ENV = (
@@ -95,13 +93,9 @@ DISABLE_ENV = "ROLLOUT_DRIVER_SERVER"  # "0": never hand a run over
 
 
 def socket_path() -> Path:
-    """The server's socket: in the warm directory (``$ROLLOUT_WARM_DIR``, else ``warm/`` in the cache
-    root), found without importing anything of ours but this module."""
-    configured = os.environ.get("ROLLOUT_WARM_DIR")
-    if configured:
-        return Path(configured).expanduser() / SOCKET
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "rollout-executor" / "warm" / SOCKET
+    from executor.warm_files import SOCKET, warm_dir
+
+    return warm_dir() / SOCKET
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,12 +199,11 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict[str, Any]:
 # The server's side
 
 
-@dataclass
 class Request:
-    args: list[str]
-    cwd: str
-    env: dict[str, str]
-    fds: list[int]
+    """A command's run, as the server read it; ``fds``: its stdin, stdout and stderr."""
+
+    def __init__(self, args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
+        self.args, self.cwd, self.env, self.fds = args, cwd, env, fds
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:

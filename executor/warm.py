@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from executor.tasks import InputError
+from executor.warm_files import DAEMON_LOCK, LEASE_LOCK, LOG, RECORD, SOCKET, warm_dir
 
 if TYPE_CHECKING:
     from executor.config import RunConfig
@@ -42,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollout-warm"
-RECORD = "executor.json"
-DAEMON_LOCK = "daemon.lock"
-LEASE_LOCK = "lease.lock"
-LOG = "daemon.log"
 DEFAULT_IDLE_TIMEOUT_S = 1800.0
 UP_TIMEOUT_S = 120.0
 LEASE_WAIT_S = 0.5  # the daemon's idle probe holds the lease for a moment: that is no attached run
@@ -64,16 +61,6 @@ class Record:
     idle_timeout_s: float
     started_at: float  # wall clock, for people
     node_id: str = ""  # the cluster's one node (hex); "" in a record written before it was kept
-
-
-def warm_dir() -> Path:
-    """``$ROLLOUT_WARM_DIR``, else ``warm/`` in the cache root (harnesses/install.py)."""
-    configured = os.environ.get("ROLLOUT_WARM_DIR")
-    if configured:
-        return Path(configured).expanduser()
-    from harnesses.install import default_cache_root
-
-    return default_cache_root() / "warm"
 
 
 def _open_lock(path: Path) -> int:
@@ -232,8 +219,6 @@ class _DriverServer:
         self._start()
 
     def _start(self) -> None:
-        from executor.driver_server import SOCKET
-
         ready_r, ready_w = os.pipe()
         with open(self.directory / LOG, "ab") as logfile:
             self.proc = subprocess.Popen(

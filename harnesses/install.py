@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from harnesses.cache_root import default_cache_root as default_cache_root  # its home before
+
 MARKER_NAME = ".installed"
 OUTPUT_TAIL_CHARS = 2_000
 LOCK_POLL_S = 0.2
@@ -62,14 +64,6 @@ class InstallError(Exception):
         if not self.output_tail:
             return self.message
         return f"{self.message}\n--- installer output (tail) ---\n{self.output_tail}"
-
-
-def default_cache_root() -> Path:
-    """``$ROLLOUT_CACHE``, else ``~/.cache/rollout-executor``."""
-    configured = os.environ.get("ROLLOUT_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "rollout-executor"
 
 
 def _check(kind: str, value: str, pattern: re.Pattern[str]) -> None:

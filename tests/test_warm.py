@@ -196,7 +196,7 @@ def _served(log: Path, config: Path) -> list[str]:
 
 
 def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_process(tmp_path, env):
-    from executor.driver_server import SOCKET
+    from executor.warm_files import SOCKET
 
     assert _command(env, "up", "--idle-timeout", "600").returncode == 0
     log = tmp_path / "warm" / warm.LOG
