@@ -214,8 +214,9 @@ class _Server:
     """The accept loop. ``serve`` returns in a forked driver only, with its request; in the server it
     returns None once stopped and every driver it forked has ended."""
 
-    def __init__(self, listener: socket.socket, fingerprint: str, env: dict[str, str]) -> None:
+    def __init__(self, listener: socket.socket, path: Path, fingerprint: str, env: dict[str, str]) -> None:
         self.listener = listener
+        self.path, self.inode = path, path.stat().st_ino
         self.fingerprint = fingerprint
         self.env = env
         self.package = str(Path(__file__).parent)
@@ -233,9 +234,11 @@ class _Server:
         self.stopping = True
 
     def serve(self) -> Request | None:
-        while not (self.stopping and not self.drivers):
+        while True:
             if self.stopping and self.listener.fileno() >= 0:
-                self.listener.close()  # no new runs; the running ones are still reported
+                self.close()  # no new runs; the running ones are still reported
+            if self.stopping and not self.drivers:
+                return None
             watched: list[Any] = [self.wake_r, *self.drivers]
             watched += [conn for _pid, conn in self.drivers.values() if conn is not None]
             if self.listener.fileno() >= 0:
@@ -253,7 +256,14 @@ class _Server:
                         return request
                 elif item is not self.wake_r:
                     self._command_gone(item)
-        return None
+
+    def close(self) -> None:
+        """Stop listening: the socket goes at once (a command then makes its run itself), unless a
+        newer server's took its place."""
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            if self.path.stat().st_ino == self.inode:
+                self.path.unlink()
 
     def _accept(self) -> Request | None:
         try:
@@ -472,20 +482,19 @@ def main(argv: list[str]) -> int:
     old_umask = os.umask(0o177)
     try:
         listener.bind(str(staging))
+    except OSError as exc:  # a path past the 107 bytes a Unix socket's may have, say
+        _log(f"cannot listen on {str(staging)[:300]}: {exc.strerror or exc}")
+        return 1
     finally:
         os.umask(old_umask)
     listener.listen(16)
-    inode = staging.stat().st_ino
     os.replace(staging, path)  # over a killed server's: the warm executor holds the directory
+    server = _Server(listener, path, fingerprint, env)
     os.write(ready_fd, b"ready\n")
     os.close(ready_fd)
-    request = _Server(listener, fingerprint, env).serve()
+    request = server.serve()
     if request is not None:
         _run_as_command(request)  # the forked driver; the CLI ends it
-        return 0
-    with contextlib.suppress(OSError):
-        if path.stat().st_ino == inode:  # not a newer server's
-            path.unlink()
     return 0
 
 

@@ -216,6 +216,7 @@ class _DriverServer:
         self.env = dict(os.environ)
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_r: int | None = None
+        self.was_ready = False  # one that never listened (a socket path too long, say) is not restarted
         self._start()
 
     def _start(self) -> None:
@@ -239,14 +240,15 @@ class _DriverServer:
             return
         try:
             readable, _, _ = select.select([self.ready_r], [], [], timeout_s)
-            if not (readable and os.read(self.ready_r, 16)):
+            self.was_ready = bool(readable and os.read(self.ready_r, 16))
+            if not self.was_ready:
                 log.warning("the pre-imported driver did not start; runs import their own (%s)", LOG)
         finally:
             os.close(self.ready_r)
             self.ready_r = None
 
     def keep_up(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
+        if self.was_ready and self.proc is not None and self.proc.poll() is not None:
             log.warning("the pre-imported driver exited (%s); starting a fresh one", self.proc.returncode)
             self._start()
             self.wait_ready()
