@@ -90,6 +90,10 @@ REQUEST_S = 5.0  # the server's bound on reading one request
 REPORT_S = 10.0  # how long the command waits for the exit code once the driver has ended
 MAX_REQUEST = 4 << 20  # bytes: arguments and environment
 DISABLE_ENV = "ROLLOUT_DRIVER_SERVER"  # "0": never hand a run over
+# A terminal's signals; Ctrl-Z (SIGTSTP) stops both, `fg` (SIGCONT) continues both.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGWINCH, signal.SIGCONT)
+LIMITS = ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE", "RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA")
+LIMITS += ("RLIMIT_STACK", "RLIMIT_CPU", "RLIMIT_MEMLOCK", "RLIMIT_RSS")
 
 
 def socket_path() -> Path:
@@ -125,6 +129,9 @@ def hand_over(args: list[str]) -> int | None:
                 "package": str(Path(__file__).parent),
                 "prefix": sys.prefix,
                 "version": sys.version,
+                "path": sys.path,
+                "umask": _umask(),
+                "traits": process_traits(),
             }
         ).encode()
         header = struct.pack("!I", len(body))
@@ -142,10 +149,26 @@ def hand_over(args: list[str]) -> int | None:
     return _follow(sock, pid)
 
 
+def process_traits() -> dict[str, Any]:
+    """What a process inherits that the driver must share with the command, or the run goes otherwise:
+    its resource limits and its nice value."""
+    import resource
+
+    limits = {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS}
+    return {"limits": limits, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _follow(sock: socket.socket, pid: int) -> int:
     """Forward this command's signals to the driver ``pid`` until the server reports its exit code."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _kill(pid, signum))
+    signal.signal(signal.SIGTSTP, lambda _signum, _frame: _suspend(pid))
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except OSError:
@@ -175,6 +198,13 @@ def _follow(sock: socket.socket, pid: int) -> int:
     return 1
 
 
+def _suspend(pid: int) -> None:
+    """Ctrl-Z: the driver stops with the command, as it would in the command's own process; the
+    command's SIGCONT (`fg`) is forwarded."""
+    _kill(pid, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _kill(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
@@ -202,8 +232,11 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict[str, Any]:
 class Request:
     """A command's run, as the server read it; ``fds``: its stdin, stdout and stderr."""
 
-    def __init__(self, args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
+    def __init__(
+        self, args: list[str], cwd: str, env: dict[str, str], fds: list[int], path: list[str], umask: int
+    ) -> None:
         self.args, self.cwd, self.env, self.fds = args, cwd, env, fds
+        self.path, self.umask = path, umask  # the command's sys.path and umask
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -217,6 +250,7 @@ class _Server:
     def __init__(self, listener: socket.socket, path: Path, fingerprint: str, env: dict[str, str]) -> None:
         self.listener = listener
         self.path, self.inode = path, path.stat().st_ino
+        self.traits = process_traits()
         self.fingerprint = fingerprint
         self.env = env
         self.package = str(Path(__file__).parent)
@@ -329,7 +363,12 @@ class _Server:
                 raise ValueError("args: not a list of strings")
             if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
                 raise ValueError("env: not a map of strings")
-            return Request(args, str(data["cwd"]), env, fds), ""
+            path, umask = data.get("path"), data.get("umask")
+            if not (isinstance(path, list) and all(isinstance(p, str) for p in path)):
+                raise ValueError("path: not a list of strings")
+            if not isinstance(umask, int) or not 0 <= umask <= 0o777:
+                raise ValueError("umask: not a mode")
+            return Request(args, str(data["cwd"]), env, fds, path, umask), ""
         except _Refused as exc:
             for fd in fds:
                 os.close(fd)
@@ -348,6 +387,8 @@ class _Server:
             return f"another checkout or Python: {where}"
         if data.get("version") != sys.version:
             return "another Python version"
+        if data.get("traits") != self.traits:
+            return f"other resource limits or nice value: {str(data.get('traits'))[:500]}"
         env = data.get("env")
         if isinstance(env, dict) and (theirs := import_time_env(env)) != self.env:
             differ = sorted(set(theirs.items()) ^ set(self.env.items()))
@@ -419,8 +460,10 @@ def _run_as_command(request: Request) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request.cwd)
+    os.umask(request.umask)
     os.environ.clear()
     os.environ.update(request.env)
+    sys.path[:] = request.path
     streams = []
     for fd, mode in ((0, "r"), (1, "w"), (2, "w")):
         tty = os.isatty(fd)

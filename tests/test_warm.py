@@ -182,10 +182,21 @@ def test_bad_input_to_up_is_one_line(tmp_path, env):
     assert warm.live_record(tmp_path / "warm") is None
 
 
-def _command(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def _command(
+    env: dict[str, str], *args: str, preexec: Callable[[], Any] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The ``rollout`` command as a user's shell runs it: the entry point that hands a run over."""
     argv = [sys.executable, "-m", "executor", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, cwd=REPO, env=env, preexec_fn=preexec
+    )
+
+
+def _fewer_files() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096) - 1, hard))
 
 
 def _served(log: Path, config: Path) -> list[str]:
@@ -227,6 +238,18 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
     assert "refused a run: the environment differs where modules read it at import: ['RAY_DEDUP_LOGS']" in (
         log.read_text()
     )
+
+    # What the command's process has that a module does not read: taken on (its umask), or refused
+    # when it differs from the server's (its resource limits).
+    masked = _config(tmp_path, "masked", 1).rename(tmp_path / "masked.yaml")
+    proc = _command(env, "run", str(masked), preexec=lambda: os.umask(0o077))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _served(log, masked)[-1].endswith("exited 0")
+    assert (tmp_path / "out" / "masked" / "summary.json").stat().st_mode & 0o077 == 0
+    limited = _config(tmp_path, "limited", 1).rename(tmp_path / "limited.yaml")
+    proc = _command(env, "run", str(limited), preexec=_fewer_files)
+    assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
+    assert _served(log, limited) == [] and "refused a run: other resource limits" in log.read_text()
 
     # Ctrl-C reaches the driver: it stops as a run in its own process does, its rows kept.
     hang = tmp_path / "hang.jsonl"
