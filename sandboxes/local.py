@@ -311,15 +311,15 @@ class LocalSandboxProvider:
         try:
             sandbox = LocalSandbox(self, spec, session_dir, server, owner_name)
         except SandboxError as exc:
-            await server.close(self.kill_grace_s)
+            await self._discard(server, self.kill_grace_s)
             raise SandboxStartError(str(exc)) from exc
 
         def lay_out() -> None:
             self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
-            if self.max_processes:
-                sandbox.pids_cgroup = pidlimit.make(sandbox._marker_token, self.max_processes)
-                if sandbox.pids_cgroup:  # else each command's init moves itself: slower, as capped
-                    pidlimit.adopt(sandbox.pids_cgroup, server.pid)
+            if server.pids_cgroup:  # a spare's, made and joined while the sandbox before it ran
+                sandbox.pids_cgroup = server.pids_cgroup
+            elif self.max_processes:
+                sandbox.pids_cgroup = self._cap(server)
             sandbox._write_descriptor(create=True)
 
         # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on
@@ -333,7 +333,7 @@ class LocalSandboxProvider:
             await asyncio.shield(sandbox.stop())
             raise
         except OSError as exc:
-            await server.close(self.kill_grace_s)
+            await self._discard(server, self.kill_grace_s)
             if isinstance(exc, FileExistsError):
                 raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
@@ -351,7 +351,7 @@ class LocalSandboxProvider:
             with contextlib.suppress(OSError):
                 server = await spare[1]
             if server is not None and not (server.alive and self._normal_priority(server)):
-                await server.close(0)
+                await self._discard(server, 0)
                 server = None
         if server is None:
             server = await self._new_server()
@@ -382,7 +382,27 @@ class LocalSandboxProvider:
         if self._spare_nice:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PGRP, server.pid, 19)
+        if self.max_processes:
+            # Its sandbox's cap, made now rather than on the next session's path: moving a process into
+            # a cgroup waits for an RCU grace period (~10 ms with cgroup v1).
+            server.pids_cgroup = await asyncio.to_thread(self._cap, server)
         return server
+
+    def _cap(self, server: ExecServer) -> str | None:
+        """A process cap for the sandbox ``server`` will serve, with ``server`` in it, so that every
+        command's init is born there; None where the host has none. A server that could not be moved
+        leaves each init to join the cap itself (slower, as capped)."""
+        assert self.max_processes
+        group = pidlimit.make(server.marker_token, self.max_processes)
+        if group:
+            pidlimit.adopt(group, server.pid)
+        return group
+
+    async def _discard(self, server: ExecServer, timeout: float) -> None:
+        """End a server no sandbox took, and the cap made for it."""
+        await server.close(timeout)
+        if server.pids_cgroup:
+            await asyncio.to_thread(pidlimit.remove, server.pids_cgroup, 2.0)
 
     async def _new_server(self) -> ExecServer:
         token = uuid.uuid4().hex
@@ -437,7 +457,7 @@ class LocalSandboxProvider:
         spare, self._spare = self._spare, None
         if spare is not None and spare[0] is asyncio.get_running_loop():
             with contextlib.suppress(Exception):
-                await (await spare[1]).close(self.kill_grace_s)
+                await self._discard(await spare[1], self.kill_grace_s)
         zygote, self._zygote = self._zygote, None
         if zygote is not None:
             await zygote.close()

@@ -3,12 +3,12 @@
 A fork bomb in one sandbox must not take the pids of the host, nor those of the other sandboxes; all of
 them run as one sandbox user, so a per-user limit (RLIMIT_NPROC) would let one sandbox starve the rest.
 Each sandbox gets ``<pids hierarchy>/rollout-executor/<marker>`` with ``pids.max`` set, and its supervisor
-server moves there once (``adopt``), so that every command's init is born there; an init that is not
-(the server could not be moved, or a sweep removed the group) moves itself there before starting the
-command (``join``, sandboxes/supervisor.py). A move costs the kernel an RCU grace period, ~10 ms of
-the command's start with cgroup v1, three times a session; a birth in the group costs nothing. Needs root and
-a pids controller (cgroup v1's ``pids`` hierarchy, or v2 with ``pids`` enabled at the root); without
-them a sandbox has no such cap, which ``unavailable`` says.
+server moves there once (``adopt``; a spare server, before the sandbox it will serve starts), so that
+every command's init is born there; an init that is not (the server could not be moved, or a sweep
+removed the group) moves itself there before starting the command (``join``, sandboxes/supervisor.py).
+A move costs the kernel an RCU grace period, ~10 ms with cgroup v1; a birth in the group costs nothing.
+Needs root and a pids controller (cgroup v1's ``pids`` hierarchy, or v2 with ``pids`` enabled at the
+root); without them a sandbox has no such cap, which ``unavailable`` says.
 """
 
 from __future__ import annotations

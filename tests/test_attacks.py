@@ -290,6 +290,30 @@ async def test_commands_are_born_in_their_sandboxs_cap(world):
     assert group in {line.split(":", 2)[2] for line in res.stdout_tail.splitlines()}, res.stdout_tail
 
 
+async def test_a_spare_servers_cap_is_made_before_its_sandbox_starts_and_goes_with_it(world):
+    """The next sandbox's server (a spare, started while a command runs) is moved into its cap's cgroup
+    then, off the next session's path; the sandbox it serves keeps that cap, and a spare no sandbox took
+    takes its cap with it."""
+    await world.a.exec(["true"], timeout=30)  # a command runs: a spare is made for the next sandbox
+    assert world.provider._spare is not None
+    spare = await world.provider._spare[1]
+    assert spare.pids_cgroup and Path(spare.pids_cgroup).read_text().split() == [str(spare.pid)]
+    c = await world.provider.start(SandboxSpec(run_id="r", session_id="c", ttl_s=300))
+    try:
+        assert c.descriptor()["server_pid"] == spare.pid and c.pids_cgroup == spare.pids_cgroup
+        res = await c.exec(["cat", "/proc/self/cgroup"], timeout=30)
+        group = "/rollout-executor/" + Path(spare.pids_cgroup).parent.name
+        assert group in {line.split(":", 2)[2] for line in res.stdout_tail.splitlines()}, res.stdout_tail
+    finally:
+        await c.stop()
+    assert not Path(spare.pids_cgroup).parent.exists()
+    assert world.provider._spare is not None  # c's command made the next one
+    unused = await world.provider._spare[1]
+    assert unused.pids_cgroup and Path(unused.pids_cgroup).exists()
+    await world.provider.aclose()
+    assert not Path(unused.pids_cgroup).parent.exists()
+
+
 async def test_a_runaway_file_stops_at_the_cap_and_the_other_session_writes(world):
     res = await world.a.exec(["sh", "-c", "head -c 64M /dev/zero > big"], timeout=60)
     assert res.exit_code != 0 or res.signal == signal.SIGXFSZ, res
