@@ -297,7 +297,7 @@ async def test_a_spare_servers_cap_is_made_before_its_sandbox_starts_and_goes_wi
     await world.a.exec(["true"], timeout=30)  # a command runs: a spare is made for the next sandbox
     assert world.provider._spare is not None
     spare = await world.provider._spare[1]
-    assert spare.pids_cgroup and Path(spare.pids_cgroup).read_text().split() == [str(spare.pid)]
+    assert spare.pids_cgroup and str(spare.pid) in Path(spare.pids_cgroup).read_text().split()
     c = await world.provider.start(SandboxSpec(run_id="r", session_id="c", ttl_s=300))
     try:
         assert c.descriptor()["server_pid"] == spare.pid and c.pids_cgroup == spare.pids_cgroup
