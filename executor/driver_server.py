@@ -28,6 +28,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ IMPORT_TIME_ENV = (
     "PY_COLORS",
     "TERMINAL_",
     "GITHUB_ACTIONS",
+    "MALLOC_",
+    "GLIBC_TUNABLES",
+    "JE_",
+    "PYARROW_",
 )
 # What `rollout run` imports on its way to its first row, beyond the CLI itself (listed by running one
 # from a server without them).
@@ -86,14 +91,18 @@ PRELOAD = (
 )
 CONNECT_S = 2.0  # the server answers a connection at once; a hung one is not waited on
 ANSWER_S = 10.0  # from the request to the forked driver's pid (or a refusal)
-REQUEST_S = 5.0  # the server's bound on reading one request
+REQUEST_S = 5.0  # the server's bound on reading one request, and on the command's go-ahead
 REPORT_S = 10.0  # how long the command waits for the exit code once the driver has ended
 MAX_REQUEST = 4 << 20  # bytes: arguments and environment
 DISABLE_ENV = "ROLLOUT_DRIVER_SERVER"  # "0": never hand a run over
 # A terminal's signals; Ctrl-Z (SIGTSTP) stops both, `fg` (SIGCONT) continues both.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGWINCH, signal.SIGCONT)
+HELD = (*FORWARDED, signal.SIGTSTP)
 LIMITS = ("RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_CORE", "RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA")
 LIMITS += ("RLIMIT_STACK", "RLIMIT_CPU", "RLIMIT_MEMLOCK", "RLIMIT_RSS")
+# The peer must share these with the server: a sandbox's command (another mount, pid or network
+# namespace) never reaches a driver on the host, whatever user it runs as.
+NAMESPACES = ("mnt", "pid", "net", "user", "ipc", "uts", "cgroup")
 
 
 def socket_path() -> Path:
@@ -108,19 +117,32 @@ def socket_path() -> Path:
 
 def hand_over(args: list[str]) -> int | None:
     """Run ``rollout ARGS`` in a driver forked from the server: its exit code, or None when there is no
-    server or it refused (the caller then runs the command itself, as without a server)."""
-    path = socket_path()
-    if os.environ.get(DISABLE_ENV) == "0" or not path.exists():
+    server or it did not take the run (the caller then runs the command itself, as without a server).
+    Once the driver has the go-ahead, this command never runs the run itself."""
+    if os.environ.get(DISABLE_ENV) == "0":
         return None
+    # A Ctrl-C before the driver's pid is known is held, then forwarded, or raised here on a fallback.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
-        for fd in (0, 1, 2):
-            os.fstat(fd)
-    except OSError:
-        return None  # a closed standard file: nothing to pass
+        sock, pidfd, pid = _ask(args)
+    except Exception:  # no server, a refusal, or one that did not answer in time: run it here
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        return None
+    return _follow(sock, pidfd, pid, held)
+
+
+def _ask(args: list[str]) -> tuple[socket.socket, int, int]:
+    path = socket_path()
+    for fd in (0, 1, 2):
+        os.fstat(fd)  # a closed standard file: nothing to pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(CONNECT_S)
         sock.connect(str(path))
+        # The environment (keys among it) goes only to a server of this user.
+        if _peer(sock)[1] != os.geteuid():
+            raise PermissionError(f"{path} is another user's")
+        ignored = [int(sig) for sig in HELD if signal.getsignal(sig) is signal.SIG_IGN]
         body = json.dumps(
             {
                 "args": args,
@@ -131,6 +153,7 @@ def hand_over(args: list[str]) -> int | None:
                 "version": sys.version,
                 "path": sys.path,
                 "umask": _umask(),
+                "ignored": ignored,
                 "traits": process_traits(),
             }
         ).encode()
@@ -138,15 +161,17 @@ def hand_over(args: list[str]) -> int | None:
         sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         sock.sendall(body)
         sock.settimeout(ANSWER_S)
-        answer = _read_line(sock)
-    except (OSError, ValueError):
+        answer, fds = _receive(sock)
+        pid = answer.get("pid")
+        if not isinstance(pid, int) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("refused")  # why is in the server's log
+        sock.sendall(b"go\n")  # from here the driver runs the run, and this command follows it
+        return sock, fds[0], pid
+    except BaseException:
         sock.close()
-        return None
-    pid = answer.get("pid")
-    if not isinstance(pid, int):
-        sock.close()
-        return None  # refused: answer["refused"] says why, for the server's log
-    return _follow(sock, pid)
+        raise
 
 
 def process_traits() -> dict[str, Any]:
@@ -164,27 +189,40 @@ def _umask() -> int:
     return mask
 
 
-def _follow(sock: socket.socket, pid: int) -> int:
-    """Forward this command's signals to the driver ``pid`` until the server reports its exit code."""
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: _kill(pid, signum))
-    signal.signal(signal.SIGTSTP, lambda _signum, _frame: _suspend(pid))
-    try:
-        pidfd: int | None = os.pidfd_open(pid)
-    except OSError:
-        pidfd = None  # it has ended (and been reaped) already: the server's report is on its way
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def _follow(sock: socket.socket, pidfd: int, pid: int, held: set[signal.Signals]) -> int:
+    """Forward this command's signals to the driver until the server reports how it ended; then end
+    as it did (its exit code, or its signal)."""
+
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signum)
+
+    def suspend(_signum: int, _frame: Any) -> None:
+        forward(signal.SIGSTOP, None)  # Ctrl-Z: the driver stops with the command, as in its process
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    for sig in HELD:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup`, a script's `&`: the driver ignores it too
+            signal.signal(sig, suspend if sig == signal.SIGTSTP else forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
     sock.settimeout(None)
-    waiting: list[Any] = [sock] if pidfd is None else [sock, pidfd]
+    waiting: list[Any] = [sock, pidfd]
     bound_s: float | None = None  # the driver's own bounds end the run
+    ended: dict[str, Any] = {}
     try:
-        while waiting:
+        while waiting and not ended:
             ready, _, _ = select.select(waiting, [], [], bound_s)
             if not ready:
                 break
             if sock in ready:
                 try:
-                    code = _read_line(sock).get("exit")
-                    return code if isinstance(code, int) else 1
+                    ended = _receive(sock)[0]
                 except (OSError, ValueError):
                     waiting.remove(sock)  # the server went: the driver's end is waited for alone
             elif pidfd in ready:
@@ -192,28 +230,27 @@ def _follow(sock: socket.socket, pid: int) -> int:
                 waiting, bound_s = [w for w in waiting if w is sock], REPORT_S
     finally:
         sock.close()
-        if pidfd is not None:
-            os.close(pidfd)
+        os.close(pidfd)
+    if isinstance(code := ended.get("exit"), int):
+        return code
+    if isinstance(signum := ended.get("signal"), int):
+        # Killed by a signal: so is this command (a shell's loop of runs stops at a Ctrl-C).
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+        return 128 + signum
     print(f"error: the warm executor's driver server did not report how pid {pid} ended", file=sys.stderr)
     return 1
 
 
-def _suspend(pid: int) -> None:
-    """Ctrl-Z: the driver stops with the command, as it would in the command's own process; the
-    command's SIGCONT (`fg`) is forwarded."""
-    _kill(pid, signal.SIGSTOP)
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _kill(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signum)
-
-
-def _read_line(sock: socket.socket, limit: int = 4096) -> dict[str, Any]:
-    data = b""
+def _receive(sock: socket.socket, limit: int = 4096) -> tuple[dict[str, Any], list[int]]:
+    """One line of JSON, and the descriptors that came with it."""
+    data, fds = b"", []
     while not data.endswith(b"\n"):
-        chunk = sock.recv(limit - len(data))
+        chunk, ancillary, _flags, _addr = sock.recvmsg(limit - len(data), socket.CMSG_SPACE(4))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
         if not chunk:
             raise ValueError("connection closed")
         data += chunk
@@ -222,7 +259,7 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict[str, Any]:
     answer = json.loads(data)
     if not isinstance(answer, dict):
         raise ValueError("not an object")
-    return answer
+    return answer, fds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,15 +269,60 @@ def _read_line(sock: socket.socket, limit: int = 4096) -> dict[str, Any]:
 class Request:
     """A command's run, as the server read it; ``fds``: its stdin, stdout and stderr."""
 
-    def __init__(
-        self, args: list[str], cwd: str, env: dict[str, str], fds: list[int], path: list[str], umask: int
-    ) -> None:
-        self.args, self.cwd, self.env, self.fds = args, cwd, env, fds
-        self.path, self.umask = path, umask  # the command's sys.path and umask
+    def __init__(self, data: dict[str, Any], fds: list[int]) -> None:
+        self.args: list[str] = data["args"]
+        self.cwd: str = data["cwd"]
+        self.env: dict[str, str] = data["env"]
+        self.path: list[str] = data["path"]  # the command's sys.path
+        self.umask: int = data["umask"]
+        self.ignored: list[int] = data["ignored"]  # signals the command ignores (nohup)
+        self.fds = fds
+
+
+def _checked(data: Any) -> dict[str, Any]:
+    """``data`` if it is a request of the right shape; ValueError (one line) if not."""
+
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    if not isinstance(data, dict):
+        raise ValueError("not an object")
+    env = data.get("env")
+    if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+        raise ValueError("env: not a map of strings")
+    if not (strings(data.get("args")) and strings(data.get("path"))):
+        raise ValueError("args, path: not lists of strings")
+    if not isinstance(data.get("cwd"), str):
+        raise ValueError("cwd: not a string")
+    umask = data.get("umask")
+    if not isinstance(umask, int) or not 0 <= umask <= 0o777:
+        raise ValueError("umask: not a mode")
+    ignored = data.get("ignored")
+    if not (isinstance(ignored, list) and all(v in {int(s) for s in HELD} for v in ignored)):
+        raise ValueError("ignored: not a list of signals")
+    return data
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+def installed_fingerprint() -> str:
+    """Our source files (executor.warm.code_fingerprint) and the installed distributions (names and
+    mtimes in site-packages): an upgraded Ray or pyarrow must not meet the server's imported one."""
+    import hashlib
+    import sysconfig
+
+    from executor.warm import code_fingerprint
+
+    digest = hashlib.sha256(code_fingerprint().encode())
+    for key in ("purelib", "platlib"):
+        site = sysconfig.get_paths()[key]
+        with contextlib.suppress(OSError), os.scandir(site) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.name.endswith((".dist-info", ".pth")):
+                    digest.update(f"{entry.name}:{entry.stat().st_mtime_ns};".encode())
+    return digest.hexdigest()
 
 
 class _Server:
@@ -251,6 +333,7 @@ class _Server:
         self.listener = listener
         self.path, self.inode = path, path.stat().st_ino
         self.traits = process_traits()
+        self.namespaces = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in NAMESPACES}
         self.fingerprint = fingerprint
         self.env = env
         self.package = str(Path(__file__).parent)
@@ -285,9 +368,10 @@ class _Server:
                 if isinstance(item, int):
                     self._reap(item)
                 elif item is self.listener and not self.stopping:
-                    request = self._accept()
-                    if request is not None:
-                        return request
+                    try:
+                        self._accept()
+                    except _Driver as driver:
+                        return driver.request
                 elif item is not self.wake_r:
                     self._command_gone(item)
 
@@ -299,41 +383,85 @@ class _Server:
             if self.path.stat().st_ino == self.inode:
                 self.path.unlink()
 
-    def _accept(self) -> Request | None:
+    def _accept(self) -> None:
+        """One command: refused, or served by a forked driver. Nothing a command sends ends the server;
+        in the forked driver, raises _Driver with the request."""
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return None
-        conn.settimeout(REQUEST_S)
-        try:
-            request, refused = self._read(conn)
-        except (OSError, ValueError) as exc:
-            _log(f"a request was not read: {str(exc)[:200]}")
-            conn.close()
-            return None
-        if request is None:
-            _log(f"refused a run: {refused}")
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")
-            conn.close()
-            return None
-        pid = os.fork()
-        if pid == 0:
-            self._become_driver(conn)
-            return request
+        with conn:
+            try:
+                request, refused = self._read(conn)
+            except Exception as exc:  # whatever a command sent: its connection goes, the server stays
+                _log(f"a request was not read: {str(exc)[:200]}")
+                return None
+            if request is None:
+                _log(f"refused a run: {refused}")
+                with contextlib.suppress(OSError):
+                    conn.sendall(b'{"refused": true}\n')  # why stays here: nothing for a probe to learn
+                return None
+            try:
+                in_driver = self._fork(conn, request)
+            except Exception as exc:
+                in_driver = False
+                _log(f"refused a run: {str(exc)[:200]}")
+        if in_driver:  # out of every block of the server's: nothing of its cleanup runs here
+            raise _Driver(request)
         for fd in request.fds:
-            os.close(fd)
-        try:
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        except OSError:
-            _kill(pid, signal.SIGINT)  # the command went before it learnt the pid: as if interrupted
-        conn.setblocking(False)
-        self.drivers[os.pidfd_open(pid)] = (pid, conn)
-        _log(f"serving `rollout {' '.join(request.args)[:200]}` in pid {pid}")
+            os.close(fd)  # the driver has them; the server never writes to a command's files
         return None
 
+    def _fork(self, conn: socket.socket, request: Request) -> bool:
+        """Fork the driver; it waits for the command's go-ahead, which comes once the command knows its
+        pid, so that a command that gave up meanwhile (and runs the run itself) has no twin."""
+        go_r, go_w = os.pipe()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)  # none may reach the copy's server handlers
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.close(go_r)
+            os.close(go_w)
+            _log(f"refused a run: cannot fork: {exc}")
+            return False
+        if pid == 0:
+            os.close(go_w)
+            self._become_driver(conn, request, mask)
+            if os.read(go_r, 3) != b"go\n":
+                os._exit(0)  # the command gave up before the go-ahead: it makes the run itself
+            os.close(go_r)
+            return True
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(go_r)
+        pidfd = -1
+        try:
+            pidfd = os.pidfd_open(pid)
+            conn.settimeout(REQUEST_S)
+            message = json.dumps({"pid": pid}).encode() + b"\n"
+            conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))])
+            if _line(conn, time.monotonic() + REQUEST_S) != b"go\n":
+                raise ValueError("no go-ahead")
+            os.write(go_w, b"go\n")
+        except Exception as exc:
+            os.kill(pid, signal.SIGKILL)  # it has not started the run
+            os.waitpid(pid, 0)
+            if pidfd >= 0:
+                os.close(pidfd)
+            _log(f"the command went before its driver started: {str(exc)[:200]}")
+            return False
+        finally:
+            os.close(go_w)
+        held = conn.dup()  # ``conn`` is closed once the request is handled
+        held.setblocking(False)
+        self.drivers[pidfd] = (pid, held)
+        _log(f"serving `rollout {' '.join(request.args)[:200]}` in pid {pid}")
+        return False
+
     def _read(self, conn: socket.socket) -> tuple[Request | None, str]:
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        deadline = time.monotonic() + REQUEST_S
+        conn.settimeout(REQUEST_S)
+        peer_pid, uid = _peer(conn)
         size = struct.calcsize("!I")
         header, ancillary, _flags, _addr = conn.recvmsg(size, socket.CMSG_SPACE(3 * 4))
         fds: list[int] = []
@@ -348,40 +476,33 @@ class _Server:
                 raise ValueError(f"request of {length} bytes")
             body = bytearray()
             while len(body) < length:
+                conn.settimeout(max(0.0, deadline - time.monotonic()) or 0.001)  # one bound for it all
                 chunk = conn.recv(min(1 << 16, length - len(body)))
                 if not chunk:
                     raise ValueError("request cut short")
                 body += chunk
-            data = json.loads(body)
-            refused = self._refusal(uid, data)
+            data = _checked(json.loads(body))
+            refused = self._refusal(peer_pid, uid, data)
             if refused is not None:
-                raise _Refused(refused)
-            args, env = data["args"], data["env"]
-            if not os.path.isdir(str(data["cwd"])):
-                raise _Refused("its working directory is gone")
-            if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
-                raise ValueError("args: not a list of strings")
-            if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
-                raise ValueError("env: not a map of strings")
-            path, umask = data.get("path"), data.get("umask")
-            if not (isinstance(path, list) and all(isinstance(p, str) for p in path)):
-                raise ValueError("path: not a list of strings")
-            if not isinstance(umask, int) or not 0 <= umask <= 0o777:
-                raise ValueError("umask: not a mode")
-            return Request(args, str(data["cwd"]), env, fds, path, umask), ""
-        except _Refused as exc:
-            for fd in fds:
-                os.close(fd)
-            return None, str(exc)
+                for fd in fds:
+                    os.close(fd)
+                return None, refused
+            return Request(data, fds), ""
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
 
-    def _refusal(self, uid: int, data: dict[str, Any]) -> str | None:
+    def _refusal(self, peer_pid: int, uid: int, data: dict[str, Any]) -> str | None:
         """Why a fresh process would not run as a driver forked from here would, or None."""
         if uid != os.geteuid():
             return f"the command runs as uid {uid}, the server as {os.geteuid()}"
+        try:
+            theirs = {ns: os.readlink(f"/proc/{peer_pid}/ns/{ns}") for ns in NAMESPACES}
+        except OSError:
+            theirs = {}
+        if peer_pid <= 0 or theirs != self.namespaces:
+            return f"the command (pid {peer_pid}) is not in the server's namespaces (a sandbox's, say)"
         if data.get("package") != self.package or data.get("prefix") != sys.prefix:
             where = f"{str(data.get('package'))[:200]}, {str(data.get('prefix'))[:200]}"
             return f"another checkout or Python: {where}"
@@ -389,50 +510,58 @@ class _Server:
             return "another Python version"
         if data.get("traits") != self.traits:
             return f"other resource limits or nice value: {str(data.get('traits'))[:500]}"
-        env = data.get("env")
-        if isinstance(env, dict) and (theirs := import_time_env(env)) != self.env:
-            differ = sorted(set(theirs.items()) ^ set(self.env.items()))
+        if not os.path.isdir(data["cwd"]):
+            return "its working directory is gone"
+        if (theirs_env := import_time_env(data["env"])) != self.env:
+            differ = sorted(set(theirs_env.items()) ^ set(self.env.items()))
             names = sorted({k for k, _ in differ})[:10]
             return f"the environment differs where modules read it at import: {names}"
-        from executor.warm import code_fingerprint
-
-        if code_fingerprint() != self.fingerprint:
+        if installed_fingerprint() != self.fingerprint:
             self.stopping = True  # stale for every later run too: the warm executor starts a fresh server
-            return "source files changed since the server's imports"
+            return "source files or installed packages changed since the server's imports"
         return None
 
     def _reap(self, pidfd: int) -> None:
         pid, conn = self.drivers.pop(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        code = 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
-        _log(f"pid {pid} exited {code}")
+        if os.WIFSIGNALED(status):
+            report, said = {"signal": os.WTERMSIG(status)}, f"was killed by signal {os.WTERMSIG(status)}"
+        else:
+            report, said = {"exit": os.waitstatus_to_exitcode(status)}, f"exited {os.WEXITSTATUS(status)}"
+        _log(f"pid {pid} {said}")
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.setblocking(True)
                 conn.settimeout(REQUEST_S)
-                conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+                conn.sendall(json.dumps(report).encode() + b"\n")
             conn.close()
 
     def _command_gone(self, conn: socket.socket) -> None:
         """The command's connection is readable before its driver ended: it closed (the command was
-        killed), as a command sends nothing after its request. Its driver is interrupted as by a
-        Ctrl-C (its rows stay durable, the run resumable), and reaped here as usual."""
+        killed), as a command sends nothing after its go-ahead. Its driver is interrupted as by a
+        Ctrl-C (its rows stay durable, the run resumable), continued if it was stopped, and reaped here
+        as usual."""
         for pidfd, (pid, held) in self.drivers.items():
             if held is conn:
                 self.drivers[pidfd] = (pid, None)
                 conn.close()
-                _kill(pid, signal.SIGINT)
+                for sig in (signal.SIGINT, signal.SIGCONT):
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(pidfd, sig)
                 _log(f"the command of pid {pid} went; interrupted it")
                 return
 
-    def _become_driver(self, conn: socket.socket) -> None:
-        """In the forked driver: nothing of the server's stays open or handled."""
+    def _become_driver(self, conn: socket.socket, request: Request, mask: set[signal.Signals]) -> None:
+        """In the forked driver: nothing of the server's stays open or handled; the command's ignored
+        signals are ignored here too."""
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in request.ignored:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for pidfd, (_pid, held) in self.drivers.items():
             os.close(pidfd)
             if held is not None:
@@ -442,8 +571,23 @@ class _Server:
             end.close()
 
 
-class _Refused(Exception):
-    pass
+class _Driver(Exception):
+    """Raised in the forked driver, out of the server's loop, with its request."""
+
+    def __init__(self, request: Request) -> None:
+        super().__init__("forked driver")
+        self.request = request
+
+
+def _line(conn: socket.socket, deadline: float, limit: int = 64) -> bytes:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < limit:
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk = conn.recv(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _log(message: str) -> None:
@@ -465,16 +609,22 @@ def _run_as_command(request: Request) -> None:
     os.environ.update(request.env)
     sys.path[:] = request.path
     streams = []
-    for fd, mode in ((0, "r"), (1, "w"), (2, "w")):
+    # As Python makes a process's own (the environment that decides them is the server's: compared).
+    for fd, mode, like in ((0, "r", sys.__stdin__), (1, "w", sys.__stdout__), (2, "w", sys.__stderr__)):
         tty = os.isatty(fd)
         raw = io.FileIO(fd, mode, closefd=False)
         buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-        errors = "backslashreplace" if fd == 2 else "strict"
-        streams.append(
-            io.TextIOWrapper(
-                buffered, encoding=sys.stdout.encoding, errors=errors, line_buffering=tty or fd == 2
-            )
+        encoding = like.encoding if like is not None else "utf-8"
+        errors = like.errors if like is not None else "strict"
+        text = io.TextIOWrapper(
+            buffered,
+            encoding,
+            errors,
+            newline="\n",
+            line_buffering=mode == "w" and (tty or fd == 2),
+            write_through=mode == "w" and bool(getattr(like, "write_through", False)),
         )
+        streams.append(text)
     sys.stdin, sys.stdout, sys.stderr = streams
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
     sys.argv = ["rollout", *request.args]
@@ -509,14 +659,13 @@ def main(argv: list[str]) -> int:
         print("usage: python -m executor.driver_server SOCKET READY_FD", file=sys.stderr)
         return 2
     path, ready_fd = Path(argv[0]), int(argv[1])
-    from executor.warm import code_fingerprint
     from sandboxes import proctree
 
     parent = os.getppid()
     proctree.prctl(proctree.PR_SET_PDEATHSIG, signal.SIGTERM)  # the warm executor's end is this one's
     if os.getppid() != parent:
         return 0
-    fingerprint = code_fingerprint()  # before the imports: an edit made meanwhile makes it stale
+    fingerprint = installed_fingerprint()  # before the imports: an edit made meanwhile makes it stale
     env = import_time_env(dict(os.environ))  # as the imports found it (importing Ray sets some)
     _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

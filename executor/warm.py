@@ -217,6 +217,7 @@ class _DriverServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_r: int | None = None
         self.was_ready = False  # one that never listened (a socket path too long, say) is not restarted
+        self.retired: list[subprocess.Popen[bytes]] = []  # stale ones finishing their runs
         self._start()
 
     def _start(self) -> None:
@@ -248,16 +249,25 @@ class _DriverServer:
             self.ready_r = None
 
     def keep_up(self) -> None:
-        if self.was_ready and self.proc is not None and self.proc.poll() is not None:
-            log.warning("the pre-imported driver exited (%s); starting a fresh one", self.proc.returncode)
-            self._start()
-            self.wait_ready()
+        """A fresh server once this one stopped listening (its imports went stale, or it died); one that
+        stopped listening finishes its runs' drivers and exits by itself."""
+        self.retired = [p for p in self.retired if p.poll() is None]
+        if not self.was_ready or self.proc is None:
+            return
+        if self.proc.poll() is None and (self.directory / SOCKET).exists():
+            return
+        log.warning("the pre-imported driver stopped taking runs; starting a fresh one")
+        if self.proc.poll() is None:
+            self.retired.append(self.proc)
+        self._start()
+        self.wait_ready()
 
     def stop(self) -> None:
-        """It stops taking runs at once, and exits once the runs it started (none attached to this
-        executor: the lease is held) have ended."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """Each server stops taking runs at once, and exits once the runs it started (none attached to
+        this executor: the lease is held) have ended."""
+        for proc in [self.proc, *self.retired]:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
 
 
 def up(

@@ -251,6 +251,27 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
     assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
     assert _served(log, limited) == [] and "refused a run: other resource limits" in log.read_text()
 
+    # A command in other namespaces (as a sandbox's commands are) is refused, whoever it runs as.
+    elsewhere = _config(tmp_path, "elsewhere", 1).rename(tmp_path / "elsewhere.yaml")
+    proc = subprocess.run(
+        ["unshare", "--mount", sys.executable, "-m", "executor", "run", str(elsewhere)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+    assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
+    assert _served(log, elsewhere) == [] and "is not in the server's namespaces" in log.read_text()
+
+    # Nothing a command sends ends the server; one that goes before the go-ahead gets no driver.
+    _send_raw(tmp_path / "warm" / SOCKET, b"[]")
+    ghost = _config(tmp_path, "ghost", 1).rename(tmp_path / "ghost.yaml")
+    pid = _send_raw(tmp_path / "warm" / SOCKET, _request(env, ["run", str(ghost)]))
+    assert pid is not None and ended(pid, bound_s=30)
+    assert "went before its driver started" in log.read_text()
+    assert not (tmp_path / "out" / "ghost").exists()
+
     # Ctrl-C reaches the driver: it stops as a run in its own process does, its rows kept.
     hang = tmp_path / "hang.jsonl"
     hang.write_text(json.dumps({"id": "slow", "prompt": "p", "deadline_s": 300, "model_script": [HANG]}))
@@ -283,7 +304,9 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
     finally:
         os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
-    assert _served(log, stale) == [] and "refused a run: source files changed" in log.read_text()
+    assert _served(log, stale) == [] and "refused a run: source files or installed packages changed" in (
+        log.read_text()
+    )
     restarted = "starting a fresh one"
     assert _waited(lambda: restarted in log.read_text() and (tmp_path / "warm" / SOCKET).exists(), 60)
     fresh = _config(tmp_path, "fresh", 1).rename(tmp_path / "fresh.yaml")
@@ -337,3 +360,49 @@ def _waited(condition: Callable[[], bool], bound_s: float) -> bool:
             return False
         time.sleep(0.2)  # waiting for a condition, bounded; not synchronisation by sleeping
     return True
+
+
+def _request(env: dict[str, str], args: list[str]) -> bytes:
+    """The body of a request as the command sends it, from this process's own traits."""
+    from executor import driver_server
+
+    return json.dumps(
+        {
+            "args": args,
+            "cwd": str(REPO),
+            "env": env,
+            "package": str(Path(driver_server.__file__).parent),
+            "prefix": sys.prefix,
+            "version": sys.version,
+            "path": sys.path,
+            "umask": 0o022,
+            "ignored": [],
+            "traits": driver_server.process_traits(),
+        }
+    ).encode()
+
+
+def _send_raw(path: Path, body: bytes) -> int | None:
+    """Send ``body`` as a request with this process's standard files; the pid the server answers with
+    (then leave without the go-ahead), or None."""
+    import array
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(path))
+        fds = array.array("i", [0, 1, 2])
+        sock.sendmsg([struct.pack("!I", len(body))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        sock.sendall(body)
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk, ancillary, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4))
+            for _level, _kind, data in ancillary:
+                for fd in array.array("i", data[: len(data) - len(data) % 4]):
+                    os.close(fd)
+            if not chunk:
+                return None
+            answer += chunk
+    pid = json.loads(answer).get("pid")
+    return pid if isinstance(pid, int) else None
