@@ -176,11 +176,15 @@ def _ask(args: list[str]) -> tuple[socket.socket, int, int]:
 
 def process_traits() -> dict[str, Any]:
     """What a process inherits that the driver must share with the command, or the run goes otherwise:
-    its resource limits and its nice value."""
+    its resource limits, nice value, CPUs and groups."""
     import resource
 
-    limits = {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS}
-    return {"limits": limits, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+    return {
+        "limits": {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS},
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "groups": [os.getegid(), *sorted(os.getgroups())],
+    }
 
 
 def _umask() -> int:
@@ -509,7 +513,7 @@ class _Server:
         if data.get("version") != sys.version:
             return "another Python version"
         if data.get("traits") != self.traits:
-            return f"other resource limits or nice value: {str(data.get('traits'))[:500]}"
+            return f"other resource limits, nice value, CPUs or groups: {str(data.get('traits'))[:500]}"
         if not os.path.isdir(data["cwd"]):
             return "its working directory is gone"
         if (theirs_env := import_time_env(data["env"])) != self.env:
