@@ -167,11 +167,22 @@ def _ask(args: list[str]) -> tuple[socket.socket, int, int]:
             for fd in fds:
                 os.close(fd)
             raise ValueError("refused")  # why is in the server's log
-        sock.sendall(b"go\n")  # from here the driver runs the run, and this command follows it
-        return sock, fds[0], pid
     except BaseException:
         sock.close()
         raise
+    pidfd = fds[0]
+    try:
+        sock.sendall(b"go\n")
+        started, _ = _receive(sock)
+    except (OSError, ValueError):
+        # The server went after the go-ahead, or did not confirm in time: the driver may have started,
+        # so this command follows it and never makes the run itself.
+        return sock, pidfd, pid
+    if started.get("started") is not True:  # it never started the driver: the run is this command's
+        sock.close()
+        os.close(pidfd)
+        raise ValueError("refused")
+    return sock, pidfd, pid
 
 
 def process_traits() -> dict[str, Any]:
@@ -239,7 +250,8 @@ def _follow(sock: socket.socket, pidfd: int, pid: int, held: set[signal.Signals]
         return code
     if isinstance(signum := ended.get("signal"), int):
         # Killed by a signal: so is this command (a shell's loop of runs stops at a Ctrl-C).
-        signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's and SIGSTOP's cannot be set
+            signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)
         return 128 + signum
@@ -250,20 +262,34 @@ def _follow(sock: socket.socket, pidfd: int, pid: int, held: set[signal.Signals]
 def _receive(sock: socket.socket, limit: int = 4096) -> tuple[dict[str, Any], list[int]]:
     """One line of JSON, and the descriptors that came with it."""
     data, fds = b"", []
-    while not data.endswith(b"\n"):
-        chunk, ancillary, _flags, _addr = sock.recvmsg(limit - len(data), socket.CMSG_SPACE(4))
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
-        if not chunk:
-            raise ValueError("connection closed")
-        data += chunk
-        if len(data) >= limit:
-            raise ValueError("answer too long")
-    answer = json.loads(data)
-    if not isinstance(answer, dict):
-        raise ValueError("not an object")
+    try:
+        while not data.endswith(b"\n"):
+            chunk, ancillary, _flags, _addr = sock.recvmsg(
+                limit - len(data), socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+            )
+            fds.extend(_rights(ancillary))
+            if not chunk:
+                raise ValueError("connection closed")
+            data += chunk
+            if len(data) >= limit:
+                raise ValueError("answer too long")
+        answer = json.loads(data)
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return answer, fds
+
+
+def _rights(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried."""
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+    return fds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,6 +353,40 @@ def installed_fingerprint() -> str:
                 if entry.name.endswith((".dist-info", ".pth")):
                     digest.update(f"{entry.name}:{entry.stat().st_mtime_ns};".encode())
     return digest.hexdigest()
+
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; Python 3.11 does not name it
+
+
+class _PeerProcess:
+    """The process at the other end of a connection, held by a pidfd from the connection itself (or,
+    on an older kernel, opened at once), so that its pid cannot name another process meanwhile."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.pid, self.uid = _peer(conn)
+        try:
+            self.pidfd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        except OSError:
+            try:
+                self.pidfd = os.pidfd_open(self.pid) if self.pid > 0 else -1
+            except OSError:
+                self.pidfd = -1
+
+    def namespaces(self) -> dict[str, str]:
+        """Its namespaces, or {} when they cannot be read or it has gone (its pid may be another's)."""
+        if self.pidfd < 0:
+            return {}
+        try:
+            theirs = {ns: os.readlink(f"/proc/{self.pid}/ns/{ns}") for ns in NAMESPACES}
+        except OSError:
+            return {}
+        alive = not select.select([self.pidfd], [], [], 0)[0]  # read after the links: still the same one
+        return theirs if alive else {}
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 class _Server:
@@ -393,6 +453,7 @@ class _Server:
         try:
             conn, _ = self.listener.accept()
         except OSError:
+            time.sleep(0.05)  # out of descriptors, say: a pause, not a busy loop on a readable listener
             return None
         with conn:
             try:
@@ -430,33 +491,41 @@ class _Server:
             _log(f"refused a run: cannot fork: {exc}")
             return False
         if pid == 0:
-            os.close(go_w)
-            self._become_driver(conn, request, mask)
-            if os.read(go_r, 3) != b"go\n":
+            try:
+                os.close(go_w)
+                self._become_driver(conn, request, mask)
+                go = os.read(go_r, 3)
+                os.close(go_r)
+            except BaseException:
+                os._exit(70)  # never back into the server's loop
+            if go != b"go\n":
                 os._exit(0)  # the command gave up before the go-ahead: it makes the run itself
-            os.close(go_r)
             return True
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(go_r)
-        pidfd = -1
+        pidfd, held = -1, None
         try:
             pidfd = os.pidfd_open(pid)
+            held = conn.dup()  # ``conn`` is closed once the request is handled
             conn.settimeout(REQUEST_S)
             message = json.dumps({"pid": pid}).encode() + b"\n"
             conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))])
-            if _line(conn, time.monotonic() + REQUEST_S) != b"go\n":
+            if _line(conn, time.monotonic() + ANSWER_S) != b"go\n":
                 raise ValueError("no go-ahead")
             os.write(go_w, b"go\n")
         except Exception as exc:
-            os.kill(pid, signal.SIGKILL)  # it has not started the run
-            os.waitpid(pid, 0)
-            if pidfd >= 0:
-                os.close(pidfd)
-            _log(f"the command went before its driver started: {str(exc)[:200]}")
+            _kill_unstarted(pid)
+            for fd in (pidfd, held.detach() if held is not None else -1):
+                if fd >= 0:
+                    os.close(fd)
+            _log(f"the command's driver did not start: {str(exc)[:200]}")
+            with contextlib.suppress(OSError):
+                conn.sendall(b'{"refused": true}\n')  # the run is the command's to make
             return False
         finally:
             os.close(go_w)
-        held = conn.dup()  # ``conn`` is closed once the request is handled
+        with contextlib.suppress(OSError):
+            conn.sendall(b'{"started": true}\n')
         held.setblocking(False)
         self.drivers[pidfd] = (pid, held)
         _log(f"serving `rollout {' '.join(request.args)[:200]}` in pid {pid}")
@@ -465,14 +534,14 @@ class _Server:
     def _read(self, conn: socket.socket) -> tuple[Request | None, str]:
         deadline = time.monotonic() + REQUEST_S
         conn.settimeout(REQUEST_S)
-        peer_pid, uid = _peer(conn)
+        peer = _PeerProcess(conn)
         size = struct.calcsize("!I")
-        header, ancillary, _flags, _addr = conn.recvmsg(size, socket.CMSG_SPACE(3 * 4))
         fds: list[int] = []
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
         try:
+            header, ancillary, _flags, _addr = conn.recvmsg(
+                size, socket.CMSG_SPACE(3 * 4), socket.MSG_CMSG_CLOEXEC
+            )
+            fds = _rights(ancillary)
             if len(header) != size or len(fds) != 3:
                 raise ValueError("not a request")
             (length,) = struct.unpack("!I", header)
@@ -486,7 +555,7 @@ class _Server:
                     raise ValueError("request cut short")
                 body += chunk
             data = _checked(json.loads(body))
-            refused = self._refusal(peer_pid, uid, data)
+            refused = self._refusal(peer, data)
             if refused is not None:
                 for fd in fds:
                     os.close(fd)
@@ -496,17 +565,15 @@ class _Server:
             for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            peer.close()
 
-    def _refusal(self, peer_pid: int, uid: int, data: dict[str, Any]) -> str | None:
+    def _refusal(self, peer: _PeerProcess, data: dict[str, Any]) -> str | None:
         """Why a fresh process would not run as a driver forked from here would, or None."""
-        if uid != os.geteuid():
-            return f"the command runs as uid {uid}, the server as {os.geteuid()}"
-        try:
-            theirs = {ns: os.readlink(f"/proc/{peer_pid}/ns/{ns}") for ns in NAMESPACES}
-        except OSError:
-            theirs = {}
-        if peer_pid <= 0 or theirs != self.namespaces:
-            return f"the command (pid {peer_pid}) is not in the server's namespaces (a sandbox's, say)"
+        if peer.uid != os.geteuid():
+            return f"the command runs as uid {peer.uid}, the server as {os.geteuid()}"
+        if peer.namespaces() != self.namespaces:
+            return f"the command (pid {peer.pid}) is not in the server's namespaces (a sandbox's, say)"
         if data.get("package") != self.package or data.get("prefix") != sys.prefix:
             where = f"{str(data.get('package'))[:200]}, {str(data.get('prefix'))[:200]}"
             return f"another checkout or Python: {where}"
@@ -560,11 +627,12 @@ class _Server:
         """In the forked driver: nothing of the server's stays open or handled; the command's ignored
         signals are ignored here too."""
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for signum in request.ignored:
-            signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in HELD:  # as the command has them, whatever the server inherited
+            if int(sig) in request.ignored:
+                signal.signal(sig, signal.SIG_IGN)
+            else:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for pidfd, (_pid, held) in self.drivers.items():
             os.close(pidfd)
@@ -581,6 +649,13 @@ class _Driver(Exception):
     def __init__(self, request: Request) -> None:
         super().__init__("forked driver")
         self.request = request
+
+
+def _kill_unstarted(pid: int) -> None:
+    """End a forked driver that never had its go-ahead: it has not begun the run."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 def _line(conn: socket.socket, deadline: float, limit: int = 64) -> bytes:
@@ -659,10 +734,17 @@ def _preload() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m executor.driver_server SOCKET READY_FD", file=sys.stderr)
+    if len(argv) != 3:
+        print("usage: python -m executor.driver_server SOCKET READY_FD LIMITS_JSON", file=sys.stderr)
         return 2
     path, ready_fd = Path(argv[0]), int(argv[1])
+    import resource
+
+    # The limits `rollout up` was given: its daemon's were raised by Ray's start since.
+    for name, (soft, hard) in json.loads(argv[2]).items():
+        if name in LIMITS:
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(getattr(resource, name), (soft, hard))
     from sandboxes import proctree
 
     parent = os.getppid()

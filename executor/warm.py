@@ -212,8 +212,12 @@ class _DriverServer:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        # As `rollout up` was given it: Ray adds variables to this process's once it starts.
+        # As `rollout up` was given them: Ray adds variables to this process's environment once it
+        # starts, and raises its limit of open files.
+        from executor.driver_server import process_traits
+
         self.env = dict(os.environ)
+        self.limits = json.dumps(process_traits()["limits"])
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_r: int | None = None
         self.was_ready = False  # one that never listened (a socket path too long, say) is not restarted
@@ -224,7 +228,14 @@ class _DriverServer:
         ready_r, ready_w = os.pipe()
         with open(self.directory / LOG, "ab") as logfile:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "executor.driver_server", str(self.directory / SOCKET), str(ready_w)],
+                [
+                    sys.executable,
+                    "-m",
+                    "executor.driver_server",
+                    str(self.directory / SOCKET),
+                    str(ready_w),
+                    self.limits,
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=logfile,
                 stderr=logfile,
@@ -258,6 +269,7 @@ class _DriverServer:
             return
         log.warning("the pre-imported driver stopped taking runs; starting a fresh one")
         if self.proc.poll() is None:
+            self.proc.terminate()  # it stops listening (if it still did) and exits once its drivers have
             self.retired.append(self.proc)
         self._start()
         self.wait_ready()

@@ -19,7 +19,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Runs under test never attach to a warm executor (`rollout up`) a developer left running.
 os.environ["ROLLOUT_WARM_DIR"] = tempfile.mkdtemp(prefix="rollout-warm-test-")
-from sandboxes.testing.leaks import ended, processes_under  # noqa: F401  (their home; tests import them from here)
+from sandboxes.testing.leaks import ended, processes_under, stopped_by  # noqa: F401  (their home; tests import them from here)
 
 REPO = Path(__file__).parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 
 from executor.runs import MARKER, list_runs, run_lock
 from executor.store import part_files
-from tests.conftest import processes_under
+from tests.conftest import processes_under, stopped_by
 
 REPO = Path(__file__).parents[1]
 
@@ -137,9 +137,7 @@ def test_a_real_run_while_it_is_going_then_interrupted(tmp_path):
         assert str(run_dir) in second.stderr and f"pid {driver.pid} " in second.stderr
         assert (run_dir / MARKER).read_bytes() == lock and driver.poll() is None
     finally:
-        if driver.poll() is None:
-            driver.send_signal(signal.SIGINT)  # the driver stops, cleans up and writes its summary
-        driver.wait(timeout=180)
+        stopped_by(driver, signal.SIGINT, 180)  # the driver stops, cleans up and writes its summary
     assert not (run_dir / MARKER).exists()
     assert [r.state for r in list_runs(tmp_path / "out")] == ["stopped"]
     assert not processes_under(str(tmp_path / "sandboxes"))

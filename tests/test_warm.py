@@ -22,7 +22,7 @@ import pytest
 
 from executor import warm
 from executor.store import read_table
-from tests.conftest import REPO, ended, processes_under, rollout_run
+from tests.conftest import REPO, ended, processes_under, rollout_run, stopped_by
 from tests.test_fast_exit import _config, _gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
@@ -269,7 +269,7 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
     ghost = _config(tmp_path, "ghost", 1).rename(tmp_path / "ghost.yaml")
     pid = _send_raw(tmp_path / "warm" / SOCKET, _request(env, ["run", str(ghost)]))
     assert pid is not None and ended(pid, bound_s=30)
-    assert "went before its driver started" in log.read_text()
+    assert _waited(lambda: "the command's driver did not start" in log.read_text(), 30)
     assert not (tmp_path / "out" / "ghost").exists()
 
     # Ctrl-C reaches the driver: it stops as a run in its own process does, its rows kept.
@@ -298,20 +298,19 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
     edited = REPO / "executor" / "phases.py"
     times = edited.stat()
     os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns + 1_000_000_000))
-    try:
+    try:  # edited until the fresh server has served: it imports the edited tree, whenever it starts
         stale = _config(tmp_path, "stale", 1).rename(tmp_path / "stale.yaml")
         proc = _command(env, "run", str(stale))
+        assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
+        changed = "refused a run: source files or installed packages changed"
+        assert _served(log, stale) == [] and changed in log.read_text()
+        restarted = "starting a fresh one"
+        assert _waited(lambda: restarted in log.read_text() and (tmp_path / "warm" / SOCKET).exists(), 60)
+        fresh = _config(tmp_path, "fresh", 1).rename(tmp_path / "fresh.yaml")
+        assert _command(env, "run", str(fresh)).returncode == 0
+        assert _served(log, fresh)[-1].endswith("exited 0")
     finally:
         os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns))
-    assert proc.returncode == 0 and "rows: 1  final: 1" in proc.stdout, proc.stderr[-3000:]
-    assert _served(log, stale) == [] and "refused a run: source files or installed packages changed" in (
-        log.read_text()
-    )
-    restarted = "starting a fresh one"
-    assert _waited(lambda: restarted in log.read_text() and (tmp_path / "warm" / SOCKET).exists(), 60)
-    fresh = _config(tmp_path, "fresh", 1).rename(tmp_path / "fresh.yaml")
-    assert _command(env, "run", str(fresh)).returncode == 0
-    assert _served(log, fresh)[-1].endswith("exited 0")
 
     down = _command(env, "down")
     assert down.returncode == 0
@@ -345,8 +344,7 @@ def _signalled(env: dict[str, str], config: Path, signum: int) -> int:
     reader.start()
     try:
         assert progress.wait(120), "no progress line within the bound"
-        command.send_signal(signum)
-        return command.wait(timeout=180)
+        return stopped_by(command, signum, 180)
     finally:
         if command.poll() is None:
             command.kill()

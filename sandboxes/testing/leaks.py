@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import select
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 # How long a process whose command line reads empty is watched: that is one in the middle of an exec,
 # or of an exit (its memory gone, its working directory not yet), which ends as a zombie in moments.
@@ -58,3 +60,30 @@ def ended(pid: int, bound_s: float) -> bool:
         return bool(select.select([pidfd], [], [], bound_s)[0])
     finally:
         os.close(pidfd)
+
+
+def signal_state(pid: int) -> str:
+    """A process's state and signal masks as /proc shows them (blocked, ignored, caught), for a test
+    that sent it a signal it did not act on."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    wanted = ("State:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:", "SigCgt:")
+    return f"pid {pid}: " + "; ".join(line for line in lines if line.startswith(wanted))
+
+
+def stopped_by(proc: Any, signum: int, bound_s: float) -> int:
+    """Send ``signum`` to ``proc`` (a Popen) and wait for its exit code within ``bound_s``; past it,
+    fail with the process's signal masks (then kill it: it must not outlive the test)."""
+    if proc.poll() is None:
+        proc.send_signal(signum)
+    try:
+        return int(proc.wait(timeout=bound_s))
+    except subprocess.TimeoutExpired:
+        state = signal_state(proc.pid)
+        proc.kill()
+        proc.wait(timeout=60)
+        raise AssertionError(
+            f"signal {signum} did not end the process within {bound_s:.0f} s: {state}"
+        ) from None
