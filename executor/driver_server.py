@@ -142,21 +142,7 @@ def _ask(args: list[str]) -> tuple[socket.socket, int, int]:
         # The environment (keys among it) goes only to a server of this user.
         if _peer(sock)[1] != os.geteuid():
             raise PermissionError(f"{path} is another user's")
-        ignored = [int(sig) for sig in HELD if signal.getsignal(sig) is signal.SIG_IGN]
-        body = json.dumps(
-            {
-                "args": args,
-                "cwd": os.getcwd(),
-                "env": dict(os.environ),
-                "package": str(Path(__file__).parent),
-                "prefix": sys.prefix,
-                "version": sys.version,
-                "path": sys.path,
-                "umask": _umask(),
-                "ignored": ignored,
-                "traits": process_traits(),
-            }
-        ).encode()
+        body = json.dumps(request_of(args)).encode()
         header = struct.pack("!I", len(body))
         sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         sock.sendall(body)
@@ -183,6 +169,23 @@ def _ask(args: list[str]) -> tuple[socket.socket, int, int]:
         os.close(pidfd)
         raise ValueError("refused")
     return sock, pidfd, pid
+
+
+def request_of(args: list[str]) -> dict[str, Any]:
+    """What this process hands the server for ``rollout ARGS``: all a forked driver takes from it, and
+    all the server compares with its own."""
+    return {
+        "args": args,
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+        "package": str(Path(__file__).parent),
+        "prefix": sys.prefix,
+        "version": sys.version,
+        "path": sys.path,
+        "umask": _umask(),
+        "ignored": [int(sig) for sig in HELD if signal.getsignal(sig) is signal.SIG_IGN],
+        "traits": process_traits(),
+    }
 
 
 def process_traits() -> dict[str, Any]:

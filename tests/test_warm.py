@@ -361,23 +361,10 @@ def _waited(condition: Callable[[], bool], bound_s: float) -> bool:
 
 
 def _request(env: dict[str, str], args: list[str]) -> bytes:
-    """The body of a request as the command sends it, from this process's own traits."""
-    from executor import driver_server
+    """The body of a request as the command sends it, from this process, with ``env`` as its environment."""
+    from executor.driver_server import request_of
 
-    return json.dumps(
-        {
-            "args": args,
-            "cwd": str(REPO),
-            "env": env,
-            "package": str(Path(driver_server.__file__).parent),
-            "prefix": sys.prefix,
-            "version": sys.version,
-            "path": sys.path,
-            "umask": 0o022,
-            "ignored": [],
-            "traits": driver_server.process_traits(),
-        }
-    ).encode()
+    return json.dumps({**request_of(args), "env": env, "cwd": str(REPO)}).encode()
 
 
 def _send_raw(path: Path, body: bytes) -> int | None:
