@@ -46,14 +46,30 @@ class ModelConfig(BaseModel):
     provider: Literal["scripted", "openai"] = "scripted"
     base_url: str | None = None  # required for openai; ends in /v1
     api_key_env: str | None = None  # the variable holding the key; the key itself never enters config
-    name: str = "scripted-model"
-    max_output_tokens: int | None = None
+    name: str = "scripted-model"  # every model call goes upstream with this name, whatever a harness sent
+    max_output_tokens: int | None = Field(default=None, ge=1)  # None: the gateway's max_output_tokens
+    # Request parameters set on every model call over what the harness sent (temperature, top_p,
+    # service_tier, a server's own such as top_k): the only way a tier or routing option goes upstream.
+    parameters: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _endpoint(self) -> ModelConfig:
         if self.provider == "openai" and not self.base_url:
             raise ValueError("model.base_url is required when model.provider is 'openai'")
+        owned = sorted(set(self.parameters) & _HARNESS_OWNED)
+        if owned:
+            raise ValueError(
+                f"model.parameters: {', '.join(owned)} belong to the harness's request, not the run"
+            )
         return self
+
+    def pins(self) -> dict[str, Any]:
+        """What the gateway pins on every model call (``Gateway(url, key, config, **model.pins())``)."""
+        return {
+            "model": self.name,
+            "max_output_tokens": self.max_output_tokens,
+            "parameters": self.parameters,
+        }
 
     def api_key(self) -> str | None:
         if not self.api_key_env:
@@ -62,6 +78,10 @@ class ModelConfig(BaseModel):
         if value is None:
             raise InputError(f"model.api_key_env: environment variable {self.api_key_env} is not set")
         return value
+
+
+# The parts of a model call that are the conversation itself, not a setting of the run's.
+_HARNESS_OWNED = frozenset({"model", "messages", "input", "instructions", "tools", "stream"})
 
 
 def _provider_of(value: Any) -> str | None:

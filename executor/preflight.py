@@ -1,9 +1,17 @@
 """Preflight: one look at the endpoint before any sandbox starts.
 
 A wrong URL, key or model name, or an account out of credits, would fail every session of a run the same
-way; caught here it costs one line and exit code 2, with nothing written. Two requests at most (plus
-retries of a 5xx or a transport error): ``GET /models``, when the endpoint serves that list, must name the
-model, and one minimal non-streamed request on the API the configured harness speaks must answer 2xx.
+way; caught here it costs one line and exit code 2, with nothing written. A few requests at most (plus
+retries of a 5xx or a transport error): ``GET /models``, when the endpoint serves that list, and one
+minimal non-streamed request on the API the configured harness speaks (the gateway's own probe,
+``harnesses.gateway.upstream.probe_body``), which must answer 2xx.
+
+It never refuses a working endpoint: only what every request of the run would also fail on. A list that
+does not name the model (a proxy's wildcard routes, a list of aliases) refuses nothing when the request
+itself is answered; it is named in the error line when the request fails too. A Chat request refused for
+its ``max_tokens`` (the newest reasoning models want ``max_completion_tokens``) is sent again with the other
+name, as the harnesses' own clients do. With no harness API to try (the ``command`` harness), a list that
+lacks the model is a warning, not a refusal.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 
 from harnesses.base import HarnessApi
+from harnesses.gateway.upstream import API_PATHS, CHAT_TOKEN_FIELDS, probe_body, refuses_token_field
 from policy import error_message_of
 
 if TYPE_CHECKING:
@@ -30,11 +39,6 @@ _ATTEMPTS = 3  # a 5xx or a transport error is tried twice more, within the over
 _BACKOFF_S = 0.5
 _MESSAGE_CHARS = 300  # of the endpoint's own error message: enough to read, short enough for one line
 _SHOWN_MODELS = 10
-_PROMPT = "Reply with the single word OK."
-# 16 is the Responses API's smallest max_output_tokens; a reasoning model that spends them all still
-# answers 200 (incomplete), which is all the check needs.
-_MAX_TOKENS = 16
-_PATHS: dict[HarnessApi, str] = {"responses": "/responses", "chat": "/chat/completions"}
 
 Verdict = Literal["ok", "busy", "retry", "fail"]
 
@@ -57,7 +61,7 @@ class PreflightResult:
     elapsed_s: float
     listed: bool  # the endpoint's /models list was read and names the model
     api: HarnessApi | None  # the API the minimal request went to; None: no request (command harness)
-    warning: str | None  # one line when the endpoint answered 429: it works, but is busy
+    warning: str | None  # one line when the endpoint answered 429 (busy), or listed the model not
 
 
 def preflight(cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> PreflightResult:
@@ -111,6 +115,8 @@ async def check_endpoint(
                 listed = await probe.models()
                 if api is not None:
                     await probe.request(api)
+                elif probe.unlisted is not None:
+                    probe.warn(f"preflight: {probe.unlisted}; with no harness API to try, the run goes on")
         except TimeoutError:
             raise probe.timed_out(timeout_s) from None
     return PreflightResult(time.monotonic() - started, listed, api, probe.warning)
@@ -124,6 +130,7 @@ class _Probe:
         self.target = f"GET {base_url}/models"
         self.last_problem: str | None = None
         self.warning: str | None = None
+        self.unlisted: str | None = None  # the list did not name the model: said if the request fails too
 
     def fail(self, problem: str) -> PreflightError:
         return PreflightError(self.target, self.model, problem)
@@ -146,23 +153,36 @@ class _Probe:
             return False
         if self.model in ids:
             return True
-        raise self.fail(_not_served(ids))
+        # Not proof: a proxy serves models its list does not name (LiteLLM's wildcard routes). The request
+        # decides; this is said with its failure.
+        self.unlisted = f"GET {self.base_url}/models {_not_served(ids)}"
+        return False
 
     async def request(self, api: HarnessApi) -> None:
-        response = await self._send("POST", _PATHS[api], _minimal_body(api, self.model))
+        fields = CHAT_TOKEN_FIELDS if api == "chat" else ("max_output_tokens",)
+        for field in fields:
+            response = await self._send("POST", API_PATHS[api], probe_body(api, self.model, field))
+            if field != fields[-1] and refuses_token_field(response.status_code, response.content, field):
+                continue  # refused for the token field's name: the other name, as a harness's client would
+            break
         self._judge(response)
 
     def _judge(self, response: httpx.Response) -> Verdict:
         """ok or busy (noted once as the warning), else raise: the retries are already spent."""
         verdict = _verdict(response.status_code)
-        if verdict == "busy" and self.warning is None:
-            self.warning = (
+        if verdict == "busy":
+            self.warn(
                 f"preflight: {self.target} for model {self.model!r}: {_http_problem(response)}; "
                 "the endpoint is busy but answers, so the run goes on"
             )
         if verdict in ("ok", "busy"):
             return verdict
-        raise self.fail(_http_problem(response))
+        listed = f"; and {self.unlisted}" if self.unlisted else ""
+        raise self.fail(_http_problem(response) + listed)
+
+    def warn(self, line: str) -> None:
+        if self.warning is None:  # one line: the first thing worth saying
+            self.warning = line
 
     async def _send(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
         """The endpoint's answer; a 5xx or a transport error is tried again (the caller's timeout bounds
@@ -195,23 +215,6 @@ def _verdict(status: int) -> Verdict:
     return "fail"  # 401/403/402/404 and any other 4xx (or a redirect) will not change on a retry
 
 
-def _minimal_body(api: HarnessApi, model: str) -> dict[str, Any]:
-    if api == "responses":
-        return {
-            "model": model,
-            "input": _PROMPT,
-            "max_output_tokens": _MAX_TOKENS,
-            "stream": False,
-            "store": False,  # a hosted endpoint keeps nothing of the check
-        }
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": _PROMPT}],
-        "max_tokens": _MAX_TOKENS,
-        "stream": False,
-    }
-
-
 def _served_ids(response: httpx.Response) -> list[str] | None:
     """The model ids of an OpenAI-style list (``{"data": [{"id": ...}]}``); None for anything else, or
     for a page of a longer list, where a missing name proves nothing."""
@@ -227,10 +230,10 @@ def _served_ids(response: httpx.Response) -> list[str] | None:
 
 def _not_served(ids: list[str]) -> str:
     if not ids:
-        return "not served: the endpoint's model list is empty"
+        return "lists no model at all"
     shown = ", ".join(ids[:_SHOWN_MODELS])
     more = f" and {len(ids) - _SHOWN_MODELS} more" if len(ids) > _SHOWN_MODELS else ""
-    return f"not served; the endpoint serves: {shown}{more}"
+    return f"does not list it; it lists: {shown}{more}"
 
 
 def _http_problem(response: httpx.Response) -> str:

@@ -111,7 +111,7 @@ async def replay_context(
     # harness sees the same filesystem, user and network, so what it does compares.
     if not isinstance(cfg.sandbox, LocalSandboxConfig):
         cfg = cfg.model_copy(update={"sandbox": LocalSandboxConfig(root=str(cfg.sandbox.root_dir()))})
-    gateway = Gateway(upstream, key, cfg.gateway)
+    gateway = Gateway(upstream, key, cfg.gateway, **cfg.model.pins())
     await gateway.start(unix_path=gateway_socket(cfg))
     try:
         yield SessionContext(

@@ -496,6 +496,7 @@ def _record_agent(row: Row, result: ExecResult, report: HarnessReport, gw: Gatew
     row.model_calls = [ModelCall.of(a) for a in gw.attempts]
     row.t_model_wait_s = round(gw.model_wait_s, 4)
     row.evidence_gaps.extend(report.evidence_gaps)
+    row.evidence_gaps.extend(gw.evidence_gaps())  # bodies past the session's kept-bytes bound
     if row.input_tokens is None and "usage_unavailable" not in row.evidence_gaps:
         row.evidence_gaps.append("usage_unavailable")
 

@@ -100,7 +100,7 @@ class SandboxWorker:
                 upstream, key = scripted.base_url, None
             else:
                 upstream, key = cfg.model.base_url or "", cfg.model.api_key()
-            gateway = Gateway(upstream, key, cfg.gateway)
+            gateway = Gateway(upstream, key, cfg.gateway, **cfg.model.pins())
             await gateway.start(host=gateway_host(cfg), unix_path=gateway_socket(cfg))
             root = cfg.sandbox.root_dir()
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.

@@ -38,6 +38,14 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
             f"({gateway.model_wait_s:.1f}s of the session spent waiting on the model)",
             **http,
         )
+    if result.timed_out and not result.limit and not gateway.attempts and gateway.requests_made() == 0:
+        # The deadline fell before the harness's first model request: its start-up (a loaded machine, a
+        # slow install or sandbox) took the time, and no work of the policy's was there to grade.
+        return Outcome.of(
+            FailureKind.AGENT_NO_MODEL_CALL,
+            f"deadline of {result.duration_s:.1f}s fell before the harness's first model request",
+            **http,
+        )
     if result.timed_out:
         # A bound of the sandbox's (its disk) ends it as its deadline would: stopped by a limit, its doing.
         why = f"harness stopped after {result.duration_s:.1f}s: {result.limit}" if result.limit else None

@@ -44,6 +44,7 @@ class FailureKind(StrEnum):
     AGENT_CRASH = "agent_crash"
     AGENT_NO_RESULT = "agent_no_result"
     AGENT_NO_MODEL_CALL = "agent_no_model_call"
+    AGENT_REQUEST_LIMIT = "agent_request_limit"
     SETUP_FAILED = "setup_failed"
     SANDBOX_START_FAILED = "sandbox_start_failed"
     SANDBOX_LOST = "sandbox_lost"
@@ -101,6 +102,11 @@ KIND_INFO: dict[FailureKind, KindInfo] = {
     ),
     FailureKind.AGENT_NO_MODEL_CALL: KindInfo(
         Status.FAILED, True, "the harness exited without a single model request: a launch problem"
+    ),
+    FailureKind.AGENT_REQUEST_LIMIT: KindInfo(
+        Status.INCOMPLETE,
+        False,
+        "the session passed the gateway's bound on its model calls (count or request body size)",
     ),
     FailureKind.SETUP_FAILED: KindInfo(Status.FAILED, True, "workspace setup or harness install failed"),
     FailureKind.SANDBOX_START_FAILED: KindInfo(Status.FAILED, True, "the sandbox never became ready"),

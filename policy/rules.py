@@ -45,6 +45,7 @@ DEFAULT_RULES: dict[FailureKind, Rule] = {
     FailureKind.AGENT_TIMEOUT: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.MODEL_REQUEST_ERROR: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.AGENT_NO_RESULT: Rule(grade=True, final=FinalAs.ACCEPT),
+    FailureKind.AGENT_REQUEST_LIMIT: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.AGENT_NO_MODEL_CALL: _infra(),
     FailureKind.MODEL_TIMEOUT: _infra(),
     FailureKind.RATE_LIMIT_EXCEEDED: _infra(),

@@ -118,7 +118,7 @@ async def session_context(
     cfg = RunConfig.model_validate({"run_id": "t", "tasks": str(tmp_path / "none.jsonl"), **(config or {})})
     scripted = ScriptedModel(model_names=(cfg.model.name,))
     await scripted.start()
-    gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway)
+    gateway = Gateway(upstream or scripted.base_url, api_key, cfg.gateway, **cfg.model.pins())
     await gateway.start(unix_path=gateway_socket(cfg))
     provider: Any = build_provider(cfg, tmp_path / "sandboxes", gateway, locate(str(tmp_path / "evidence")))
     try:

@@ -268,7 +268,7 @@ async def _plain_runner(n: int, concurrency: int, scratch: Path) -> tuple[float,
     cfg = load_config(_write_config(scratch, f"plain{concurrency}", tasks_path, ""))
     model = ScriptedModel()
     await model.start()
-    gateway = Gateway(model.base_url, None, cfg.gateway)
+    gateway = Gateway(model.base_url, None, cfg.gateway, **cfg.model.pins())
     await gateway.start()
     ctx = SessionContext(
         config=cfg,

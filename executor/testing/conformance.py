@@ -233,7 +233,7 @@ async def run_cell(
         await asyncio.to_thread(shutil.rmtree, cell_dir, True)
         scripted = ScriptedModel(model_names=(cfg.model.name,))
         await scripted.start()
-        gateway = Gateway(scripted.base_url, None, cfg.gateway)
+        gateway = Gateway(scripted.base_url, None, cfg.gateway, **cfg.model.pins())
         provider: SandboxProvider | None = None
         try:
             await gateway.start(unix_path=gateway_socket(cfg))  # a short path of its own, if any

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from harnesses.gateway.capture import GzipCapture, TokenCapture, UsageSniffer
+from harnesses.gateway.capture import ContentScanner, GzipCapture, TokenCapture, UsageSniffer
 from harnesses.gateway.limits import MAX_MESSAGE_CHARS, GatewayConfig
 from harnesses.gateway.session import AttemptRecord, GatewaySession
 from policy import FailureKind, bound_text, kind_for_stream_error
@@ -34,12 +34,14 @@ class Request:
     body: bytes
     sha256: str
     arrived: float  # monotonic
-    last_byte: float  # monotonic: the arrival, then each upstream body byte of any attempt; not a retry
+    last_byte: float  # monotonic: the arrival, then each upstream content of any attempt; not a retry
+    stream: bool = False  # the harness asked for an event stream: any other answer is not an answer
     capture_tokens: bool = False  # the body was rewritten to ask for token ids; parse the answer for them
     request_file: str | None = None
     request_truncated: bool = False
-    # The body's kept copy, written while the first attempt goes upstream: (file name, (written, cut)).
-    saving: tuple[str, asyncio.Future[tuple[bool, bool]]] | None = None
+    # The body's kept copy, written while the first attempt goes upstream: (file name, (written, cut,
+    # bytes written)).
+    saving: tuple[str, asyncio.Future[tuple[bool, bool, int]]] | None = None
 
     async def saved(self) -> None:
         """Wait for the kept copy of the body, so that the attempt's record can name it."""
@@ -54,36 +56,40 @@ class Request:
         name, future = self.saving
         self.saving = None
         if not future.cancelled() and future.exception() is None:
-            written, self.request_truncated = future.result()
+            written, self.request_truncated, size = future.result()
             self.request_file = name if written else None
+            self.session.kept(size)
 
 
 class StallTimer:
-    """The time bounds of one upstream answer: its first body byte within ``first_byte_timeout_s`` of
-    sending (the wait for the headers included), then no gap longer than ``chunk_timeout_s``."""
+    """The time bounds of one upstream answer: its first content within ``first_byte_timeout_s`` of
+    sending (the wait for the headers included), then no gap between contents longer than
+    ``chunk_timeout_s``. Content is what ``ContentScanner`` says it is: bytes that only keep a connection
+    alive are no progress."""
 
-    __slots__ = ("_config", "_first_by", "req", "started")
+    __slots__ = ("_by", "_config", "req", "started")
 
     def __init__(self, req: Request, config: GatewayConfig) -> None:
         self._config = config
-        self._first_by = time.monotonic() + config.first_byte_timeout_s
-        self.req = req  # its last_byte is stamped with each body byte
-        self.started = False  # a body byte came
+        self._by = time.monotonic() + config.first_byte_timeout_s
+        self.req = req  # its last_byte is stamped with each content
+        self.started = False  # content came
 
     def wait_s(self) -> float:
         """How long the next read may wait."""
-        if self.started:
-            return self._config.chunk_timeout_s
-        return max(self._first_by - time.monotonic(), 0.0)
+        return max(self._by - time.monotonic(), 0.0)
 
     def byte(self) -> None:
+        """Content came: the next must come within ``chunk_timeout_s``."""
         self.started = True
-        self.req.last_byte = time.monotonic()
+        now = time.monotonic()
+        self.req.last_byte = now
+        self._by = now + self._config.chunk_timeout_s
 
     def message(self) -> str:
         if self.started:
-            return f"stalled mid-answer: no byte for chunk_timeout_s={self._config.chunk_timeout_s:g}s"
-        return f"stalled: no first byte within first_byte_timeout_s={self._config.first_byte_timeout_s:g}s"
+            return f"stalled mid-answer: no content for chunk_timeout_s={self._config.chunk_timeout_s:g}s"
+        return f"stalled: no content within first_byte_timeout_s={self._config.first_byte_timeout_s:g}s"
 
 
 class Attempt:
@@ -100,17 +106,27 @@ class Attempt:
         self.streamed = False
         self.ttfb_s: float | None = None
         self.response_bytes = 0
+        self.content = False  # some of the answer's bytes carried content
+        self._scanner: ContentScanner | None = None  # made at the first byte, once streamed is known
         self.tokens = TokenCapture() if req.capture_tokens else None
         self.usage = UsageSniffer(self.tokens)
-        self.capture = GzipCapture(config.max_body_bytes) if config.keep_bodies else None
+        # Past the session's max_kept_bytes_per_session nothing more is compressed or kept (noted on it).
+        keep = config.keep_bodies and req.session.may_keep()
+        self.capture = GzipCapture(config.max_body_bytes) if keep else None
+        self._unkept = config.keep_bodies and not keep
         self.record: AttemptRecord | None = None
         # The answer's final event reached the harness: nothing that ends the attempt later undoes it.
         self.answer_delivered = False
         req.session.attempt_started(self)
 
     def received(self, chunk: bytes) -> None:
-        if self.ttfb_s is None:
-            self.ttfb_s = self.req.last_byte - self._t0  # stamped by the read that got this chunk
+        if self._scanner is None:
+            self._scanner = ContentScanner(self.streamed)
+        if self._scanner.feed(chunk):
+            self.timer.byte()
+            self.content = True
+            if self.ttfb_s is None:
+                self.ttfb_s = self.req.last_byte - self._t0
         self.response_bytes += len(chunk)
         if self.capture is not None:
             self.capture.feed(chunk)
@@ -138,6 +154,9 @@ class Attempt:
         if self.capture is not None and self.response_bytes:
             name = f"resp-{req.index}-{self.number}.{'sse' if self.streamed else 'json'}.gz"
             response_file = name if self.capture.save(session.evidence_dir / name) else None
+            session.kept(self.capture.saved_bytes)
+        elif self._unkept and self.response_bytes:
+            session.not_kept()
         self.record = AttemptRecord(
             request_index=req.index,
             attempt=self.number,
@@ -189,17 +208,15 @@ class UpstreamCut(Exception):
 
 
 async def read_upstream(upstream: aiohttp.ClientResponse, timer: StallTimer) -> bytes:
-    """The next bytes of the answer as they arrive (b"" at its end), within the stall bounds."""
+    """The next bytes of the answer as they arrive (b"" at its end), within the stall bounds; the caller
+    says which of them were content (``StallTimer.byte``)."""
     try:
         async with asyncio.timeout(timer.wait_s()):
-            chunk = await upstream.content.readany()
+            return await upstream.content.readany()
     except aiohttp.ClientError as exc:  # before TimeoutError: aiohttp's own read timeout is both
         raise UpstreamCut(FailureKind.TRANSPORT_ERROR, describe(exc)) from exc
     except TimeoutError:
         raise UpstreamCut(FailureKind.MODEL_TIMEOUT, timer.message()) from None
-    if chunk:
-        timer.byte()
-    return chunk
 
 
 def describe(exc: aiohttp.ClientError) -> str:

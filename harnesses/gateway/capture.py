@@ -23,6 +23,38 @@ from harnesses.gateway.limits import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_FINAL_EVENTS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
+
+
+class ContentScanner:
+    """Which bytes of an answer carry content, the only progress the stall bounds count. In an event
+    stream, the bytes of a data line: comments (``: keep-alive``), event / id / retry lines and blank lines
+    are not content, as a proxy sends them while a request waits in its queue. In any other body, bytes
+    other than whitespace."""
+
+    def __init__(self, sse: bool) -> None:
+        self._sse = sse
+        self._head = b""  # the current line's first bytes while its kind is not known
+        self._data: bool | None = None  # the current line is a data line; None: not known yet
+
+    def feed(self, chunk: bytes) -> bool:
+        """Whether ``chunk`` carried content."""
+        if not self._sse:
+            return bool(chunk.strip())
+        content = False
+        pieces = chunk.split(b"\n")
+        for number, piece in enumerate(pieces):
+            ends = number < len(pieces) - 1
+            if self._data is None:
+                head = self._head + piece[: 5 - len(self._head)]
+                if len(head) >= 5 or ends:
+                    self._data, self._head = head.startswith(b"data:"), b""
+                else:
+                    self._head = head
+            content = content or bool(self._data and piece)
+            if ends:
+                self._data, self._head = None, b""
+        return content
 
 
 class GzipCapture:
@@ -33,6 +65,7 @@ class GzipCapture:
         self._parts: list[bytes] = []
         self._left = limit
         self.truncated = False
+        self.saved_bytes = 0  # the file's size once saved
 
     def feed(self, chunk: bytes) -> None:
         if len(chunk) > self._left:
@@ -43,10 +76,13 @@ class GzipCapture:
 
     def save(self, path: Path) -> bool:
         """False when the file could not be written: a gap in the evidence must not fail the request."""
+        data = b"".join(self._parts) + self._zip.flush()
+        self._parts = []
         try:
-            path.write_bytes(b"".join(self._parts) + self._zip.flush())
+            path.write_bytes(data)
         except OSError:
             return False
+        self.saved_bytes = len(data)
         return True
 
 
@@ -162,6 +198,7 @@ class UsageSniffer:
         self.finish_reason: str | None = None
         self.error: tuple[str | int | None, str] | None = None  # (code, message), bounded
         self._error_event = False  # the event line before this data line said "error"
+        self._done = False  # a terminal event was seen that the parsed objects do not show
         self._line_limit = MAX_CAPTURE_LINE_BYTES if tokens else MAX_SNIFF_LINE_BYTES
         # The unfinished line in parts, joined once its newline comes: a long line costs one copy.
         self._pending: list[bytes] = []
@@ -183,6 +220,8 @@ class UsageSniffer:
             if line.startswith(b"data:"):
                 if line[5:].strip() != b"[DONE]":
                     self.feed_json(line[5:])
+                else:
+                    self._done = True
                 self._error_event = False
             elif line.startswith(b"event:"):
                 self._error_event = line[6:].strip() == b"error"
@@ -191,13 +230,26 @@ class UsageSniffer:
         self._pending.append(part)
         self._pending_bytes += len(part)
         if self._pending_bytes > self._line_limit:
+            # Too long to parse; a Responses final event can be (it repeats the whole answer): its type,
+            # near the line's start, still says the answer ended.
+            head = b"".join(self._pending)[:512]
+            self._done = self._done or any(t in head for t in _FINAL_EVENTS)
             self._pending, self._pending_bytes, self._overlong = [], 0, True
 
-    def feed_json(self, text: bytes) -> None:
+    def feed_json(self, text: bytes) -> bool:
+        """Take one JSON text; whether it was a JSON object."""
         try:
-            self._take(json.loads(text))
+            obj = json.loads(text)
         except ValueError:
-            pass
+            return False
+        self._take(obj)
+        return isinstance(obj, dict)
+
+    @property
+    def ended(self) -> bool:
+        """The answer's terminal event came: Chat's ``[DONE]`` or a finish reason, a Responses final
+        event, or an error (a stream cut after any of them lost nothing the harness needs)."""
+        return self._done or self.finish_reason is not None or self.error is not None
 
     def _take(self, obj: Any) -> None:
         if not isinstance(obj, dict):
@@ -255,6 +307,12 @@ def ask_for_tokens(body: bytes, path: str, top_logprobs: int | None) -> bytes | 
         return None
     if not isinstance(data, dict):
         return None
+    add_token_params(data, path, top_logprobs)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def add_token_params(data: dict[str, Any], path: str, top_logprobs: int | None) -> None:
+    """Ask for vLLM's token ids and logprobs in the request object ``data``, in place."""
     if path == CHAT_PATH:
         data["logprobs"] = True
     else:
@@ -268,14 +326,13 @@ def ask_for_tokens(body: bytes, path: str, top_logprobs: int | None) -> bytes | 
     # both today (vLLM logs unknown fields and goes on); sent so an endpoint that learns them answers.
     data["return_tokens_as_token_ids"] = True
     data["return_token_ids"] = True
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def save_gzip(body: bytes, limit: int, path: Path) -> tuple[bool, bool]:
-    """Write ``body`` (at most ``limit`` bytes of it) gzipped: (written, cut)."""
+def save_gzip(body: bytes, limit: int, path: Path) -> tuple[bool, bool, int]:
+    """Write ``body`` (at most ``limit`` bytes of it) gzipped: (written, cut, bytes written)."""
     capture = GzipCapture(limit)
     capture.feed(body)
-    return capture.save(path), capture.truncated
+    return capture.save(path), capture.truncated, capture.saved_bytes
 
 
 def _is_count(value: Any) -> bool:

@@ -44,9 +44,30 @@ class GatewayConfig(BaseModel):
     # model call, so a trainer needs no retokenization. Off, requests go upstream byte for byte.
     capture_tokens: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # None: not asked for
+    # -- what one session (one sandbox, written by the policy) may ask of the gateway ------------------------
+    # Model calls forwarded upstream over the whole session; past it the session is closed as
+    # agent_request_limit (a long agent session makes a few hundred).
+    max_requests_per_session: int = Field(default=2_000, ge=1)
+    # Model calls started in any 60 s window; one past it waits at the gateway for its turn (no failure, no
+    # upstream load): an agent looping on the model is slowed, a harness never notices.
+    max_requests_per_minute: int = Field(default=120, ge=1)
+    # A session's requests at the gateway at once (harnesses make one, a title or summary call beside it);
+    # one more is answered with a neutral 400 at once and counted.
+    max_concurrent_requests: int = Field(default=8, ge=1)
+    # One request body; a larger one is never read whole: the session is closed as agent_request_limit.
+    max_request_bytes: int = Field(default=32 * 2**20, ge=1024, le=256 * 2**20)
+    # Compressed bodies kept in the session's evidence dir; past it bodies are no longer kept and the row
+    # says so (evidence gap model_bodies_not_kept). The attempt records themselves are always kept.
+    max_kept_bytes_per_session: int = Field(default=256 * 2**20, ge=0)
+    # Request bodies the whole worker holds in memory at once (read, rewritten, retried); a request that
+    # finds no room waits up to first_byte_timeout_s for it, then is that session's provider_unavailable.
+    max_inflight_body_bytes: int = Field(default=512 * 2**20, ge=1024)
+    # The output-token ceiling of a model call when the run's model.max_output_tokens sets none: a larger
+    # max_tokens / max_completion_tokens / max_output_tokens is lowered to it.
+    max_output_tokens: int = Field(default=32_768, ge=1)
 
 
-MAX_REQUEST_BYTES = 256 * 2**20  # a long agent history passes aiohttp's 1 MiB default easily
+MAX_REQUEST_BYTES = 256 * 2**20  # the most max_request_bytes may be; aiohttp's own cap sits above it
 MAX_HELD_BYTES = 64 * 2**20  # a non-streamed answer is relayed whole up to this, streamed on past it
 MAX_ERROR_BODY_BYTES = 2**20  # an error answer is read (and relayed) up to this; real ones are tiny
 MAX_LISTING_BYTES = 16 * 2**20  # a model listing; OpenRouter's is a few MiB
@@ -76,6 +97,8 @@ def route(method: str, rest: str) -> str | None:
 
 SESSION_HEADER = "x-rollout-session"  # the scripted model keys its scripts on it; a real endpoint ignores it
 
+# Of the endpoint's answer headers, these are the connection's, not the answer's. None of the harness's
+# request headers go upstream: the relay sends its own (relay._upstream_headers).
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -89,15 +112,6 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# The harness's Authorization carries only its session token; the gateway adds the real key itself.
-NOT_FORWARDED = HOP_BY_HOP | {
-    "host",
-    "authorization",
-    "content-length",
-    "accept-encoding",
-    "expect",
-    SESSION_HEADER,
-}
 NOT_RELAYED = HOP_BY_HOP | {"content-length"}
 
 # The only answer that ends all four harnesses' loops after one request, as measured on each. They match on
@@ -119,6 +133,17 @@ NO_LISTING_BODY = (
     b'{"error":{"message":"gateway: the endpoint gave no usable model listing for this lookup",'
     b'"type":"invalid_request_error","code":"gateway_listing_missing"}}'
 )
+
+
+# A model call whose body is no JSON object: never sent upstream. As neutral as CLOSED_BODY.
+REFUSED_BODY = (
+    b'{"error":{"message":"gateway: the request body is not a JSON object; it was not sent on",'
+    b'"type":"invalid_request_error","code":"gateway_body_refused"}}'
+)
+
+
+def refused_body() -> web.Response:
+    return _answer(400, REFUSED_BODY)
 
 
 def closed() -> web.Response:

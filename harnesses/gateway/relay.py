@@ -21,7 +21,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from harnesses.gateway.attempt import Attempt, Request, StallTimer, UpstreamCut, describe, read_upstream
-from harnesses.gateway.capture import ask_for_tokens, save_gzip
+from harnesses.gateway.capture import save_gzip
 from harnesses.gateway.limits import (
     KEEPALIVE_S,
     MAX_CONNECTIONS,
@@ -29,14 +29,16 @@ from harnesses.gateway.limits import (
     MAX_HELD_BYTES,
     MAX_LISTING_BYTES,
     MAX_MESSAGE_CHARS,
-    NOT_FORWARDED,
     NOT_RELAYED,
     SESSION_HEADER,
     GatewayConfig,
     closed,
     no_listing,
+    refused_body,
 )
+from harnesses.gateway.probe import MODEL_STATUSES, RUN_KINDS, RunProbe
 from harnesses.gateway.session import AttemptRecord, GatewaySession
+from harnesses.gateway.upstream import Pinned, Upstream, pin
 from policy import (
     FailureKind,
     Rule,
@@ -50,16 +52,16 @@ from sandboxes.inline import small_inline
 
 
 class Relay:
-    """Carries requests to ``upstream_base_url`` with ``api_key``, within ``config``'s bounds. ``start``
-    before the first request, ``stop`` after the last; both on the gateway's event loop."""
+    """Carries requests to ``upstream`` (its URL, key and the run's pins), within ``config``'s bounds.
+    ``start`` before the first request, ``stop`` after the last; both on the gateway's event loop."""
 
-    def __init__(self, upstream_base_url: str, api_key: str | None, config: GatewayConfig) -> None:
+    def __init__(self, upstream: Upstream, config: GatewayConfig) -> None:
         self.config = config
-        self._upstream = upstream_base_url.rstrip("/")
-        self._api_key = api_key or None
+        self._target = upstream
         self._backoff = Rule(backoff_base_s=config.backoff_base_s, backoff_cap_s=config.backoff_cap_s)
         self._rng = random.Random()
         self._client: aiohttp.ClientSession | None = None
+        self._probes = RunProbe(self.fetch_small)
 
     def start(self) -> None:
         cfg = self.config
@@ -74,8 +76,7 @@ class Relay:
                 sock_read=max(cfg.read_timeout_s, cfg.first_byte_timeout_s, cfg.chunk_timeout_s),
             ),
             auto_decompress=False,  # relayed as received: the usage sniffer and the kept copy see those bytes
-            # What the harness sent, and nothing of aiohttp's own in its place.
-            skip_auto_headers=("User-Agent", "Content-Type"),
+            skip_auto_headers=("User-Agent", "Content-Type"),  # only the headers _upstream_headers names
             trust_env=False,  # a proxy from the environment must never see the real key
         )
 
@@ -84,56 +85,70 @@ class Relay:
             await self._client.close()
             self._client = None
 
+    def upstream_for(self, session: GatewaySession) -> Upstream:
+        """The endpoint and pins a session's requests go to: the one place that chooses (more endpoints,
+        replicas or policy versions, are chosen here)."""
+        return self._target
+
     # -- the request that goes upstream -------------------------------------------------------------------
 
     async def upstream_request(
         self, session: GatewaySession, request: web.Request, rest: str, body: bytes, *, listing: bool
-    ) -> Request:
-        """What goes upstream for the harness's ``request`` to ``/v1/<rest>``, on every attempt."""
+    ) -> Request | web.Response:
+        """What goes upstream for the harness's ``request`` to ``/v1/<rest>``, on every attempt: the pinned
+        body (``upstream.pin``) and the gateway's own headers; or the local answer to a body that is no
+        JSON object, which never goes upstream."""
         arrived = time.monotonic()
-        index = session.next_request_index(listing=listing)
-        query = request.rel_url.raw_query_string
+        target = self.upstream_for(session)
         api_path = "/" + rest
-        capture = self.config.capture_tokens and not listing
-        if capture:
-            # Rewritten once, here: every attempt sends these bytes, and request_sha256 is theirs.
-            # Off the loop: a long agent history takes a while to parse and serialize.
-            rewritten = await asyncio.to_thread(ask_for_tokens, body, api_path, self.config.top_logprobs)
-            capture, body = rewritten is not None, rewritten or body
+        pinned = Pinned(body)
+        if not listing:
+            # Off the loop once large: a long agent history takes a while to parse and serialize.
+            pinned = await small_inline(len(body), pin, body, api_path, target, self.config)
+            if pinned.refused is not None:
+                session.refused_body()
+                return refused_body()
+            session.pinned(pinned.changed)
+        body = pinned.body
+        index = session.next_request_index(listing=listing)
+        # A query on a model call is the sandbox's choice of something the run did not set: not sent.
+        query = request.rel_url.raw_query_string if listing else ""
         saving = None
         if self.config.keep_bodies and body and not listing:
             # One file per request, not per attempt: every attempt sends these same bytes. Beside the first
             # attempt, not before it, and in a thread once the body is large (a long agent history).
             name = f"req-{index}.json.gz"
             path, limit = session.evidence_dir / name, self.config.max_body_bytes
-            saving = (name, asyncio.ensure_future(small_inline(len(body), save_gzip, body, limit, path)))
+            if session.may_keep():
+                saving = (name, asyncio.ensure_future(small_inline(len(body), save_gzip, body, limit, path)))
+            else:
+                session.not_kept()
         return Request(
             session=session,
             index=index,
             method=request.method,
             path=api_path,
-            url=f"{self._upstream}/{rest}" + (f"?{query}" if query else ""),
-            headers=self._upstream_headers(request, session),
+            url=target.url(rest, query),
+            headers=self._upstream_headers(request, session, target),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
             arrived=arrived,
             last_byte=arrived,
-            capture_tokens=capture,
+            stream=pinned.stream,
+            capture_tokens=pinned.capture_tokens,
             saving=saving,
         )
 
-    def _upstream_headers(self, request: web.Request, session: GatewaySession) -> list[tuple[str, str]]:
-        named = {name.strip().lower() for name in request.headers.get("connection", "").split(",")}
-        headers = [
-            (name, value)
-            for name, value in request.headers.items()
-            # Any header carrying the session token (api-key, x-api-key, ...) stays on our side too.
-            if name.lower() not in NOT_FORWARDED and name.lower() not in named and session.token not in value
-        ]
-        # Identity, so the usage sniffer reads plain bytes and what is relayed is what was recorded.
-        headers += [("accept-encoding", "identity"), (SESSION_HEADER, session.session_id)]
-        if self._api_key:
-            headers.append(("authorization", f"Bearer {self._api_key}"))
+    def _upstream_headers(
+        self, request: web.Request, session: GatewaySession, target: Upstream
+    ) -> list[tuple[str, str]]:
+        """Only what the gateway means to send: none of the harness's own headers (an organization,
+        project or routing header, a client id) reach the endpoint."""
+        headers = [("accept-encoding", "identity"), (SESSION_HEADER, session.session_id)]
+        if request.method == "POST":
+            headers.append(("content-type", "application/json"))
+        if target.api_key:
+            headers.append(("authorization", f"Bearer {target.api_key}"))
         return headers
 
     # -- a model call: the retry loop ---------------------------------------------------------------------
@@ -202,6 +217,20 @@ class Relay:
             att.finish(FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             raise
 
+    async def fetch_small(
+        self, url: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, bytes] | None:
+        """A POST of the gateway's own (the run's probe): its status and the start of its body; None for
+        no HTTP answer. The caller bounds the time."""
+        assert self._client is not None
+        try:
+            async with self._client.post(
+                URL(url, encoded=True), headers=headers, data=body, allow_redirects=False
+            ) as answer:
+                return answer.status, await answer.content.read(MAX_ERROR_BODY_BYTES)
+        except aiohttp.ClientError:
+            return None
+
     async def _send(self, req: Request) -> aiohttp.ClientResponse:
         assert self._client is not None
         return await self._client.request(
@@ -227,12 +256,20 @@ class Relay:
             return att.finish(cut.kind, f"HTTP {status}, then {cut.message}")
         kind = kind_for_http(status, bytes(body))
         att.retry_after_s = parse_retry_after(upstream.headers.get("retry-after"))
-        record = att.finish(kind, error_message_of(bytes(body), MAX_MESSAGE_CHARS))
+        message = error_message_of(bytes(body), MAX_MESSAGE_CHARS)
+        if kind in RUN_KINDS:
+            # Only the run's model, key and URL may stop a run: the run's own probe tells whether they are
+            # at fault or this request's content was (the sandbox wrote it, the session answers for it).
+            verdict = await self._probes.verdict(att.req, self.upstream_for(session), kind)
+            if verdict is not None:
+                kind, message = FailureKind.MODEL_REQUEST_ERROR, f"{message or ''} ({verdict})"
+        record = att.finish(kind, message)
         if is_retryable(kind):
             return record
-        if kind in (FailureKind.PROVIDER_AUTH_ERROR, FailureKind.ENDPOINT_CONFIG_ERROR):
-            # Codex retries a 403 five times; the neutral 400 stops it, and the driver stops the run. A wrong
-            # model name, route or account fails every later request the same way.
+        if kind in RUN_KINDS or (kind is FailureKind.MODEL_REQUEST_ERROR and status not in MODEL_STATUSES):
+            # Codex retries a 403 five times; the neutral 400 stops it. A wrong model name, route or account
+            # fails every later request the same way, and the driver stops the run; an error this session's
+            # request caused alone ends this session.
             session.close(kind, f"upstream answered HTTP {status}: {record.error_message or ''}")
             return closed()
         if kind is FailureKind.MODEL_CONTEXT_LIMIT and session.overflow(record):
@@ -243,7 +280,8 @@ class Relay:
     async def _relay(
         self, att: Attempt, upstream: aiohttp.ClientResponse, request: web.Request
     ) -> web.StreamResponse | AttemptRecord:
-        att.streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        content_type = upstream.headers.get("content-type", "")
+        att.streamed = content_type.startswith("text/event-stream")
         held: list[bytes] = []
         held_bytes = 0
         response: web.StreamResponse | None = None  # set once bytes go to the harness: no retry after
@@ -253,8 +291,13 @@ class Relay:
                 if response is None:
                     held.append(chunk)
                     held_bytes += len(chunk)
-                    if not att.streamed and held_bytes <= MAX_HELD_BYTES:
+                    # Held until the answer shows what it is: a stream until its first content (comments
+                    # before it are no answer, and keep it retryable), any other body whole, up to a bound.
+                    if held_bytes <= MAX_HELD_BYTES and (not att.content if att.streamed else True):
                         continue
+                    bad = _not_asked(att, content_type, held[0])
+                    if bad is not None:
+                        return att.finish(FailureKind.PROVIDER_UNAVAILABLE, bad)
                     response = web.StreamResponse(status=upstream.status, headers=_relayed(upstream.headers))
                     await response.prepare(request)
                     chunk = b"".join(held)
@@ -281,15 +324,24 @@ class Relay:
             return response or closed()
         if response is None:
             body = b"".join(held)
-            if not att.streamed:
-                att.usage.feed_json(body)
+            whole = att.usage.feed_json(body) if not att.streamed else None
             failure = att.failure_inside()
             if failure is not None and is_retryable(failure[0]):
                 return att.finish(*failure)  # held whole, so nothing reached the harness: retried
+            bad = _not_asked(att, content_type, body, whole=whole) if failure is None else None
+            if bad is not None:
+                return att.finish(FailureKind.PROVIDER_UNAVAILABLE, bad)  # a 5xx in all but its status
             headers = _relayed(upstream.headers)
             response = web.Response(status=upstream.status, body=body, headers=headers)
             with contextlib.suppress(ConnectionError):
                 await response.prepare(request)
+        elif att.streamed and not att.usage.ended:
+            # Content reached the harness, then the stream ended cleanly without its terminal event: the
+            # answer is cut short as surely as by a reset, and the harness must see it broken.
+            record = att.finish(FailureKind.TRANSPORT_ERROR, "the stream ended without its terminal event")
+            att.req.session.spend_after_answer(record, "cut")
+            _abort(request)
+            return response
         # The harness gets the end of its answer before the record and the kept body are written: they
         # are ours to wait for, not the harness's.
         try:
@@ -330,12 +382,31 @@ class Relay:
         try:
             body = bytearray()
             while chunk := await read_upstream(upstream, timer):
+                timer.byte()  # a listing is no answer of the model's: any byte of it is progress
                 body += chunk
                 if len(body) > MAX_LISTING_BYTES:
                     return upstream.status, _relayed(upstream.headers), None
             return upstream.status, _relayed(upstream.headers), bytes(body)
         finally:
             upstream.release()
+
+
+def _not_asked(att: Attempt, content_type: str, head: bytes, *, whole: bool | None = None) -> str | None:
+    """Why a 2xx answer is not what was asked (judged on its first bytes, or ``whole``: the held body
+    parsed as a JSON object); None when it is one."""
+    shown = content_type.split(";")[0].strip() or "none"
+    what = f"HTTP {att.status} with content-type {shown}"
+    if "html" in content_type.lower() or head.lstrip()[:1] == b"<":
+        return f"{what}: a page, not an answer"
+    if att.req.stream and not att.streamed:
+        return f"{what}, not the event stream asked for"
+    if att.streamed and not att.req.stream:
+        return f"{what}, not the JSON answer asked for"
+    if att.streamed and not att.content:
+        return f"{what}: the stream carried no event"
+    if not att.streamed and (whole is False or (whole is None and head.lstrip()[:1] != b"{")):
+        return f"{what}: the body is not a JSON object"
+    return None
 
 
 def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:

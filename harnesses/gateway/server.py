@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -22,6 +23,8 @@ from harnesses.gateway.attempt import Request
 from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, not_served, route
 from harnesses.gateway.relay import Relay
 from harnesses.gateway.session import GatewaySession, OnAttempt
+from harnesses.gateway.upstream import Upstream
+from policy import FailureKind
 
 
 class Gateway:
@@ -34,10 +37,19 @@ class Gateway:
         api_key: str | None,
         config: GatewayConfig | None = None,
         *,
+        model: str | None = None,
+        max_output_tokens: int | None = None,
+        parameters: dict[str, Any] | None = None,
         on_attempt: OnAttempt | None = None,
     ) -> None:
+        """``model``, ``max_output_tokens`` and ``parameters`` are the run's pins (``upstream.Upstream``):
+        with ``model`` None the name a harness sends passes (a gateway driven alone, in tests)."""
         self.config = config or GatewayConfig()
-        self._relay = Relay(upstream_base_url, api_key, self.config)
+        target = Upstream(
+            upstream_base_url, api_key or None, model, max_output_tokens, dict(parameters or {})
+        )
+        self._relay = Relay(target, self.config)
+        self._bodies = BodyBudget(self.config.max_inflight_body_bytes)
         self._on_attempt = on_attempt
         self._sessions: dict[str, GatewaySession] = {}
         self._runner: web.AppRunner | None = None
@@ -127,24 +139,100 @@ class Gateway:
         if session.closed_kind is not None:
             session.count_refused()
             return closed()
+        if not session.enter():
+            return closed()  # past max_concurrent_requests: answered here, the session goes on
         task = asyncio.current_task()
         assert task is not None
-        with session.serving(task):
-            req: Request | None = None
-            try:
-                body, listing = await request.read(), kind == "listing"
-                req = await self._relay.upstream_request(session, request, rest, body, listing=listing)
-                session.request_began(req)
-                if listing:
-                    return await self._relay.list_models(req)
-                return await self._relay.forward(req, request)
-            except asyncio.CancelledError:
-                if req is not None:
-                    session.request_ended(req, hung_up=True)
-                raise
-            finally:
-                if req is not None:
-                    session.request_ended(req)
+        try:
+            with session.serving(task):
+                return await self._serve(session, request, rest, listing=kind == "listing")
+        finally:
+            session.leave()
+
+    async def _serve(
+        self, session: GatewaySession, request: web.Request, rest: str, *, listing: bool
+    ) -> web.StreamResponse:
+        """One request within the session's bounds and the worker's: its turn in the session's rate, its
+        body read within max_request_bytes and held within the worker's max_inflight_body_bytes."""
+        cfg = self.config
+        if not listing:
+            if session.over_request_count():
+                return closed()
+            await session.rate_turn()
+        size = request.content_length
+        if size is not None and size > cfg.max_request_bytes:
+            session.too_large(size)
+            return closed()
+        # A body of unknown length may be as large as the bound: room for that much is held while it is read.
+        held = min(size if size is not None else cfg.max_request_bytes, cfg.max_request_bytes)
+        if not await self._bodies.take(held, cfg.first_byte_timeout_s):
+            message = (
+                f"the worker's gateway holds {self._bodies.used} bytes of request bodies in flight "
+                f"(max_inflight_body_bytes={cfg.max_inflight_body_bytes}); no room for {held} more "
+                f"within {cfg.first_byte_timeout_s:g}s"
+            )
+            session.close(FailureKind.PROVIDER_UNAVAILABLE, message)
+            return closed()
+        req: Request | None = None
+        try:
+            body = await _read_body(request, cfg.max_request_bytes)
+            if body is None:
+                session.too_large(cfg.max_request_bytes + 1)
+                return closed()
+            prepared = await self._relay.upstream_request(session, request, rest, body, listing=listing)
+            if isinstance(prepared, web.Response):
+                return prepared
+            req = prepared
+            session.request_began(req)
+            if listing:
+                return await self._relay.list_models(req)
+            return await self._relay.forward(req, request)
+        except asyncio.CancelledError:
+            if req is not None:
+                session.request_ended(req, hung_up=True)
+            raise
+        finally:
+            if req is not None:
+                session.request_ended(req)
+            self._bodies.give(held)
+
+
+class BodyBudget:
+    """The request bodies one worker holds in memory at once, across all its sessions."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._freed = asyncio.Event()  # set (and replaced) whenever room is given back
+
+    async def take(self, size: int, timeout_s: float) -> bool:
+        """Room for ``size`` bytes, waited for up to ``timeout_s``; False when none came. One body alone
+        always fits, so a limit below max_request_bytes slows the worker but never stops it."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.used and self.used + size > self.limit:
+                    await self._freed.wait()
+        except TimeoutError:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes | None:
+    """The request body, or None once it passes ``limit`` bytes (the rest is never read)."""
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _answer_not_served(request: web.Request) -> web.Response:

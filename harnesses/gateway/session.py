@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +125,16 @@ class GatewaySession:
     _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session
     _overflows: int = field(default=0, init=False, repr=False)
     _ended: bool = field(default=False, init=False, repr=False)  # end() was called
+    # The session's own bounds (GatewayConfig's max_* per session), each reached one counted for the row.
+    _at_gateway: int = field(default=0, init=False, repr=False)  # its requests being served now
+    _over_concurrency: int = field(default=0, init=False, repr=False)
+    _starts: deque[float] = field(default_factory=deque, init=False, repr=False)  # model calls, last 60 s
+    _rate_waits: int = field(default=0, init=False, repr=False)
+    _rate_wait_s: float = field(default=0.0, init=False, repr=False)
+    _kept_bytes: int = field(default=0, init=False, repr=False)  # compressed bodies written
+    _not_kept: int = field(default=0, init=False, repr=False)  # bodies not kept past the budget
+    _pinned: Counter[str] = field(default_factory=Counter, init=False, repr=False)  # fields changed
+    _refused_bodies: int = field(default=0, init=False, repr=False)  # not a JSON object: never sent
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
     _live: set[InFlight] = field(default_factory=set, init=False, repr=False)
 
@@ -139,6 +149,10 @@ class GatewaySession:
         if self._ended:
             return self.model_wait_s
         return self._waited + (time.monotonic() - self._busy_since if self._pending else 0.0)
+
+    def requests_made(self) -> int:
+        """Model calls the session made: forwarded, refused after its close, or refused for their body."""
+        return self._requests + self._refused + self._refused_bodies + self._over_concurrency
 
     def outstanding(self) -> int:
         """How many of its requests are at the gateway now (arrived, their answer not yet ended)."""
@@ -157,7 +171,21 @@ class GatewaySession:
             "probes_failed": self._probes_failed,
             "model_wait_s": round(self.model_wait_now(), 3),
             "stalled_at_close": self.stalled_at_close,
+            "pinned_fields": dict(self._pinned),
+            "refused_bodies": self._refused_bodies,
+            "over_concurrency": self._over_concurrency,
+            "rate_waits": self._rate_waits,
+            "rate_wait_s": round(self._rate_wait_s, 3),
+            "kept_bytes": self._kept_bytes,
+            "bodies_not_kept": self._not_kept,
         }
+
+    def evidence_gaps(self) -> list[str]:
+        """What the gateway could not keep of the session, as the row's evidence gap codes."""
+        if not self._not_kept:
+            return []
+        limit = self.config.max_kept_bytes_per_session
+        return [f"model_bodies_not_kept: {self._not_kept} bodies past max_kept_bytes_per_session={limit}"]
 
     # -- requests: counted, and timed while outstanding ---------------------------------------------------
 
@@ -167,6 +195,66 @@ class GatewaySession:
             return -1
         self._requests += 1
         return self._requests - 1
+
+    # -- the session's own bounds --------------------------------------------------------------------------
+
+    def enter(self) -> bool:
+        """A request arrived; False when the session already has ``max_concurrent_requests`` at the
+        gateway (it is answered at once and counted). Pair a True with ``leave``."""
+        if self._at_gateway >= self.config.max_concurrent_requests:
+            self._over_concurrency += 1
+            return False
+        self._at_gateway += 1
+        return True
+
+    def leave(self) -> None:
+        self._at_gateway -= 1
+
+    def over_request_count(self) -> bool:
+        """The session has made ``max_requests_per_session`` model calls: closed as agent_request_limit."""
+        limit = self.config.max_requests_per_session
+        if self._requests < limit:
+            return False
+        message = f"the session made {limit} model calls (max_requests_per_session)"
+        self.close(FailureKind.AGENT_REQUEST_LIMIT, message)
+        return True
+
+    def too_large(self, size: int) -> None:
+        """A request body past ``max_request_bytes``: never read whole; the session is closed."""
+        limit = self.config.max_request_bytes
+        message = f"a request body of {size} bytes passed max_request_bytes={limit}"
+        self.close(FailureKind.AGENT_REQUEST_LIMIT, message)
+
+    async def rate_turn(self) -> None:
+        """Wait until a model call may start within ``max_requests_per_minute`` (at most 60 s)."""
+        limit = self.config.max_requests_per_minute
+        now = time.monotonic()
+        while self._starts and now - self._starts[0] >= 60.0:
+            self._starts.popleft()
+        # The slot is taken before the wait, so concurrent requests queue behind each other; the times
+        # stay in order (each is at least the one before it).
+        start = now if len(self._starts) < limit else max(now, self._starts[-limit] + 60.0)
+        self._starts.append(start)
+        if start > now:
+            self._rate_waits += 1
+            self._rate_wait_s += start - now
+            await asyncio.sleep(start - now)
+
+    def refused_body(self) -> None:
+        self._refused_bodies += 1
+
+    def pinned(self, changed: tuple[str, ...]) -> None:
+        self._pinned.update(changed)
+
+    def may_keep(self) -> bool:
+        """Bodies may still be kept within ``max_kept_bytes_per_session``."""
+        return self._kept_bytes < self.config.max_kept_bytes_per_session
+
+    def kept(self, size: int) -> None:
+        self._kept_bytes += size
+
+    def not_kept(self) -> None:
+        self._not_kept += 1
 
     def count_refused(self) -> None:
         """A request answered with CLOSED_BODY because the session was closed, never forwarded."""
