@@ -63,9 +63,13 @@ async def gateway_to(
     upstream: str,
     api_key: str | None = None,
     on_attempt: Callable[[GatewaySession, AttemptRecord], None] | None = None,
+    pins: dict[str, Any] | None = None,
     **config: Any,
 ) -> AsyncIterator[Gateway]:
-    gateway = Gateway(upstream, api_key, GatewayConfig(**{**FAST, **config}), on_attempt=on_attempt)
+    """``pins``: the run's (``model``, ``max_output_tokens``, ``parameters``); none by default."""
+    gateway = Gateway(
+        upstream, api_key, GatewayConfig(**{**FAST, **config}), on_attempt=on_attempt, **(pins or {})
+    )
     await gateway.start()
     try:
         yield gateway
@@ -297,7 +301,8 @@ async def test_connection_refused_is_a_transport_error(harness, tmp_path) -> Non
 async def test_a_configuration_error_closes_the_session_at_once(
     model, harness, tmp_path, status: int, kind: FailureKind
 ) -> None:
-    script(model, "s1", {"type": "error", "status": status})
+    """The endpoint refuses everything, the run's own probe too: the run's config is wrong."""
+    model.outage(600, status)
     async with gateway_to(model.base_url) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
         first = await ask(harness, session)
@@ -306,8 +311,32 @@ async def test_a_configuration_error_closes_the_session_at_once(
     assert (first.status_code, first.content) == (400, CLOSED_BODY)
     assert (second.status_code, second.content) == (400, CLOSED_BODY)
     assert kinds(session) == [(status, kind)]
-    assert len(model.requests("s1")) == 1
+    report = model.outage_report()
+    assert report is not None and report.answered == 2  # the request and the run's probe, nothing after
     assert session.closed_kind is kind
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 402])
+async def test_a_configuration_class_error_only_this_session_draws_is_the_sessions(
+    model, harness, tmp_path, status: int
+) -> None:
+    """The run's own probe to the same URL is answered: the request's content drew the error, so it is
+    the session's (graded as the agent's), never a stop of the run; one probe serves the worker."""
+    script(model, "s1", {"type": "error", "status": status})
+    script(model, "s2", {"type": "error", "status": status})
+    async with gateway_to(model.base_url) as gateway:
+        first_session = gateway.open_session("s1", tmp_path / "s1")
+        second_session = gateway.open_session("s2", tmp_path / "s2")
+        first = await ask(harness, first_session)
+        second = await ask(harness, second_session)
+        again = await ask(harness, first_session)
+
+    assert (first.status_code, second.status_code, again.status_code) == (400, 400, 400)
+    for session in (first_session, second_session):
+        assert kinds(session) == [(status, FailureKind.MODEL_REQUEST_ERROR)]
+        assert session.closed_kind is FailureKind.MODEL_REQUEST_ERROR
+        assert "this request drew the error" in (session.closed_message or "")
+    assert len(model.requests("default")) == 1  # the probe, once for both sessions
 
 
 async def test_context_overflow_is_passed_through_then_capped(model, harness, tmp_path) -> None:
@@ -602,9 +631,9 @@ async def test_real_key_goes_upstream_and_nowhere_else(harness, tmp_path, api_ke
     lowered = {name.lower(): value for name, value in headers.items()}
     assert lowered.get("authorization") == (f"Bearer {api_key}" if api_key else None)
     assert all(session.token not in value for value in headers.values())
-    assert paths == ["/v1/chat/completions?api-version=2024-10-01"]
+    assert paths == ["/v1/chat/completions"]  # a query on a model call is the sandbox's, not sent
     assert lowered[SESSION_HEADER] == "s1"
-    assert lowered["x-stainless-lang"] == "js"
+    assert "x-stainless-lang" not in lowered and "api-key" not in lowered  # only the gateway's own
     assert SESSION_HEADER == SCRIPTED_SESSION_HEADER
     files = sorted(p.name for p in session.evidence_dir.iterdir())
     assert files == ["attempts.jsonl", "req-0.json.gz", "resp-0-1.json.gz"]

@@ -130,14 +130,49 @@ def _one_task(tmp_path: Path) -> Path:
 # -- what the endpoint answers ---------------------------------------------------------------------------
 
 
-async def test_a_model_missing_from_the_list_fails_naming_what_is_served(servers):
+async def test_a_model_missing_from_the_list_passes_when_the_request_works(servers):
+    """A proxy's list need not name every model it serves (LiteLLM's wildcards): the request decides."""
+    url = await _serve(servers, names=("served-0", "served-1"))
+    result = await check_endpoint(url, None, MODEL, "chat", 20)
+    assert (result.listed, result.api, result.warning) == (False, "chat", None)
+
+
+async def test_a_model_missing_from_the_list_and_refused_fails_naming_what_is_served(servers):
     names = tuple(f"served-{i}" for i in range(12))
-    url = await _serve(servers, names=names)
+    url = await _serve(servers, {"type": "error", "status": 404, "body": NOT_FOUND}, names=names)
     with pytest.raises(PreflightError) as caught:
         await check_endpoint(url, None, MODEL, "chat", 20)
-    assert caught.value.target == f"GET {url}/models"
+    assert caught.value.target == f"POST {url}/chat/completions"
     served = ", ".join(names[:10])
-    assert f"for model '{MODEL}': not served; the endpoint serves: {served} and 2 more" in caught.value.line
+    assert f"GET {url}/models does not list it; it lists: {served} and 2 more" in caught.value.line
+    assert "HTTP 404: The model `my-model` does not exist." in caught.value.line
+
+
+async def test_a_model_missing_from_the_list_is_a_warning_with_no_api_to_try(servers):
+    url = await _serve(servers, names=("served-0",))
+    result = await check_endpoint(url, None, MODEL, None, 20)
+    assert result.listed is False and "does not list it" in (result.warning or "")
+
+
+async def test_a_chat_model_that_refuses_max_tokens_is_asked_with_max_completion_tokens(servers):
+    """The newest reasoning models refuse max_tokens; the preflight asks again as a harness's client would."""
+    refusal = json.dumps(
+        {
+            "error": {
+                "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+                "Use 'max_completion_tokens' instead.",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": "unsupported_parameter",
+            }
+        }
+    )
+    url = await _serve(servers, {"type": "error", "status": 400, "body": refusal}, {"type": "text", "text": "OK"})
+    result = await check_endpoint(url, None, MODEL, "chat", 20)
+    assert result.api == "chat"
+    sent = [entry.body for entry in servers[0].requests("default")]
+    assert ["max_tokens" in b for b in sent] == [True, False]
+    assert sent[1]["max_completion_tokens"] == 16
 
 
 @pytest.mark.parametrize(

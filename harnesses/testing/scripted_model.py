@@ -92,8 +92,32 @@ class ErrorStep(_StepBase):
 
 
 class DropStep(_StepBase):
+    """Stream the start of a text answer, then break off: a reset (``clean`` false), or a clean end of
+    the body without the stream's terminal event (``clean``), as a proxy that times out a stream does."""
+
     type: Literal["drop"]
     after_chunks: int = Field(default=2, ge=0)
+    clean: bool = False
+
+
+class KeepaliveStep(_StepBase):
+    """Answer 200 as an event stream, send ``after_chunks`` text chunks (0: none), then only SSE comment
+    lines (``: keep-alive``) every ``interval_s`` until ``max_s``, then cut: a proxy holding a request in
+    its queue. No content ever comes after the chunks."""
+
+    type: Literal["keepalive"]
+    interval_s: float = Field(default=1.0, gt=0)
+    max_s: float = Field(default=600.0, gt=0)
+    after_chunks: int = Field(default=0, ge=0)
+
+
+class BadAnswerStep(_StepBase):
+    """A 2xx answer that is no answer: ``html``, a proxy's page; ``json``, a whole JSON answer to a request
+    that asked for a stream (or an event stream to one that did not); ``empty``, no body at all."""
+
+    type: Literal["bad_answer"]
+    form: Literal["html", "json", "empty"] = "html"
+    status: int = Field(default=200, ge=200, le=299)
 
 
 class HangStep(_StepBase):
@@ -121,7 +145,16 @@ class StreamErrorStep(_StepBase):
 
 
 Step = Annotated[
-    TextStep | ShellStep | WriteStep | ToolStep | ErrorStep | DropStep | HangStep | StreamErrorStep,
+    TextStep
+    | ShellStep
+    | WriteStep
+    | ToolStep
+    | ErrorStep
+    | DropStep
+    | HangStep
+    | StreamErrorStep
+    | KeepaliveStep
+    | BadAnswerStep,
     Field(discriminator="type"),
 ]
 _STEP_ADAPTER: TypeAdapter[Step] = TypeAdapter(Step)
@@ -751,10 +784,17 @@ async def _json_not_found(request: web.Request, handler: Any) -> web.StreamRespo
 
 class ScriptedModel:
     def __init__(
-        self, default_script: list[Step] | None = None, model_names: tuple[str, ...] = ("scripted-model",)
+        self,
+        default_script: list[Step] | None = None,
+        model_names: tuple[str, ...] = ("scripted-model",),
+        *,
+        refuse_unknown_models: bool = False,
     ) -> None:
+        """``refuse_unknown_models``: a model call naming a model outside ``model_names`` gets a 404
+        ``model_not_found`` (as vLLM and OpenAI answer) and takes no step; by default any name is served."""
         self._default_script = list(default_script) if default_script else None
         self._model_names = model_names
+        self._refuse_unknown = refuse_unknown_models
         self._sessions: dict[str, _Session] = {}
         # set_script/requests may be called from another thread than the server's event loop.
         self._lock = threading.Lock()
@@ -963,6 +1003,9 @@ class ScriptedModel:
             return _json_error(400, "scripted model: the request body is not a JSON object", "invalid_json")
 
         key = request.headers.get(SESSION_HEADER) or request.match_info.get("session") or "default"
+        if self._refuse_unknown and body.get("model") not in self._model_names:
+            self._record(key, RequestLog(received, request.path, api, False, None, None, False, body))
+            return _json_error(404, f"The model '{body.get('model')}' does not exist.", "model_not_found")
         aux = _is_aux(body)
         index, step = (None, None) if aux else self._take_step(key)
         stream = bool(body.get("stream"))
@@ -978,6 +1021,10 @@ class ScriptedModel:
             return await self._drop(request, api, body, model, step)
         if isinstance(step, StreamErrorStep):
             return await self._stream_error(request, api, body, model, step)
+        if isinstance(step, KeepaliveStep):
+            return await self._keepalive(request, api, body, model, step)
+        if isinstance(step, BadAnswerStep):
+            return await self._bad_answer(request, api, body, model, step)
         if aux:
             reply = _Reply(text=AUX_TEXT, usage=_usage(len(raw), AUX_TEXT))
         else:
@@ -1049,7 +1096,53 @@ class ScriptedModel:
         response = await self._open_sse(request)
         for frame in self._partial_frames(api, body, model, step.after_chunks):
             await response.write(frame)
+        if step.clean:
+            await response.write_eof()
+        else:
+            _abort_connection(request)
+        return response
+
+    async def _keepalive(
+        self,
+        request: web.Request,
+        api: Literal["responses", "chat"],
+        body: dict[str, Any],
+        model: str,
+        step: KeepaliveStep,
+    ) -> web.StreamResponse:
+        response = await self._open_sse(request)
+        for frame in self._partial_frames(api, body, model, step.after_chunks) if step.after_chunks else []:
+            await response.write(frame)
+        assert self._stopping is not None
+        ends = time.monotonic() + step.max_s
+        while (left := ends - time.monotonic()) > 0:
+            await response.write(b": keep-alive\n\n")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), min(step.interval_s, left))
+            if self._stopping.is_set():
+                break
         _abort_connection(request)
+        return response
+
+    async def _bad_answer(
+        self,
+        request: web.Request,
+        api: Literal["responses", "chat"],
+        body: dict[str, Any],
+        model: str,
+        step: BadAnswerStep,
+    ) -> web.StreamResponse:
+        if step.form == "html":
+            page = "<html><head><title>Gateway</title></head><body>Please wait.</body></html>"
+            return web.Response(status=step.status, text=page, content_type="text/html")
+        if step.form == "empty":
+            return web.Response(status=step.status, body=b"", content_type="application/json")
+        if body.get("stream"):  # a whole answer where a stream was asked
+            return web.json_response(self._whole_answer(api, body, model), status=step.status)
+        response = await self._open_sse(request)  # a stream where a whole answer was asked
+        for frame in self._partial_frames(api, body, model, 2):
+            await response.write(frame)
+        await response.write_eof()
         return response
 
     async def _hang(
