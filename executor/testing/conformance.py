@@ -63,6 +63,7 @@ DEFAULT_CONCURRENCY = 4
 MAX_ATTEMPTS_PER_CELL = 10  # above every rule the matrix uses; a guard against a policy that never ends
 MAX_RETRY_WAIT_S = 10.0
 MAX_ERROR_CHARS = 1_000
+MAX_OUTAGE_S = 3_600.0  # a scenario whose endpoint refuses everything: longer than any cell
 LEAK_WAIT_S = 10.0
 
 
@@ -231,8 +232,11 @@ async def run_cell(
     try:
         # A cell starts clean: rows or sandboxes of an earlier matrix in the same --out must not mix in.
         await asyncio.to_thread(shutil.rmtree, cell_dir, True)
-        scripted = ScriptedModel(model_names=(cfg.model.name,))
+        served = scenario.served_models
+        scripted = ScriptedModel(model_names=served or (cfg.model.name,), refuse_unknown_models=bool(served))
         await scripted.start()
+        if scenario.endpoint_refuses is not None:
+            scripted.outage(MAX_OUTAGE_S, scenario.endpoint_refuses)
         gateway = Gateway(scripted.base_url, None, cfg.gateway, **cfg.model.pins())
         provider: SandboxProvider | None = None
         try:

@@ -136,6 +136,12 @@ class Scenario:
     # The harness is prepared as usual (its config files written), then this command runs in its place:
     # the adapter's parse and the classification meet a harness that never reached the model.
     launch_argv: tuple[str, ...] | None = None
+    # The models the scripted model serves, refusing any other with a 404 as vLLM does; None: it serves
+    # the run's model and answers any name.
+    served_models: tuple[str, ...] | None = None
+    # Every request to the endpoint, the gateway's own probe of the run's config included, gets this
+    # status: the run's key, account or model is what is wrong (the script is never reached).
+    endpoint_refuses: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -383,6 +389,63 @@ def _verified_zero(rows: Rows, ctx: CheckContext) -> str | None:
     return None
 
 
+def _sessions_own_4xx(status: int) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        if ctx.policy.rule_for(FailureKind.MODEL_REQUEST_ERROR).stop_run:
+            return "the policy rule for model_request_error stops the run"
+        seen = _statuses(rows[-1])
+        if seen != [status]:
+            return f"upstream statuses {seen}, expected one {status} and no more"
+        message = _attempts(rows[-1])[0].get("error_message") or ""
+        return None if "this request drew the error" in message else f"no probe verdict in {message!r}"
+
+    return check
+
+
+def _at_most_calls(limit: int) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        def one(row: dict[str, Any]) -> str | None:
+            calls = {a["request_index"] for a in _attempts(row)}
+            return None if len(calls) <= limit else f"{len(calls)} model calls went upstream, past {limit}"
+
+        return _each_row(rows, one)
+
+    return check
+
+
+def _gap_said(code: str) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        gaps = rows[-1].get("evidence_gaps") or []
+        return None if any(g.startswith(code) for g in gaps) else f"evidence gaps {gaps} lack {code}"
+
+    return check
+
+
+def _bad_answers_recorded(words: str, kind: FailureKind) -> Check:
+    def check(rows: Rows, ctx: CheckContext) -> str | None:
+        def one(row: dict[str, Any]) -> str | None:
+            judged = [a for a in _attempts(row) if a["status"] == 200 and a["kind"] == kind.value]
+            if not judged or words not in (judged[0].get("error_message") or ""):
+                seen = [(a["status"], a["kind"], (a.get("error_message") or "")[:60]) for a in _attempts(row)]
+                return f"no 200 attempt recorded as {kind.value} ({words!r}): {seen}"
+            return None
+
+        return _each_row(rows, one)
+
+    return check
+
+
+def _not_graded(rows: Rows, ctx: CheckContext) -> str | None:
+    graded = [r.get("attempt") for r in rows if r.get("verified") or r.get("reward") is not None]
+    return f"attempts {graded} were graded" if graded else None
+
+
+def _judged_then_answered(rows: Rows, ctx: CheckContext) -> str | None:
+    first = [(a["status"], a["kind"]) for a in _attempts(rows[-1]) if a["request_index"] == 0]
+    want = [(200, FailureKind.PROVIDER_UNAVAILABLE.value), (200, FailureKind.NONE.value)]
+    return None if first == want else f"request 0 attempts {first}, expected {want}"
+
+
 def _stops_run(rows: Rows, ctx: CheckContext) -> str | None:
     rule = ctx.policy.rule_for(FailureKind.PROVIDER_AUTH_ERROR)
     if not rule.stop_run:
@@ -623,7 +686,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "unknown_model_404",
-        "404: the model does not exist",
+        "the run names a model the endpoint does not serve: 404, the run's own probe too",
         "endpoint_config_error; masked, never graded; the run stops (rule stop_run)",
         [{"type": "error", "status": 404, "body": MODEL_NOT_FOUND_BODY}],
         _NOTHING_DONE,
@@ -631,11 +694,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.ENDPOINT_CONFIG_ERROR,
         ("mask",),
         None,
+        config={"model": {"name": "no-such-model"}},
         checks=(("stops_run", _config_error_stops_run(404)),),
+        served_models=("scripted-model",),
     ),
     Scenario(
         "billing_402",
-        "402: the account is out of credits",
+        "402 to every request, the run's own probe too: the account is out of credits",
         "endpoint_config_error; masked, never graded; the run stops (rule stop_run)",
         [{"type": "error", "status": 402, "body": BILLING_BODY}],
         _NOTHING_DONE,
@@ -644,6 +709,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         ("mask",),
         None,
         checks=(("stops_run", _config_error_stops_run(402)),),
+        endpoint_refuses=402,
     ),
     Scenario(
         "in_stream_error",
@@ -720,7 +786,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "auth_error",
-        "401",
+        "401 to every request, the run's own probe too",
         "provider_auth_error; the run stops early (rule stop_run)",
         [{"type": "error", "status": 401, "body": AUTH_ERROR_BODY}],
         _NOTHING_DONE,
@@ -729,6 +795,121 @@ SCENARIOS: tuple[Scenario, ...] = (
         ("mask",),
         None,
         checks=(("stops_run", _stops_run),),
+        endpoint_refuses=401,
+    ),
+    # -- the gateway as the policy's boundary (issue 26) -------------------------------------------------
+    Scenario(
+        "request_404_session",
+        "404 to this session's request only; the run's own probe to the same URL is answered",
+        "model_request_error: the session's, graded as a real 0; the run goes on (no stop_run)",
+        [{"type": "error", "status": 404, "body": MODEL_NOT_FOUND_BODY}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.MODEL_REQUEST_ERROR,
+        ("accept",),
+        0.0,
+        checks=(("sessions_own", _sessions_own_4xx(404)),),
+    ),
+    Scenario(
+        "request_count_limit",
+        "shell calls without end; the session may make 3 model calls",
+        "agent_request_limit: incomplete, graded; no more than 3 model calls upstream",
+        [{"type": "shell", "command": "printf one >> a.txt"}],
+        "test -f a.txt",
+        "incomplete",
+        FailureKind.AGENT_REQUEST_LIMIT,
+        ("accept",),
+        ANY,
+        config={"gateway": {"max_requests_per_session": 3}},
+        checks=(("at_most_3_calls", _at_most_calls(3)),),
+    ),
+    Scenario(
+        "request_too_large",
+        "any request; the gateway takes bodies of at most 1 KiB",
+        "agent_request_limit; the body never read whole, nothing sent upstream; graded",
+        _TWO_SHELLS,
+        _NOTHING_DONE,
+        "incomplete",
+        FailureKind.AGENT_REQUEST_LIMIT,
+        ("accept",),
+        0.0,
+        config={"gateway": {"max_request_bytes": 1024}},
+        checks=(("nothing_upstream", _no_model_calls),),
+    ),
+    Scenario(
+        "bodies_not_kept",
+        "two shell calls and an answer; the session may keep 1 byte of bodies",
+        "completed, reward 1; the bodies past the bound not kept, and the row says so",
+        _TWO_SHELLS,
+        _BOTH_FILES,
+        "completed",
+        FailureKind.NONE,
+        ("accept",),
+        1.0,
+        config={"gateway": {"max_kept_bytes_per_session": 1}},
+        checks=(("gap_said", _gap_said("model_bodies_not_kept")),),
+    ),
+    Scenario(
+        "keepalive_stall",
+        "200, then only `: keep-alive` comments every 0.5 s, never a token",
+        "model_timeout through the stall bounds (comments are no progress); retried, then masked",
+        [{"type": "keepalive", "interval_s": 0.5, "max_s": 600}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.MODEL_TIMEOUT,
+        _INFRA,
+        None,
+        checks=(("keepalives_no_progress", _bad_answers_recorded("no content", FailureKind.MODEL_TIMEOUT)),),
+    ),
+    Scenario(
+        "html_200",
+        "200 with an HTML page (a proxy's), every time",
+        "provider_unavailable from the gateway's judgement of the 200; retried, then masked",
+        [{"type": "bad_answer", "form": "html"}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.PROVIDER_UNAVAILABLE,
+        _INFRA,
+        None,
+        checks=(("judged", _bad_answers_recorded("not an answer", FailureKind.PROVIDER_UNAVAILABLE)),),
+    ),
+    Scenario(
+        "html_200_recovers",
+        "200 with an HTML page once, then the work",
+        "completed, reward 1: the page retried by the gateway, never seen by the harness",
+        [{"type": "bad_answer", "form": "html"}, *_TWO_SHELLS],
+        _BOTH_FILES,
+        "completed",
+        FailureKind.NONE,
+        ("accept",),
+        1.0,
+        checks=(("judged_then_answered", _judged_then_answered),),
+    ),
+    Scenario(
+        "stream_truncated",
+        "a stream that ends cleanly without its terminal event, every time",
+        "transport_error (a cut, recorded as one); the harness's re-asks bounded; retried, then masked",
+        [{"type": "drop", "after_chunks": 2, "clean": True}],
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.TRANSPORT_ERROR,
+        _INFRA,
+        None,
+        checks=(("cut", _bad_answers_recorded("terminal event", FailureKind.TRANSPORT_ERROR)),),
+    ),
+    Scenario(
+        "late_start",
+        "the harness is prepared, then sits past its deadline before any request (`sleep` in its place)",
+        "agent_no_model_call, not agent_timeout: nothing of the policy's to grade; retried, then masked",
+        _TWO_SHELLS,
+        _NOTHING_DONE,
+        "failed",
+        FailureKind.AGENT_NO_MODEL_CALL,
+        _INFRA,
+        None,
+        deadline_s=HANG_DEADLINE_S,
+        checks=(("no_model_calls", _no_model_calls), ("never_graded", _not_graded)),
+        launch_argv=("sleep", "600"),
     ),
 )
 
@@ -854,6 +1035,8 @@ def _check_evidence(rows: Rows, ctx: CheckContext) -> str | None:
         if not records_file.is_file():
             return f"missing {records_file}"
         records = [json.loads(line) for line in records_file.read_text().splitlines() if line.strip()]
+        gaps = row.get("evidence_gaps") or []
+        unkept = any(g.startswith("model_bodies_not_kept") for g in gaps)
         if len(records) != len(_attempts(row)):
             return f"attempts.jsonl has {len(records)} records, the row {len(_attempts(row))}"
         for record in records:
@@ -862,10 +1045,10 @@ def _check_evidence(rows: Rows, ctx: CheckContext) -> str | None:
                 if name and not (model / name).is_file():
                     return f"{key} {name} of request {record['request_index']} is missing"
             if ctx.gateway.keep_bodies and record.get("response_bytes") and not record.get("response_file"):
-                return f"the response body of request {record['request_index']} was not kept"
+                if not unkept:  # past the session's kept-bytes bound the row says so, and that is all
+                    return f"the response body of request {record['request_index']} was not kept"
         if not (root / "harness.stdout.gz").is_file():
             return "harness.stdout.gz is missing"
-        gaps = row.get("evidence_gaps") or []
         if not (root / "native_transcript.gz").is_file() and not any(
             g.startswith("transcript") for g in gaps
         ):
