@@ -56,3 +56,45 @@ def test_command_option_only_for_the_command_harness():
     assert make_harness("command", None, "true").command == "true"
     with pytest.raises(ValueError, match="applies to the 'command' harness"):
         make_harness("codex", None, "true")
+
+
+# A hostile agent: raw requests to its own gateway session, asking for what the run did not set.
+HOSTILE = """python3 - <<'PY'
+import json, os, urllib.error, urllib.request
+def call(body, headers=None):
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions?api-version=x",
+        data=json.dumps(body).encode(), headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+        "Content-Type": "application/json", **(headers or {})})
+    try:
+        return urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+messages = [{"role": "user", "content": "hi"}]
+first = call({"model": "o3-pro-2025", "messages": messages, "n": 128, "max_tokens": 1000000,
+              "service_tier": "priority", "user": "me", "logit_bias": {"1": 100}},
+             {"OpenAI-Organization": "org-other", "X-Route": "fast"})
+flood = [call({"model": "gpt-5", "messages": messages}) for _ in range(40)]
+open("statuses.txt", "w").write(json.dumps([first] + flood))
+PY"""
+
+
+async def test_a_hostile_agent_gets_the_runs_model_and_bounded_requests(tmp_path):
+    task = Task.model_validate(
+        {
+            "id": "cmd",
+            "prompt": "p",
+            "model_script": [{"type": "text", "text": "hi"}],
+            "verify": "test -f statuses.txt",
+        }
+    )
+    config = {"model": {"max_output_tokens": 256}, "gateway": {"max_requests_per_session": 5}}
+    async with session_context(tmp_path, config) as ctx:
+        ctx.harness = CommandHarness(command=HOSTILE)
+        row = await run_session(SessionRequest("t", task, 0, 1), ctx)
+        upstream = ctx.scripted.requests(row["rollout_id"])
+    assert (row["status"], row["failure_kind"], row["reward"]) == ("incomplete", "agent_request_limit", 1.0)
+    assert len(upstream) == 5  # the other 36 were answered at the gateway
+    first = upstream[0].body
+    assert first["model"] == "scripted-model" and first["max_tokens"] == 256
+    assert not {"n", "service_tier", "user", "logit_bias"} & set(first)
+    assert all(entry.body["model"] == "scripted-model" for entry in upstream)

@@ -167,7 +167,9 @@ async def test_a_chat_model_that_refuses_max_tokens_is_asked_with_max_completion
             }
         }
     )
-    url = await _serve(servers, {"type": "error", "status": 400, "body": refusal}, {"type": "text", "text": "OK"})
+    url = await _serve(
+        servers, {"type": "error", "status": 400, "body": refusal}, {"type": "text", "text": "OK"}
+    )
     result = await check_endpoint(url, None, MODEL, "chat", 20)
     assert result.api == "chat"
     sent = [entry.body for entry in servers[0].requests("default")]

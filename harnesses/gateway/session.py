@@ -39,7 +39,7 @@ class AttemptRecord(BaseModel):
     kind: FailureKind  # NONE for a complete 2xx
     error_message: str | None = None
     latency_s: float
-    ttfb_s: float | None = None  # to the first body byte, the one that matters for a streamed answer
+    ttfb_s: float | None = None  # to the first content (a data event; keep-alives are not), None if none
     retry_after_s: float | None = None  # the usable Retry-After hint, None when absent or unusable
     streamed: bool = False  # the answer was an event stream
     response_bytes: int = 0

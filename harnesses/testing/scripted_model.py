@@ -2,7 +2,9 @@
 
 Each session (keyed by the `x-rollout-session` header or a `/s/<key>/v1` URL prefix) plays its own list of
 steps: text answers, tool calls matched to whatever shell or write tool the client offers, HTTP errors, a
-stream cut mid-way, an error inside a 200 answer, or a hang (before the answer or in its middle). It
+stream cut mid-way (reset, or ended cleanly without its terminal event), an error inside a 200 answer, a
+hang (before the answer or in its middle), a stream of keep-alive comments only, or a 2xx that is no
+answer (an HTML page, JSON for a stream, an empty body). It
 speaks Chat Completions (OpenCode, Pi, Hermes) and the Responses API (Codex) closely enough for those real
 clients to run against it. An outage window (``outage``) answers every request with one error for a
 while, whatever the scripts say, then lets them play on.
