@@ -85,3 +85,16 @@ def test_a_sandbox_that_filled_its_disk_bound_is_the_agents_doing():
     outcome = classify(stopped, HarnessReport(), _session(ANSWERED))
     assert outcome.failure_kind is FailureKind.AGENT_TIMEOUT and "files past 32 MiB" in outcome.error_message
     assert not KIND_INFO[FailureKind.AGENT_TIMEOUT].infrastructure
+
+
+def test_a_deadline_before_the_first_model_request_is_a_launch_problem_not_the_agents_time():
+    """Under load a harness may start late and be killed before it asked the model anything: nothing of
+    the policy's is there to grade, so it is not agent_timeout (graded, accepted) but a masked retry."""
+    killed = _exited(None, timed_out=True, signal=9)
+    outcome = classify(killed, HarnessReport(), _session())
+    assert outcome.failure_kind is FailureKind.AGENT_NO_MODEL_CALL
+    assert "before the harness's first model request" in (outcome.error_message or "")
+    assert KIND_INFO[FailureKind.AGENT_NO_MODEL_CALL].infrastructure
+    # A bound of the sandbox's is still the agent's doing, with or without a model request.
+    stopped = killed.model_copy(update={"limit": "files past 32 MiB"})
+    assert classify(stopped, HarnessReport(), _session()).failure_kind is FailureKind.AGENT_TIMEOUT

@@ -48,8 +48,9 @@ class GatewayConfig(BaseModel):
     # Model calls forwarded upstream over the whole session; past it the session is closed as
     # agent_request_limit (a long agent session makes a few hundred).
     max_requests_per_session: int = Field(default=2_000, ge=1)
-    # Model calls started in any 60 s window; one past it waits at the gateway for its turn (no failure, no
-    # upstream load): an agent looping on the model is slowed, a harness never notices.
+    # Requests (model calls and listings) sent in any 60 s window; one past it waits at the gateway for its
+    # turn (no failure, no upstream load): an agent looping on the model is slowed, a harness never notices.
+    # Listings past max_requests_per_session get the neutral no-listing answer.
     max_requests_per_minute: int = Field(default=120, ge=1)
     # A session's requests at the gateway at once (harnesses make one, a title or summary call beside it);
     # one more is answered with a neutral 400 at once and counted.

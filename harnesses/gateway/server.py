@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from harnesses.gateway.attempt import Request
-from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, not_served, route
+from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, no_listing, not_served, route
 from harnesses.gateway.relay import Relay
 from harnesses.gateway.session import GatewaySession, OnAttempt
 from harnesses.gateway.upstream import Upstream
@@ -155,10 +155,11 @@ class Gateway:
         """One request within the session's bounds and the worker's: its turn in the session's rate, its
         body read within max_request_bytes and held within the worker's max_inflight_body_bytes."""
         cfg = self.config
-        if not listing:
-            if session.over_request_count():
-                return closed()
-            await session.rate_turn()
+        if listing and session.listings_spent():
+            return no_listing()  # the harness's lookup goes on without it; the session is not the worse
+        if not listing and session.over_request_count():
+            return closed()
+        await session.rate_turn()  # model calls and listings alike: each one goes upstream
         size = request.content_length
         if size is not None and size > cfg.max_request_bytes:
             session.too_large(size)

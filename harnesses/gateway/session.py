@@ -127,6 +127,7 @@ class GatewaySession:
     _ended: bool = field(default=False, init=False, repr=False)  # end() was called
     # The session's own bounds (GatewayConfig's max_* per session), each reached one counted for the row.
     _at_gateway: int = field(default=0, init=False, repr=False)  # its requests being served now
+    _claimed: int = field(default=0, init=False, repr=False)  # model calls let in, against the count bound
     _over_concurrency: int = field(default=0, init=False, repr=False)
     _starts: deque[float] = field(default_factory=deque, init=False, repr=False)  # model calls, last 60 s
     _rate_waits: int = field(default=0, init=False, repr=False)
@@ -211,13 +212,19 @@ class GatewaySession:
         self._at_gateway -= 1
 
     def over_request_count(self) -> bool:
-        """The session has made ``max_requests_per_session`` model calls: closed as agent_request_limit."""
+        """The session has made ``max_requests_per_session`` model calls: closed as agent_request_limit.
+        Else the call is counted now, before its body is read, so concurrent ones cannot pass the bound."""
         limit = self.config.max_requests_per_session
-        if self._requests < limit:
+        if self._claimed < limit:
+            self._claimed += 1
             return False
         message = f"the session made {limit} model calls (max_requests_per_session)"
         self.close(FailureKind.AGENT_REQUEST_LIMIT, message)
         return True
+
+    def listings_spent(self) -> bool:
+        """The session has had ``max_requests_per_session`` model listings: later ones are answered here."""
+        return self._probes >= self.config.max_requests_per_session
 
     def too_large(self, size: int) -> None:
         """A request body past ``max_request_bytes``: never read whole; the session is closed."""
@@ -226,7 +233,7 @@ class GatewaySession:
         self.close(FailureKind.AGENT_REQUEST_LIMIT, message)
 
     async def rate_turn(self) -> None:
-        """Wait until a model call may start within ``max_requests_per_minute`` (at most 60 s)."""
+        """Wait until a request may go upstream within ``max_requests_per_minute`` (at most 60 s)."""
         limit = self.config.max_requests_per_minute
         now = time.monotonic()
         while self._starts and now - self._starts[0] >= 60.0:
