@@ -225,7 +225,12 @@ def test_the_command_writes_the_matrix_and_exits_0(tmp_path):
 
 
 AUTH_TASKS = [
-    {"id": "auth", "prompt": "Create a.txt", "model_script": [{"type": "error", "status": 401}]},
+    # run_wide: the endpoint refuses the run's key, the gateway's probe of it too (not this session alone).
+    {
+        "id": "auth",
+        "prompt": "Create a.txt",
+        "model_script": [{"type": "error", "status": 401, "run_wide": True}],
+    },
     {
         "id": "slow",
         "prompt": "Create a.txt",

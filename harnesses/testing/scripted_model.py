@@ -87,10 +87,15 @@ class ToolStep(_StepBase):
 
 
 class ErrorStep(_StepBase):
+    """An HTTP error. ``run_wide``: the endpoint refuses the run itself (its key, model or account), so
+    from then on a request outside every session's script (the gateway's probe of the run's config, which
+    carries no session) gets this error too; otherwise only the session's request does."""
+
     type: Literal["error"]
     status: int = Field(ge=100, le=599)
     headers: dict[str, str] = Field(default_factory=dict)
     body: str | None = None
+    run_wide: bool = False
 
 
 class DropStep(_StepBase):
@@ -797,6 +802,7 @@ class ScriptedModel:
         self._default_script = list(default_script) if default_script else None
         self._model_names = model_names
         self._refuse_unknown = refuse_unknown_models
+        self._run_refusals: dict[str, ErrorStep] = {}  # by API: a run_wide error step played so far
         self._sessions: dict[str, _Session] = {}
         # set_script/requests may be called from another thread than the server's event loop.
         self._lock = threading.Lock()
@@ -1009,12 +1015,15 @@ class ScriptedModel:
             self._record(key, RequestLog(received, request.path, api, False, None, None, False, body))
             return _json_error(404, f"The model '{body.get('model')}' does not exist.", "model_not_found")
         aux = _is_aux(body)
-        index, step = (None, None) if aux else self._take_step(key)
+        refused = self._run_refusals.get(api) if key == "default" else None
+        index, step = (None, refused) if refused else (None, None) if aux else self._take_step(key)
         stream = bool(body.get("stream"))
         step_type = step.type if step else None if aux else "text"
         self._record(key, RequestLog(received, request.path, api, aux, index, step_type, stream, body))
 
         if isinstance(step, ErrorStep):
+            if step.run_wide:
+                self._run_refusals[api] = step
             return _error_response(step)
         model = str(body.get("model") or self._model_names[0])
         if isinstance(step, HangStep):
