@@ -93,7 +93,7 @@ class ModelCall(_Record):
     kind: str | None = col("string", "the attempt's failure kind; none for a complete 2xx answer")
     error_message: str | None = col("large_string", "the endpoint's own error message, bounded")
     latency_s: float | None = col("double", "seconds from sending the request to the end of its answer")
-    ttfb_s: float | None = col("double", "seconds to the first byte of the answer's body")
+    ttfb_s: float | None = col("double", "seconds to the answer's first content (keep-alives are not)")
     retry_after_s: float | None = col("double", "the usable Retry-After hint; null when absent or unusable")
     streamed: bool | None = col("bool", "the answer was an event stream")
     response_bytes: int | None = col("int64", "bytes of the answer's body")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from harnesses.gateway import CLOSED_BODY
+from harnesses.gateway import CLOSED_BODY, GatewaySession
 from harnesses.gateway.limits import REFUSED_BODY
 from policy import FailureKind
 from tests.test_gateway import CHAT, RESPONSES, TEXT, ask, gateway_to, kinds, never, script, upstream_server
@@ -34,6 +34,20 @@ STALL_S = 0.5
 async def harness() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
         yield client
+
+
+async def read_stream(
+    harness: httpx.AsyncClient, session: GatewaySession, path: str, body: dict[str, Any]
+) -> None:
+    """Ask for a stream and read it to its end, as a harness does."""
+    async with harness.stream(
+        "POST",
+        session.base_url + path,
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {session.token}"},
+    ) as response:
+        async for _ in response.aiter_bytes():
+            pass
 
 
 def _chat_answer() -> dict[str, Any]:
@@ -307,15 +321,8 @@ async def test_keepalives_after_content_do_not_keep_a_stalled_answer_alive(model
     script(model, "s1", {"type": "keepalive", "interval_s": 0.1, "max_s": 60, "after_chunks": 2})
     async with gateway_to(model.base_url, chunk_timeout_s=STALL_S, max_attempts_per_session=1) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
-        with pytest.raises(httpx.HTTPError):
-            async with harness.stream(
-                "POST",
-                session.base_url + "/chat/completions",
-                json={**CHAT, "stream": True},
-                headers={"Authorization": f"Bearer {session.token}"},
-            ) as response:
-                async for _ in response.aiter_bytes():
-                    pass
+        with pytest.raises(httpx.HTTPError):  # the harness sees the answer broken off
+            await read_stream(harness, session, "/chat/completions", CHAT)
     [record] = session.attempts
     assert record.kind is FailureKind.MODEL_TIMEOUT and "mid-answer" in (record.error_message or "")
     assert session.closed_kind is FailureKind.MODEL_TIMEOUT  # the one failure the budget allowed
@@ -346,15 +353,8 @@ async def test_a_stream_that_ends_without_its_terminal_event_is_a_cut(model, har
     script(model, "s1", {"type": "drop", "after_chunks": 2, "clean": True})
     async with gateway_to(model.base_url) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
-        with pytest.raises(httpx.HTTPError):
-            async with harness.stream(
-                "POST",
-                session.base_url + path,
-                json={**body, "stream": True},
-                headers={"Authorization": f"Bearer {session.token}"},
-            ) as response:
-                async for _ in response.aiter_bytes():
-                    pass
+        with pytest.raises(httpx.HTTPError):  # the harness sees the answer broken off
+            await read_stream(harness, session, path, body)
     [record] = session.attempts
     assert (record.status, record.kind) == (200, FailureKind.TRANSPORT_ERROR)
     assert record.error_message == "the stream ended without its terminal event"

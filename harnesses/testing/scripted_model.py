@@ -1103,7 +1103,7 @@ class ScriptedModel:
         model: str,
         step: DropStep,
     ) -> web.StreamResponse:
-        """Stream the start of a text answer, then reset the connection mid-body."""
+        """Stream the start of a text answer, then reset the connection mid-body or end it cleanly."""
         response = await self._open_sse(request)
         for frame in self._partial_frames(api, body, model, step.after_chunks):
             await response.write(frame)
