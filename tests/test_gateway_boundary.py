@@ -289,6 +289,11 @@ async def test_the_workers_bodies_in_flight_are_bounded_across_sessions(harness,
             while holder.outstanding() == 0:
                 await asyncio.sleep(0.01)
         answer = await ask(harness, waiter, body)
+        lookup = gateway.open_session("s3", tmp_path / "s3")
+        listing = await harness.get(
+            lookup.base_url + "/models", headers={"Authorization": f"Bearer {lookup.token}"}
+        )
+        assert listing.status_code == 404 and lookup.summary()["probes"] == 1  # no body: never waits for room
         gateway.close_session(holder)
         await asyncio.gather(held, return_exceptions=True)
     assert (answer.status_code, answer.content) == (400, CLOSED_BODY)

@@ -164,8 +164,9 @@ class Gateway:
         if size is not None and size > cfg.max_request_bytes:
             session.too_large(size)
             return closed()
-        # A body of unknown length may be as large as the bound: room for that much is held while it is read.
-        held = min(size if size is not None else cfg.max_request_bytes, cfg.max_request_bytes)
+        # A body of unknown length (chunked) may be as large as the bound: room for that much is held.
+        unknown = cfg.max_request_bytes if request.can_read_body else 0
+        held = min(size if size is not None else unknown, cfg.max_request_bytes)
         if not await self._bodies.take(held, cfg.first_byte_timeout_s):
             message = (
                 f"the worker's gateway holds {self._bodies.used} bytes of request bodies in flight "
@@ -211,7 +212,7 @@ class BodyBudget:
         always fits, so a limit below max_request_bytes slows the worker but never stops it."""
         try:
             async with asyncio.timeout(timeout_s):
-                while self.used and self.used + size > self.limit:
+                while size and self.used and self.used + size > self.limit:
                     await self._freed.wait()
         except TimeoutError:
             return False
