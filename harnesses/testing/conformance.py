@@ -53,10 +53,14 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "limits": {"deadline_s": 180, "grace_s": 2},
 }
-# The agent_hang and model_stall deadline, and how far past deadline + grace the session may end (supervisor
-# start-up, kill rounds, the parse of what the harness left).
-HANG_DEADLINE_S = 8.0
+# The agent_hang deadline, and how far past deadline + grace the session may end (supervisor start-up, kill
+# rounds, the parse of what the harness left). Long enough for a harness to reach its first model request
+# on a loaded machine (OpenCode and Hermes took more than 8 s with four cells at once on two cores): a
+# deadline before it is a launch problem (agent_no_model_call), not the agent's time.
+HANG_DEADLINE_S = 30.0
 HANG_SLACK_S = 8.0
+# late_start: the harness never reaches the model, so any deadline will do; a short one keeps the cell short.
+LATE_START_DEADLINE_S = 8.0
 # agent_hang: a request unanswered when the harness was stopped counts against the model unless it was
 # sent within this long before the stop (or after it): cut by the stop, not left waiting by the model.
 KILL_WINDOW_S = 1.0
@@ -303,6 +307,8 @@ def _agent_spent_the_time(rows: Rows, ctx: CheckContext) -> str | None:
         # ended: not a call the model sat on.
         return float(a.get("started_at") or 0.0) >= killed_at - KILL_WINDOW_S
 
+    if not _attempts(row):
+        return "no model call: the deadline fell before the harness reached the model"
     waiting = [a for a in _attempts(row) if a["kind"] != FailureKind.NONE.value and not cut_by_the_kill(a)]
     if waiting:
         return f"model calls that did not answer: {[(a['status'], a['kind']) for a in waiting]}"
@@ -907,7 +913,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.AGENT_NO_MODEL_CALL,
         _INFRA,
         None,
-        deadline_s=HANG_DEADLINE_S,
+        deadline_s=LATE_START_DEADLINE_S,
         checks=(("no_model_calls", _no_model_calls), ("never_graded", _not_graded)),
         launch_argv=("sleep", "600"),
     ),
