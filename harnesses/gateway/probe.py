@@ -42,16 +42,19 @@ class RunProbe:
         self._fetch = fetch
         self._verdicts: dict[str, tuple[float, asyncio.Future[int | None]]] = {}
 
-    async def verdict(self, req: Request, target: Upstream, kind: FailureKind) -> str | None:
-        """Why ``req``'s failure of ``kind`` is the session's (a line for its record); None when it is
-        the run's, or the probe could not tell."""
+    async def verdict(self, req: Request, target: Upstream) -> str | None:
+        """Why ``req``'s 401/403/402/404-class failure is the session's (a line for its record); None when
+        it is the run's, or the probe could not tell."""
         now = time.monotonic()
         held = self._verdicts.get(req.url)
         if held is None or now - held[0] > PROBE_TTL_S:
             future: asyncio.Future[int | None] = asyncio.ensure_future(self._probe(req, target))
             held = (now, future)
             self._verdicts[req.url] = held
-        status = await asyncio.shield(held[1])
+        try:
+            status = await asyncio.shield(held[1])
+        except Exception:  # a probe that broke proves nothing
+            status = None
         if status is not None and 200 <= status < 300:
             return f"the run's own request to this URL got HTTP {status}: this request drew the error"
         return None  # failed the same way (the run's), or proved nothing (taken as the run's)

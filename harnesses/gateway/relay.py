@@ -227,7 +227,10 @@ class Relay:
             async with self._client.post(
                 URL(url, encoded=True), headers=headers, data=body, allow_redirects=False
             ) as answer:
-                return answer.status, await answer.content.read(MAX_ERROR_BODY_BYTES)
+                body = bytearray()
+                while len(body) < MAX_ERROR_BODY_BYTES and (chunk := await answer.content.readany()):
+                    body += chunk
+                return answer.status, bytes(body[:MAX_ERROR_BODY_BYTES])
         except aiohttp.ClientError:
             return None
 
@@ -260,7 +263,7 @@ class Relay:
         if kind in RUN_KINDS:
             # Only the run's model, key and URL may stop a run: the run's own probe tells whether they are
             # at fault or this request's content was (the sandbox wrote it, the session answers for it).
-            verdict = await self._probes.verdict(att.req, self.upstream_for(session), kind)
+            verdict = await self._probes.verdict(att.req, self.upstream_for(session))
             if verdict is not None:
                 kind, message = FailureKind.MODEL_REQUEST_ERROR, f"{message or ''} ({verdict})"
         record = att.finish(kind, message)
