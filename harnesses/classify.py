@@ -19,6 +19,8 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
         detail["harness_claimed"] = report.claimed_failure.value
     if report.claimed_message:
         detail["harness_message"] = report.claimed_message[:2000]
+    if reached := gateway.bounds_reached():
+        detail["gateway"] = reached  # pinned fields, rate waits, refused requests: the row says so
     http = {
         "http_status": last_failure.status if last_failure else None,
         "retry_after_s": last_failure.retry_after_s if last_failure else None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from executor.session import SessionRequest, run_session
@@ -98,3 +100,5 @@ async def test_a_hostile_agent_gets_the_runs_model_and_bounded_requests(tmp_path
     assert first["model"] == "scripted-model" and first["max_tokens"] == 256
     assert not {"n", "service_tier", "user", "logit_bias"} & set(first)
     assert all(entry.body["model"] == "scripted-model" for entry in upstream)
+    pinned = json.loads(row["error_detail"])["gateway"]["pinned_fields"]  # the row says what was changed
+    assert pinned["model"] == 5 and {"n", "service_tier", "max_tokens"} <= set(pinned)

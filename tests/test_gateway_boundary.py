@@ -392,3 +392,15 @@ async def test_a_harness_re_asking_forever_makes_a_bounded_number_of_upstream_re
                 pass  # a cut passed on
     assert len(model.requests("s1")) == upstream
     assert session.closed_kind is not None and session.summary()["refused_after_close"] >= 12 - upstream
+
+
+async def test_what_pinning_changed_is_counted_and_bounded_for_the_row(recorder, harness, tmp_path) -> None:
+    url, _seen = recorder
+    async with gateway_to(url, pins=PINS) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        for start in range(0, 200, 20):  # 200 distinct junk fields over 10 requests
+            junk = {f"junk_{i}": 1 for i in range(start, start + 20)}
+            await ask(harness, session, {**CHAT, **junk})
+    reached = session.bounds_reached()["pinned_fields"]
+    assert len(reached) <= 51 and reached["model"] == 10
+    assert sum(reached.values()) == 10 + 10 * 19  # 20 names noted per request, the model among them

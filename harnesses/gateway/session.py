@@ -88,6 +88,7 @@ class InFlight(Protocol):
 
 
 OnAttempt = Callable[["GatewaySession", AttemptRecord], None]
+MAX_NOTED_NAMES = 50  # distinct field names a session's pinning counts by name
 
 
 @dataclass(eq=False)
@@ -181,6 +182,19 @@ class GatewaySession:
             "bodies_not_kept": self._not_kept,
         }
 
+    def bounds_reached(self) -> dict[str, Any]:
+        """What of the session the gateway changed or held back, for the row's ``error_detail``: the
+        fields it pinned and the bounds that slowed or refused a request without ending the session
+        (those that end it are the row's failure kind; bodies not kept, its evidence gaps)."""
+        reached = {
+            "pinned_fields": dict(self._pinned),
+            "refused_bodies": self._refused_bodies,
+            "over_concurrency": self._over_concurrency,
+            "rate_waits": self._rate_waits,
+            "rate_wait_s": round(self._rate_wait_s, 3),
+        }
+        return {name: value for name, value in reached.items() if value}
+
     def evidence_gaps(self) -> list[str]:
         """What the gateway could not keep of the session, as the row's evidence gap codes."""
         if not self._not_kept:
@@ -251,7 +265,11 @@ class GatewaySession:
         self._refused_bodies += 1
 
     def pinned(self, changed: tuple[str, ...]) -> None:
-        self._pinned.update(changed)
+        """Count the fields pinning changed; past MAX_NOTED_NAMES distinct names (a hostile body can carry
+        any), the rest under one name."""
+        for name in changed:
+            known = name in self._pinned or len(self._pinned) < MAX_NOTED_NAMES
+            self._pinned[name if known else "(others)"] += 1
 
     def may_keep(self) -> bool:
         """Bodies may still be kept within ``max_kept_bytes_per_session``."""

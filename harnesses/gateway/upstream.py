@@ -117,9 +117,9 @@ def pin(body: bytes, path: str, upstream: Upstream, config: GatewayConfig) -> Pi
         return Pinned(b"", refused="the request body is not a JSON object")
     changed: list[str] = []
     allowed = CHAT_FIELDS if path == CHAT_PATH else RESPONSES_FIELDS
-    for name in [n for n in data if n not in allowed and n != "model"]:
+    dropped = [name for name in data if name not in allowed and name != "model"]
+    for name in dropped:
         del data[name]
-        changed.append(name)
     if upstream.model is not None and data.get("model") != upstream.model:
         data["model"] = upstream.model
         changed.append("model")
@@ -139,6 +139,7 @@ def pin(body: bytes, path: str, upstream: Upstream, config: GatewayConfig) -> Pi
         if data.get(name) != value:
             data[name] = value
             changed.append(name)
+    changed += dropped  # after the pins, so a body full of junk names cannot hide them from the record
     stream = data.get("stream") is True
     capture = config.capture_tokens
     if capture:
