@@ -1126,12 +1126,15 @@ class ScriptedModel:
             await response.write(frame)
         assert self._stopping is not None
         ends = time.monotonic() + step.max_s
-        while (left := ends - time.monotonic()) > 0:
-            await response.write(b": keep-alive\n\n")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), min(step.interval_s, left))
-            if self._stopping.is_set():
-                break
+        try:
+            while (left := ends - time.monotonic()) > 0:
+                await response.write(b": keep-alive\n\n")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), min(step.interval_s, left))
+                if self._stopping.is_set():
+                    break
+        except ConnectionError:  # the client gave up on the stream, as it should
+            return response
         _abort_connection(request)
         return response
 
