@@ -143,7 +143,10 @@ ASK_THEN = textwrap.dedent(
     req = urllib.request.Request(
         os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
         data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "text/json"},
+        headers={
+            "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+            "Content-Type": "application/json",
+        },
     )
     urllib.request.urlopen(req, timeout=60).read()
     """
