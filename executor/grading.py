@@ -31,6 +31,7 @@ from executor.row import Row
 from executor.tasks import Task, Verifier
 from policy import FailureKind, Outcome, bound_text
 from sandboxes.base import (
+    REVIEW_SUFFIX,
     ExecResult,
     RunsBefore,
     Sandbox,
@@ -54,8 +55,6 @@ _SHELL_SIGNAL_EXITS = range(129, 129 + int(signal.SIGRTMAX))
 REWARD_FILE_VAR = "ROLLOUT_REWARD_FILE"
 REWARD_FILE_LIMIT = 4096  # bytes read of it; a number needs a few dozen
 MAX_DIFF_CHARS = 200_000
-# The grading sandbox's session id: the agent's plus this, so its directory and labels say whose it is.
-REVIEW_SUFFIX = ".review"
 # A workspace carried between sandboxes that share no host directory goes as a tar through the worker.
 CARRY_TAR_LIMIT_BYTES = 1024**3
 CARRY_TIMEOUT_S = 300.0
