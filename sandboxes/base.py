@@ -31,6 +31,10 @@ class WorkspaceSpec(BaseModel):
     copy_from: str | None = None  # a local directory or git repository copied in whole
 
 
+# A grading sandbox's session id: the agent's plus this, so its directory and labels say whose it is.
+REVIEW_SUFFIX = ".review"
+
+
 class SandboxSpec(BaseModel):
     """What a session asks of its sandbox."""
 
