@@ -239,6 +239,8 @@ def view(
     readonly += [path for path, writable in mounts if not writable]
     if layers.network_forward is not None:
         readonly.append(layers.network_forward[1])
+    if layers.filesystem == "bwrap":  # the inner half of our chain runs inside, by path: this directory
+        readonly.append(os.path.dirname(ISOLATION_PATH))
     writable = [*session_dirs, *(path for path, rw in mounts if rw)]
     return fsview.plan(list(hidden), ["/tmp", "/dev/shm"], readonly, writable, files)
 

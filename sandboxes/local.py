@@ -847,7 +847,9 @@ class LocalSandbox:
             "tail_bytes": TAIL_BYTES,
             "kill_grace_s": self._grace,
             "nofile_limit": self._nofile,
-            "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            # An address-space limit only where no memory cgroup caps the whole sandbox: it breaks the
+            # runtimes that reserve address space they never use (V8, Go, the JVM).
+            "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb and not self.memory_cgroup else None,
             "log_path": str(files.log),
             **isolation.supervisor_params(self._isolation, self._view, self._user),
             "uid_busy": self._lease.busy_path if self._lease is not None else None,
@@ -904,11 +906,13 @@ class LocalSandbox:
         if disk is not None and disk.why is not None and result.timed_out:
             result.limit = disk.why
         result.oom_kills = pidlimit.oom_kills(self.memory_cgroup) - oom_before
-        if result.oom_kills and result.signal == signal.SIGKILL and not result.timed_out:
+        if result.oom_kills and result.exit_code != 0 and not result.timed_out:
+            # It failed, and the kernel killed a process of it for the cap meanwhile: a kill by the cap
+            # (SIGKILL, or 137 from a shell between), not a signal sent from inside the sandbox.
             assert self.memory_max
             result.limit = (
-                f"killed by the sandbox's memory cap of {self.memory_max // 2**20} MiB "
-                f"({result.oom_kills} process(es) of the sandbox killed out of memory)"
+                f"the sandbox's memory cap of {self.memory_max // 2**20} MiB killed "
+                f"{result.oom_kills} of its processes (out of memory)"
             )
         return result
 
