@@ -182,7 +182,7 @@ from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Literal, NamedTuple  # noqa: E402
 
-from sandboxes import fsview, identity, netns  # noqa: E402
+from sandboxes import fsview, identity, netns, uidpool  # noqa: E402
 
 PidsMode = Literal["auto", "host", "isolated"]
 FilesystemMode = Literal["host", "readonly"]
@@ -205,7 +205,7 @@ class Isolation(NamedTuple):
     pids: bool = False  # a PID namespace of its own, with a fresh /proc
     filesystem: Filesystem = "host"  # the view of sandboxes/fsview.py: by root's mounts, or by bwrap
     network_forward: tuple[int, str] | None = None  # (port, unix socket): see sandboxes/netns.py
-    user: bool = False  # each sandbox's commands run as a uid of its own (root's mounts only; identity.py)
+    user: bool = False  # each sandbox's commands run as a uid of its own (root's mounts only; uidpool.py)
 
     @property
     def label(self) -> str:
@@ -421,7 +421,7 @@ def choose(
     fs = layer("filesystem", filesystem, "host", filesystem_unavailable())
     pid_ns = fs or layer("pids", pids if pids != "auto" else None, "host", pid_namespace_unavailable())
     maker = view_maker() if fs else "host"
-    who = identity.pool_unavailable()
+    who = uidpool.pool_unavailable()
     if maker != "mounts":
         who = "commands run as the worker's own user (an unprivileged one needs root's view)"
     user = layer("user", None, "", who)

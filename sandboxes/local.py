@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from sandboxes import diskbound, diskfs, identity, isolation, owner, pidlimit, proctree
+from sandboxes import diskbound, diskfs, identity, isolation, owner, pidlimit, proctree, uidpool
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -323,7 +323,7 @@ class LocalSandboxProvider:
         pid_ns = isolation.resolve_pids(pids, filesystem)
         view_maker = isolation.view_maker() if filesystem == "readonly" else "host"
         if user:
-            why = identity.pool_unavailable()
+            why = uidpool.pool_unavailable()
             if why is None and view_maker != "mounts":
                 why = "an unprivileged user needs root's filesystem view"
             if why is not None:
@@ -353,9 +353,9 @@ class LocalSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
         lease = None
-        if self.isolation.user:  # a uid no other running sandbox has (identity.py): microseconds
+        if self.isolation.user:  # a uid no other running sandbox has (uidpool.py): microseconds
             try:
-                lease = identity.lease()
+                lease = uidpool.lease()
             except OSError as exc:
                 raise SandboxStartError(f"cannot lease a uid for the sandbox: {exc}") from exc
         try:
@@ -573,7 +573,7 @@ class LocalSandboxProvider:
             # The session directory stays the worker's (so its logs and results do): the sandbox's uid
             # gets the directories its commands write, and reaches them only through its view, where
             # its own passwd and group files name it.
-            passwd, group = identity.account_files(user, sandbox.home)
+            passwd, group = uidpool.account_files(user.uid, user.gid, sandbox.home)
             for name, text in (("passwd", passwd), ("group", group)):
                 (session_dir / name).write_text(text, encoding="utf-8")
             identity.give([Path(p) for p in sandbox.writable_dirs], user)
@@ -591,7 +591,7 @@ class LocalSandbox:
         session_dir: Path,
         server: ExecServer,
         owner_name: str,
-        lease: identity.Lease | None = None,
+        lease: uidpool.Lease | None = None,
     ) -> None:
         self.provider_name = provider.name
         self.spec = spec
@@ -609,8 +609,8 @@ class LocalSandbox:
         self._nofile = provider.nofile_limit
         self._slack = provider.supervisor_slack_s
         self._isolation = provider.isolation
-        self._lease = lease  # its uid, no other running sandbox's (identity.py)
-        self._user = lease.identity if lease is not None else None
+        self._lease = lease  # its uid, no other running sandbox's (uidpool.py)
+        self._user = identity.Identity(lease.uid, lease.gid) if lease is not None else None
         # The directories commands may write; under a filesystem view, all they see of the session. The
         # baseline's git directory (sandboxes/workspace.py) is made here, as the view cannot bind what
         # does not exist yet.

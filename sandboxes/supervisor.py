@@ -208,6 +208,21 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     return 0
 
 
+def _own_session_keyring() -> None:
+    """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
+    processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
+    alike). Best effort: a kernel without keyrings has nothing to share."""
+    import ctypes
+
+    number = _KEYCTL.get(os.uname().machine)
+    if number is not None:
+        ctypes.CDLL(None).syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
+
+
+_KEYCTL = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
     """Where ``argv[0]`` may be, as execvpe looks: resolved before the switch to the sandbox user, past
     which nothing may need a file of ours (an import, say)."""
@@ -251,6 +266,7 @@ def _exec_command(
             os.setgroups([])
             os.setresgid(user[1], user[1], user[1])
             os.setresuid(user[0], user[0], user[0])
+            _own_session_keyring()
         os.closerange(3, MAX_FD)
         failed: OSError | None = None
         for path in candidates:  # as execvpe: a later directory may still hold a runnable one

@@ -28,7 +28,7 @@ from executor.tasks import Task
 from harnesses.command import CommandHarness
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
-from sandboxes import identity, isolation, pidlimit
+from sandboxes import isolation, pidlimit, uidpool
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandbox, LocalSandboxConfig, LocalSandboxProvider
 from tests.conftest import processes_under, session_context
@@ -373,13 +373,13 @@ import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
-USER_KEYRING = -4
+KEYRING = int(sys.argv[3])  # -4: the user keyring, -3: the session keyring
 if sys.argv[1] == "store":
     secret = sys.argv[2].encode()
-    key = libc.syscall(ADD_KEY, b"user", b"gateway-token", secret, ctypes.c_size_t(len(secret)), USER_KEYRING)
+    key = libc.syscall(ADD_KEY, b"user", b"gateway-token", secret, ctypes.c_size_t(len(secret)), KEYRING)
     print(key if key >= 0 else "failed " + os.strerror(ctypes.get_errno()))
 else:
-    found = libc.syscall(KEYCTL, 10, USER_KEYRING, b"user", b"gateway-token", 0)  # KEYCTL_SEARCH
+    found = libc.syscall(KEYCTL, 10, KEYRING, b"user", b"gateway-token", 0)  # KEYCTL_SEARCH
     print("search", found if found >= 0 else os.strerror(ctypes.get_errno()))
     for key in {found, int(sys.argv[2])} - {-1}:
         buf = ctypes.create_string_buffer(256)
@@ -388,20 +388,29 @@ else:
 """
 
 
-async def test_a_key_in_one_sessions_keyring_is_not_the_others(world):
-    """Session a stores its gateway token in its user keyring (the kernel's, keyed by uid); b searches its
-    own and reads a's key by its serial: neither finds it, as b runs as another uid."""
+@pytest.mark.parametrize("keyring", ["user", "session"])
+async def test_a_key_in_one_sessions_keyring_is_not_the_others(world, keyring):
+    """Session a stores its gateway token in its user keyring (the kernel's, keyed by uid), or in its
+    session keyring (which a command would inherit from the worker); b searches its own and reads a's key
+    by its serial: neither finds it, as b runs as another uid, each command in a session keyring of its
+    own."""
     token = world.base_url.split("/s/")[1].split("/")[0]
-    stored = await world.a.exec(["python3", "-c", KEYRING, "store", token], timeout=30)
+    ring = "-4" if keyring == "user" else "-3"
+    stored = await world.a.exec(["python3", "-c", KEYRING, "store", token, ring], timeout=30)
     assert stored.stdout_tail.strip().isdigit(), stored  # a's own keyring takes it
-    again = await world.a.exec(["python3", "-c", KEYRING, "find", stored.stdout_tail.strip()], timeout=30)
-    assert f"read {token}" in again.stdout_tail, again  # and a reads it back, in a later command
-    stolen = await world.b.exec(["python3", "-c", KEYRING, "find", stored.stdout_tail.strip()], timeout=30)
+    if keyring == "user":  # the user keyring outlives a command: a reads it back in a later one
+        again = await world.a.exec(
+            ["python3", "-c", KEYRING, "find", stored.stdout_tail.strip(), ring], timeout=30
+        )
+        assert f"read {token}" in again.stdout_tail, again
+    stolen = await world.b.exec(
+        ["python3", "-c", KEYRING, "find", stored.stdout_tail.strip(), ring], timeout=30
+    )
     assert token not in stolen.stdout_tail, stolen.stdout_tail
     assert "search Required key not available" in stolen.stdout_tail, stolen.stdout_tail
     ids = [await world.a.exec(["id", "-u"], timeout=30), await world.b.exec(["id", "-u"], timeout=30)]
     uid_a, uid_b = (int(r.stdout_tail) for r in ids)
-    assert uid_a != uid_b and min(uid_a, uid_b) >= identity.POOL_BASE
+    assert uid_a != uid_b and min(uid_a, uid_b) >= uidpool.POOL_BASE
 
 
 async def test_one_session_cannot_signal_the_others_processes(world):
