@@ -145,9 +145,9 @@ class Agent:
         self.account_files = None  # type: dict | None
         if self.layers.lease is not None:  # a uid with no account: the view names it (uidpool.py)
             uid, gid = self.run_as
-            texts = uidpool.account_files(uid, gid, os.path.join(self.root, "home"))
+            passwd, group = uidpool.account_files(uid, gid, os.path.join(self.root, "home"))
             self.account_files = {}
-            for name, text in zip(("passwd", "group"), texts):
+            for name, text in (("passwd", passwd), ("group", group)):
                 with open(os.path.join(self.root, name), "w", encoding="utf-8") as f:
                     f.write(text)
                 self.account_files["/etc/" + name] = os.path.join(self.root, name)
