@@ -10,8 +10,8 @@ them in. A mount and a bind per directory: microseconds, where a filesystem imag
 
 Its pages are memory: what the sandbox's commands write counts toward the sandbox's memory cap
 (sandboxes/pidlimit.py), so the tighter of the two bounds holds; what the worker copies in counts toward
-the worker's. They are freed at ``unmount`` (the sandbox's stop): a kept session directory
-(``sandbox.keep``) keeps its logs and results, not its workspace. Needs root (``mount``); without it the
+the worker's. They are freed at ``unmount`` (the sandbox's stop); a kept session directory (``sandbox.keep``)
+gets their files copied onto the disk first. Needs root (``mount``); without it the
 watcher keeps the bound. Standard library only.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 DISK_DIR = ".disk"
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
@@ -71,14 +71,18 @@ def mount(session_dir: str, dirs: Sequence[str], size_bytes: int) -> None:
         raise
 
 
-def unmount(session_dir: str, dirs: Sequence[str]) -> None:
+def unmount(session_dir: str, dirs: Sequence[str], keep: Callable[[str, str], None] | None = None) -> None:
     """Detach the session's binds and its tmpfs (idempotent; lazily, so a process still holding a file
-    open cannot keep the mount from going). Blocking."""
+    open cannot keep the mount from going). ``keep(src, dst)``: called for each directory once its bind
+    is gone and before the tmpfs goes, to copy what it holds onto the disk (a kept session). Blocking."""
     libc = _libc()
-    for path in [*dirs, os.path.join(session_dir, DISK_DIR)]:
+    disk = os.path.join(session_dir, DISK_DIR)
+    for path in [*dirs, disk]:
         if libc.umount2(path.encode(), _MNT_DETACH):
             err = ctypes.get_errno()
             if err not in (_EINVAL, _ENOENT):  # not mounted, or not there: nothing to undo
                 raise OSError(err, f"umount {path}: {os.strerror(err)}")
+        elif keep is not None and path != disk:
+            keep(os.path.join(disk, os.path.basename(path)), path)
     with contextlib.suppress(OSError):
-        os.rmdir(os.path.join(session_dir, DISK_DIR))
+        os.rmdir(disk)

@@ -1039,7 +1039,14 @@ class LocalSandbox:
 
     def _unmount_disk(self) -> None:
         if self._provider.disk_fs:
-            diskfs.unmount(str(self.root), self.writable_dirs)
+            diskfs.unmount(str(self.root), self.writable_dirs, self._keep_files if self._keep else None)
+
+    def _keep_files(self, src: str, dst: str) -> None:
+        """A kept session's files, copied off its tmpfs before it goes (links as links)."""
+        try:
+            copy_tree(src, dst, self._user)
+        except OSError as exc:  # a FIFO or socket the agent made: what is copied stays
+            log.warning("sandbox %s: kept files of %s in part: %s", self.id, dst, str(exc)[:500])
 
     async def delete(self) -> None:
         """Stop, then remove the session's directory whatever ``keep`` says."""
