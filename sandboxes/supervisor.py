@@ -211,16 +211,21 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
 def _own_session_keyring() -> None:
     """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
     processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
-    alike). Best effort: a kernel without keyrings has nothing to share."""
+    alike), with the uid's user keyring linked in as a login session has it, so that the sandbox's keys
+    are its own to read in its later commands. Best effort: a kernel without keyrings has nothing to
+    share."""
     import ctypes
 
     number = _KEYCTL.get(os.uname().machine)
     if number is not None:
-        ctypes.CDLL(None).syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
+        libc = ctypes.CDLL(None)
+        if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+            libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
 
 
 _KEYCTL = {"x86_64": 250, "aarch64": 219}
-_KEYCTL_JOIN_SESSION_KEYRING = 1
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_LINK = 1, 8
+_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING = -3, -4
 
 
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
