@@ -93,6 +93,8 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
         return Outcome.of(report.claimed_failure, report.claimed_message, **http)
     if result.exit_code != 0:
         how = f"signal {result.signal}" if result.signal else f"exit code {result.exit_code}"
+        if result.limit:  # the sandbox's memory cap, not a signal sent from inside it
+            how += f", {result.limit}"
         message = f"harness died ({how}); stderr: {result.stderr_tail[-2000:]}"
         return Outcome.of(FailureKind.AGENT_CRASH, message, **http)
     if report.claimed_message:  # it said it failed, in words no recognizer knows

@@ -58,12 +58,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 try:  # as part of the package
-    from sandboxes import agent_layers, proctree
+    from sandboxes import agent_layers, proctree, uidpool
     from sandboxes import supervisor as sup
 except ImportError:  # copied beside supervisor.py and proctree.py into a sandbox
     import agent_layers  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
     import supervisor as sup  # type: ignore[no-redef]
+    import uidpool  # type: ignore[no-redef]
 
 SUPERVISOR_PATH = os.path.abspath(sup.__file__)
 TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
@@ -141,6 +142,15 @@ class Agent:
         # The supervisor's own directory too: a command's init imports its siblings once in the view.
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
         self.relay = agent_layers.GatewayRelay() if self.layers.network else None
+        self.account_files = None  # type: dict | None
+        if self.layers.lease is not None:  # a uid with no account: the view names it (uidpool.py)
+            uid, gid = self.run_as
+            passwd, group = uidpool.account_files(uid, gid, os.path.join(self.root, "home"))
+            self.account_files = {}
+            for name, text in (("passwd", passwd), ("group", group)):
+                with open(os.path.join(self.root, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+                self.account_files["/etc/" + name] = os.path.join(self.root, name)
         if self.run_as is not None:
             # The root stays ours (the commands' results and logs, the token's neighbours): the user may
             # pass through it to what is its own, never list or write it.
@@ -344,7 +354,7 @@ class Agent:
             else:  # the namespace with only lo; its listener relays to a socket that does not exist
                 out["network_forward"] = [0, os.path.join(self.relay.dir, "none.sock")]
         if self.layers.filesystem:
-            out["view"] = agent_layers.view(self.root, self.hidden, self.readonly, relay)
+            out["view"] = agent_layers.view(self.root, self.hidden, self.readonly, relay, self.account_files)
         return out
 
     def _result(self, files: dict, proc: subprocess.Popen, killed: bool, duration: float) -> dict:
@@ -762,6 +772,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--unconfined", action="store_true", help="requests may name paths outside --root")
     parser.add_argument("--run-as", help="run every command as this unprivileged user (needs root)")
     parser.add_argument("--isolation", choices=("off", "auto", "strict"), default="off")
+    parser.add_argument(
+        "--uid-pool", action="store_true", help="as root, run the commands as a uid of the node's pool"
+    )
     parser.add_argument("--hide", action="append", default=[], help="a path no command may see")
     parser.add_argument("--readonly", action="append", default=[], help="a path commands see read-only")
     args = parser.parse_args(argv)
@@ -774,7 +787,7 @@ def main(argv: list | None = None) -> int:
         print("agent: no token (--token-file or --token-env): refusing to start", file=sys.stderr)
         return 2
     try:
-        layers = agent_layers.resolve(args.isolation, args.run_as)
+        layers = agent_layers.resolve(args.isolation, args.run_as, args.uid_pool)
     except ValueError as exc:
         print(f"agent: {exc}"[:1000], file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ own: a Slurm compute node, an ECS task's container.
 With the agent as root, each layer is the local sandbox's, made on the node:
 
 - **user**: every command runs as an unprivileged user (``--run-as``) with no supplementary groups and
-  ``no_new_privs`` (supervisor.py);
+  ``no_new_privs`` (supervisor.py); with ``--uid-pool`` (the Slurm provider's), as a uid of the node's
+  pool instead (uidpool.py), so that two jobs on one node never share a keyring or signal each other;
 - **pids**: the agent and its commands live in a PID namespace of their own, with its own /proc, so the
   node's processes (slurmd, other jobs, a worker) and their environments are out of sight: ``enter_pid_
   namespace`` forks the namespace's init, which forks the agent;
@@ -12,10 +13,11 @@ With the agent as root, each layer is the local sandbox's, made on the node:
   to a Unix socket of the agent's (netns.py), and the agent relays that socket to the worker's gateway,
   the one address it dials: nothing else on the node or its network (Ray, slurmd, the instance metadata
   and the container credentials endpoint) is reachable;
-- **filesystem**: each command sees the node read-only, with homes, /root, /run (the munge socket),
-  /tmp, the munge key's and Slurm's directories, the shared sandbox root (every other session and its
-  token) and whatever ``--hide`` names hidden, and only the session's work, home and tmp writable
-  (fsview.py).
+- **filesystem**: each command sees the node by allow-list (fsview.py): the system directories
+  read-only (/etc without its secrets: the munge key, Slurm's configuration), its own /proc, /dev and
+  /tmp, the agent's directory and Python and what ``--readonly`` names read-only, and only the session's
+  work, home and tmp writable; homes, /root, /run (the munge socket), the spool, the shared sandbox root
+  (every other session and its token) are not there, and ``--hide`` hides paths inside what is.
 
 Without root, where bubblewrap and user namespaces allow, bubblewrap makes the same PID namespace (one a
 command), network and view (isolation.py's chain, as a local sandbox's without root), and the commands
@@ -35,11 +37,12 @@ import sys
 import tempfile
 
 try:  # as part of the package
-    from sandboxes import fsview, netns, proctree
+    from sandboxes import fsview, netns, proctree, uidpool
 except ImportError:  # copied beside agent.py
     import fsview  # type: ignore[no-redef]
     import netns  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
+    import uidpool  # type: ignore[no-redef]
 
 LAYERS = ("network", "pids", "filesystem", "user")
 # What no command may see on a node besides the session's own directories: homes and root's (keys,
@@ -65,6 +68,7 @@ class Layers:
 
     def __init__(self) -> None:
         self.user = None  # type: tuple | None  # (uid, gid)
+        self.lease = None  # type: uidpool.Lease | None  # the uid of the node's pool it holds, if any
         self.pids = False
         self.network = False
         self.filesystem = False
@@ -78,10 +82,12 @@ class Layers:
         return ",".join(name for name in LAYERS if on[name]) or "none"
 
 
-def resolve(mode: str, run_as: str | None) -> Layers:
+def resolve(mode: str, run_as: str | None, uid_pool: bool = False) -> Layers:
     """The layers ``mode`` (off | auto | strict) asks for that this node allows. ``run_as``: the user,
-    which ``off`` still honours (the agent's older ``--run-as`` alone). Raises ValueError with one line
-    for what cannot be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
+    which ``off`` still honours (the agent's older ``--run-as`` alone). ``uid_pool``: with root, the
+    commands run as a uid of the node's pool instead (uidpool.py), no other running sandbox's on the
+    node, as the ``run_as`` user's would be every job's. Raises ValueError with one line for what cannot
+    be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
     layers = Layers()
     root = os.geteuid() == 0
     if run_as:
@@ -91,6 +97,12 @@ def resolve(mode: str, run_as: str | None) -> Layers:
             entry = None
         if entry is not None and entry.pw_uid != 0 and entry.pw_gid != 0 and root:
             layers.user = (entry.pw_uid, entry.pw_gid)
+            if uid_pool and mode != "off":
+                try:
+                    layers.lease = uidpool.lease()
+                    layers.user = (layers.lease.uid, layers.lease.gid)
+                except OSError as exc:  # the named user still keeps the node's files and secrets
+                    layers.missing.append(f"a uid of its own ({exc})"[:300])
         elif mode == "off":
             why = "no such user" if entry is None else "needs the agent as root and a user other than root"
             raise ValueError(f"--run-as {run_as!r}: {why}")
@@ -134,11 +146,13 @@ def _probe(argv: list, name: str, layers: Layers) -> bool:
     return done.returncode == 0
 
 
-def view(root: str, hidden: list, readonly: list, relay: str | None) -> list:
-    """The filesystem view of the commands of a session whose directory is ``root``."""
+def view(root: str, hidden: list, readonly: list, relay: str | None, files: dict | None = None) -> list:
+    """The filesystem view of the commands of a session whose directory is ``root``: the allow-list of
+    fsview.py (NODE_HIDDEN is what it must hide should a ``--readonly`` path bind it in). ``files``:
+    files bound read-only at another path (the session's /etc/passwd)."""
     ro = [sys.base_prefix, *readonly] + ([relay] if relay else [])
     writable = [os.path.join(root, sub) for sub in WRITABLE]
-    return fsview.plan([*NODE_HIDDEN, *hidden], list(NODE_SCRATCH), ro, writable)
+    return fsview.plan([*NODE_HIDDEN, *hidden], list(NODE_SCRATCH), ro, writable, files)
 
 
 def bwrap_argv(params: dict, argv: list) -> list:

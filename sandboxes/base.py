@@ -81,7 +81,10 @@ class ExecResult(BaseModel):
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     before: ExecResult | None = None  # the ``before`` step's, when the exec had one
-    limit: str | None = None  # which bound, other than its timeout, ended it as timed out (disk)
+    # Which bound of the sandbox's, other than its timeout, ended it: its disk (then ``timed_out``), or its
+    # memory cap (killed by SIGKILL, the kernel's OOM killer: not a signal sent from inside the sandbox).
+    limit: str | None = None
+    oom_kills: int = 0  # processes of the sandbox its memory cap killed while this command ran
 
 
 class ExecStep(BaseModel):

@@ -8,12 +8,12 @@ ends the command as its timeout would (the supervisor's expire signal): the comm
 timed out, with ``limit`` saying why, and a harness so stopped is ``agent_timeout``: stopped by a limit,
 the agent's doing, its partial work kept and graded, never an infrastructure failure.
 
-Why a watcher and not a filesystem of the session's own (a size-limited tmpfs, a loop-mounted image):
-those need root and a mount in the worker's mount namespace that a sandbox's PID namespace, made before
-the sandbox by a spare server, never sees, and a tmpfs holds its files in memory. The price is that the
-bound is not exact: between two walks a command may write past it, by at most what it writes in one
+The watcher is what a sandbox gets where it cannot have a filesystem of its own: without root, or
+without root's filesystem view (sandboxes/diskfs.py is the bound as root, enforced as writes happen).
+Its bound is not exact: between two walks a command may write past it, by at most what it writes in one
 interval, which shrinks as the files near the bound (``next_delay``) and is never more than
-``MAX_DELAY_S``. A walk stops counting once past the bound, so one costs at most the bound's entries.
+``MAX_DELAY_S`` (a ``fallocate`` writes gigabytes in that time). A walk stops counting once past the
+bound, so one costs at most the bound's entries.
 """
 
 from __future__ import annotations

@@ -178,8 +178,7 @@ class ExecServer:
         self.pid = pid
         self.pid_namespace = pid_namespace
         self.marker_token = marker_token
-        # Its sandbox's process cap (sandboxes/pidlimit.py), when made for a spare before any sandbox had it.
-        self.pids_cgroup: str | None = None
+        self.cgroups: dict[str, str] = {}  # its sandbox's cgroup.procs by controller (pidlimit.py)
         self._marker = marker_entry(marker_token)
         self._stdout, transport, protocol = pipes
         self._stdin = asyncio.StreamWriter(transport, protocol, None, asyncio.get_running_loop())

@@ -1,17 +1,27 @@
-"""What a sandboxed command sees of the filesystem: the host read-only, its private places hidden, and only
-the session's own directories (and the read-only harness cache) bound back.
+"""What a sandboxed command sees of the filesystem: an allow-list. A fresh, empty root holds only the
+system directories programs need to run (``SYSTEM``, read-only, with ``/etc``'s secrets hidden), a /proc
+of the command's own PID namespace, a /dev of the basic devices, an empty /tmp, the session's own
+directories, and the paths the caller binds in (the harness cache, the Python the worker runs, the
+gateway's socket, what the run config's ``sandbox.mounts`` names). Every other host path is simply not
+there, not merely hidden: other runs' rows and evidence, source trees, dataset directories.
 
 A view is a list of steps, applied outermost path first (``plan`` orders them)::
 
-    [HIDE, path]     an empty read-only tmpfs over path: homes, /root, the run directory, the sandbox root
-    [SCRATCH, path]  an empty writable tmpfs of SCRATCH_SIZE over path: /tmp, /dev/shm
-    [RO, path]       path bound back read-only: the harness cache, the Python the worker runs, the socket
-    [RW, path]       path bound back writable: the session's work, home and tmp
+    [LINK, path, target]   a symlink (``/bin -> usr/bin`` on a merged-/usr host)
+    [PROC, path]           a fresh procfs: the command's PID namespace
+    [DEV, path]            a small tmpfs with null, zero, full, random, urandom, tty, a private devpts
+    [HIDE, path]           inside something bound in: an empty read-only tmpfs over a directory, or
+                           /dev/null over a file (``/etc/shadow``, the sandbox root under the cache)
+    [SCRATCH, path]        an empty writable tmpfs of SCRATCH_SIZE over path: /tmp, /dev/shm
+    [RO, path(, source)]   a host path bound in read-only (at ``path``, from ``source`` if given)
+    [RW, path]             a host path bound in writable: the session's work, home and tmp
 
-Two ways to apply one. Root applies it per command in a fresh mount namespace with a handful of system
-calls (``apply``: microseconds, where bubblewrap and its two helper interpreters cost ~30 ms an exec);
-without root, bubblewrap does it (``bwrap_args``, sandboxes/isolation.py). Standard library only: the
-supervisor, run by path, imports it.
+Two ways to apply one. Root applies it per command in a fresh mount namespace with a few dozen system
+calls (``apply``: under a millisecond, where bubblewrap and its two helper interpreters cost ~30 ms an
+exec): the binds are cloned from the host's tree first, a new tmpfs goes on top of ``/``, the clones are
+moved into it, and it becomes the root (``pivot_root``), the host's tree detached. Without root,
+bubblewrap does it (``bwrap_args``, sandboxes/isolation.py), which also starts from an empty root.
+Standard library only, python3 >= 3.8: the supervisor, run by path, and the in-sandbox agent import it.
 """
 
 from __future__ import annotations
@@ -19,43 +29,110 @@ from __future__ import annotations
 import ctypes
 import os
 
-HIDE, SCRATCH, RO, RW = "hide", "scratch", "ro", "rw"
+LINK, PROC, DEV, HIDE, SCRATCH, RO, RW = "link", "proc", "dev", "hide", "scratch", "ro", "rw"
 SCRATCH_SIZE = "64m"
-_ORDER = {HIDE: 0, SCRATCH: 0, RO: 1, RW: 2}
+_ORDER = {LINK: 0, PROC: 0, DEV: 0, HIDE: 0, SCRATCH: 0, RO: 1, RW: 2}
 
-# The new mount API (Linux 5.12): these numbers are the same on x86_64 and arm64.
-_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+# What every view holds of the host, read-only: the programs, their libraries and their configuration.
+# A top-level symlink (merged /usr) is made as a link. /var, /opt, /srv, /home, /root, /run, /mnt, /media,
+# /sys and anything else at the top are not there; a program installed elsewhere is bound in by name
+# (``sandbox.mounts``, the harness cache).
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# What no command may read under /etc: password hashes, host keys, TLS private keys, Kerberos keytabs,
+# Slurm's and munge's secrets, container registry credentials. Root-only files are unreadable by the
+# sandbox user anyway; hidden here also for a sandbox that runs as the worker's own user (bubblewrap).
+ETC_HIDDEN = (
+    "/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/security/opasswd",
+    "/etc/sudoers", "/etc/sudoers.d", "/etc/ssl/private", "/etc/pki/tls/private", "/etc/krb5.keytab",
+    "/etc/munge", "/etc/slurm", "/etc/slurm-llnl", "/etc/containers/auth.json", "/etc/docker",
+    "/etc/ecs", "/etc/rollout-executor",
+)  # fmt: skip
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_DEV_LINKS = (
+    ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx"),
+)  # fmt: skip
+
+# The new mount API (Linux 5.2 to 5.12): these numbers are the same on x86_64 and arm64.
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = 428, 429, 430, 431, 432
+_SYS_MOUNT_SETATTR = 442
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _AT_FDCWD = -100
 _AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
 _OPEN_TREE_CLONE = 1
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
-_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
-_MS_NOSUID, _MS_NODEV = 2, 4
+_FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 1, 6
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+_MNT_DETACH = 2
 
 
-def plan(hidden: list[str], scratch: list[str], readonly: list[str], writable: list[str]) -> list[list[str]]:
-    """The steps of a view, outermost path first and, at one depth, hiding before binding. Paths to hide
-    or bind read-only that do not exist on the host are left out; the writable ones are made before the
-    view is applied."""
-    steps = [
-        [kind, os.path.realpath(p)] for kind, paths in ((HIDE, hidden), (SCRATCH, scratch)) for p in paths
-    ]
-    steps += [[kind, os.path.realpath(p)] for kind, paths in ((RO, readonly), (RW, writable)) for p in paths]
-    unique = {tuple(s): s for s in steps if (s[0] == RW or os.path.lexists(s[1])) and s[1] != "/"}
-    return sorted(unique.values(), key=lambda s: (s[1].count("/"), _ORDER[s[0]], s[1]))
+def _depth(path: str) -> int:
+    return path.rstrip("/").count("/")
+
+
+def _under(path: str, tops: list[str]) -> bool:
+    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+
+
+def plan(
+    hidden: list[str],
+    scratch: list[str],
+    readonly: list[str],
+    writable: list[str],
+    files: dict[str, str] | None = None,
+) -> list[list[str]]:
+    """The steps of a view: ``SYSTEM``, /proc, /dev, ``scratch`` (/tmp, /dev/shm), ``readonly`` and
+    ``writable`` bound in, ``files`` (target -> source: a file bound read-only at another path, the
+    session's /etc/passwd) and, of ``hidden`` and ``ETC_HIDDEN``, what lies inside something bound in;
+    outermost path first and, at one depth, hiding before binding. Read-only paths that do not exist on
+    the host are left out; the writable ones are made before the view is applied."""
+    steps: list[list[str]] = [[PROC, "/proc"], [DEV, "/dev"]]
+    visible: list[str] = ["/proc", "/dev"]
+    for top in SYSTEM:
+        if os.path.islink(top):
+            steps.append([LINK, top, os.readlink(top)])
+        elif os.path.isdir(top):
+            steps.append([RO, top])
+            visible.append(top)
+    binds = [[RO, os.path.realpath(p)] for p in readonly if os.path.lexists(p)]
+    binds += [[RW, os.path.realpath(p)] for p in writable]
+    binds += [[RO, target, os.path.realpath(src)] for target, src in (files or {}).items()]
+    binds = [b for b in binds if b[1] != "/"]
+    visible += [b[1] for b in binds]
+    steps += binds
+    steps += [[SCRATCH, os.path.realpath(p)] for p in scratch]
+    for path in [*hidden, *ETC_HIDDEN]:
+        real = os.path.realpath(path)
+        if os.path.lexists(real) and _under(real, visible) and real not in visible:
+            steps.append([HIDE, real])
+    unique = {tuple(s): s for s in steps}
+    return sorted(unique.values(), key=lambda s: (_depth(s[1]), _ORDER[s[0]], s[1]))
 
 
 def bwrap_args(steps: list[list[str]]) -> list[str]:
-    """The view as bubblewrap's options, after ``--ro-bind / /``."""
+    """The view as bubblewrap's options (bubblewrap starts from an empty root of its own)."""
     out: list[str] = []
-    for kind, path in steps:
-        if kind in (HIDE, SCRATCH):
+    for step in steps:
+        kind, path = step[0], step[1]
+        if kind == LINK:
+            out += ["--symlink", step[2], path]
+        elif kind == PROC:
+            out += ["--proc", path]
+        elif kind == DEV:
+            out += ["--dev", path]
+        elif kind == HIDE and not os.path.isdir(path):
+            out += ["--ro-bind", "/dev/null", path]
+        elif kind in (HIDE, SCRATCH):
             perms = "1777" if kind == SCRATCH else "0755"
             out += ["--perms", perms, "--tmpfs", path]
+            if kind == HIDE:
+                out += ["--remount-ro", path]
         else:
-            out += ["--ro-bind" if kind == RO else "--bind", path, path]
+            source = step[2] if len(step) > 2 else path
+            out += ["--ro-bind" if kind == RO else "--bind", source, path]
     return out
 
 
@@ -84,6 +161,7 @@ class _Calls:
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.syscall.restype = ctypes.c_long
         self.libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+        self.libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
     def mount(
         self, source: bytes | None, target: str, fstype: bytes | None, flags: int, data: bytes | None
@@ -107,16 +185,61 @@ class _Calls:
         )
         _check(result, "move_mount", target)
 
+    def tmpfs(self, options: dict[str, str], attrs: int) -> int:
+        """A new tmpfs, not yet attached anywhere: the descriptor of its mount."""
+        fs = _check(self.libc.syscall(_SYS_FSOPEN, b"tmpfs", 1), "fsopen", "tmpfs")  # FSOPEN_CLOEXEC
+        try:
+            for key, value in options.items():
+                result = self.libc.syscall(
+                    _SYS_FSCONFIG, fs, _FSCONFIG_SET_STRING, key.encode(), value.encode(), 0
+                )
+                _check(result, "fsconfig", key)
+            _check(
+                self.libc.syscall(_SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0),
+                "fsconfig",
+                "create",
+            )
+            return _check(
+                self.libc.syscall(_SYS_FSMOUNT, fs, 1, attrs), "fsmount", "tmpfs"
+            )  # FSMOUNT_CLOEXEC
+        finally:
+            os.close(fs)
 
-def _make_mount_point(path: str, like: int) -> None:
+    def pivot_here(self) -> None:
+        """Make the current directory (a mount) the root and detach the old root, which ``pivot_root(".",
+        ".")`` stacks on top of it."""
+        number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+        if number is None:
+            raise OSError(f"pivot_root: no system call number known for {os.uname().machine}")
+        _check(self.libc.syscall(number, b".", b"."), "pivot_root", ".")
+        _check(self.libc.umount2(b".", _MNT_DETACH), "umount2", "the host's root")
+        os.chdir("/")
+
+
+def _make_mount_point(path: str, directory: bool) -> None:
     """An empty directory (or file, for a file's bind) at ``path``, and its parents, in a tmpfs of ours."""
     if os.path.lexists(path):
         return
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    if os.path.isdir(f"/proc/self/fd/{like}"):
+    if directory:
         os.mkdir(path, 0o755)
     else:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+
+def _make_dev(calls: _Calls, here: str, devices: dict[str, int]) -> None:
+    calls.mount(b"tmpfs", here, b"tmpfs", _MS_NOSUID | _MS_NOEXEC, b"mode=0755,size=64k")
+    for name, fd in devices.items():
+        _make_mount_point(f"{here}/{name}", directory=False)
+        calls.setattr(fd, name, _AT_EMPTY_PATH, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
+        calls.move(fd, f"{here}/{name}")
+        os.close(fd)
+    for name, target in _DEV_LINKS:
+        os.symlink(target, f"{here}/{name}")
+    os.mkdir(f"{here}/pts", 0o755)
+    os.mkdir(f"{here}/shm", 0o1777)
+    options = b"newinstance,ptmxmode=0666,mode=0620"
+    calls.mount(b"devpts", f"{here}/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, options)
 
 
 def apply(steps: list[list[str]]) -> None:
@@ -124,37 +247,65 @@ def apply(steps: list[list[str]]) -> None:
     calls = _Calls()
     os.umask(0o022)
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
-    # Clones first, while every source is still in sight and writable; the host goes read-only after.
-    clones = {path: calls.clone(path) for kind, path in steps if kind in (RO, RW)}
-    calls.setattr(_AT_FDCWD, "/", _AT_RECURSIVE, _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID)
-    hidden: list[str] = []
-    for kind, path in steps:
-        if kind in (HIDE, SCRATCH):
-            if not os.path.isdir(path):  # hidden already by a step above it
+    # Clones first, while every source is in sight: the binds, the devices, /dev/null for hidden files.
+    clones: dict[int, int] = {}
+    devices: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        kind, path = step[0], step[1]
+        if kind in (RO, RW):
+            clones[i] = calls.clone(step[2] if len(step) > 2 else path)
+        elif kind == DEV:
+            devices = {
+                name: calls.clone(f"/dev/{name}") for name in DEVICES if os.path.exists(f"/dev/{name}")
+            }
+        elif kind == HIDE and not os.path.isdir(path):
+            clones[i] = calls.clone("/dev/null")
+    root = calls.tmpfs({"mode": "0755", "size": "1m"}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+    calls.move(root, "/")  # on top of the host's root; built below through relative paths
+    os.fchdir(root)
+    read_only = [root]
+    for i, step in enumerate(steps):
+        kind, here = step[0], "." + step[1]
+        if kind == LINK:
+            os.makedirs(os.path.dirname(here), mode=0o755, exist_ok=True)
+            os.symlink(step[2], here)
+        elif kind == PROC:
+            _make_mount_point(here, directory=True)
+            calls.mount(b"proc", here, b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+        elif kind == DEV:
+            _make_mount_point(here, directory=True)
+            _make_dev(calls, here, devices)
+            read_only.append(os.open(here, os.O_PATH | os.O_CLOEXEC))
+        elif kind == SCRATCH or (kind == HIDE and i not in clones):
+            if kind == SCRATCH:
+                _make_mount_point(here, directory=True)
+            elif not os.path.isdir(here):  # hidden already by a step above it
                 continue
             options = f"mode=1777,size={SCRATCH_SIZE}" if kind == SCRATCH else "mode=0755,size=1m"
-            calls.mount(b"tmpfs", path, b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode())
-            if kind == HIDE:
-                hidden.append(path)
-            continue
-        fd = clones.pop(path)
-        readonly = _MOUNT_ATTR_RDONLY if kind == RO else 0
-        calls.setattr(
-            fd, path, _AT_EMPTY_PATH | _AT_RECURSIVE, readonly | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
-        )
-        _make_mount_point(path, fd)
-        calls.move(fd, path)
+            calls.mount(b"tmpfs", here, b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode())
+            if kind == HIDE:  # read-only once the binds' mount points are made in it
+                read_only.append(os.open(here, os.O_PATH | os.O_CLOEXEC))
+        else:
+            fd = clones.pop(i)
+            attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+            if kind == RO or kind == HIDE:
+                attrs |= _MOUNT_ATTR_RDONLY
+            calls.setattr(fd, here, _AT_EMPTY_PATH | _AT_RECURSIVE, attrs)
+            _make_mount_point(here, os.path.isdir(f"/proc/self/fd/{fd}"))
+            calls.move(fd, here)
+            os.close(fd)
+    for fd in read_only:
+        calls.setattr(fd, "", _AT_EMPTY_PATH, _MOUNT_ATTR_RDONLY)
         os.close(fd)
-    for path in hidden:  # read-only once the binds' mount points are made in them
-        calls.setattr(_AT_FDCWD, path, 0, _MOUNT_ATTR_RDONLY)
+    calls.pivot_here()
 
 
 def _probe() -> int:
     """Exit 0 if this process can make a view: a mount namespace, and the mount API ``apply`` uses."""
     calls = _Calls()
     _check(calls.libc.unshare(0x00020000), "unshare", "CLONE_NEWNS")  # CLONE_NEWNS
-    apply([[HIDE, "/mnt"]] if os.path.isdir("/mnt") else [])
-    return 0
+    apply(plan([], ["/tmp"], [], []))
+    return 0 if os.path.isdir("/usr") and not os.path.exists("/root") else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The unprivileged identity sandboxed commands run as: a system user of their own, never the worker's.
-
-Only root can switch a command to another user, so a worker running as root makes the user at first use
-(``useradd``, idempotent; ``.ci/system-deps`` makes it at set-up) and gives it the session's writable
-directories. The worker keeps its own files (the supervisors' logs and results, the descriptor): the
-sandbox user can write its workspace, home and tmp, and nothing else on the host.
+"""The named unprivileged user sandboxed commands of the in-sandbox agent run as (``--run-as``), never
+the worker's: ``SANDBOX_USER``, made at first use by a worker running as root (``useradd``, idempotent;
+``.ci/system-deps`` makes it at set-up). A local sandbox runs as a uid of its own instead, one per running
+sandbox (sandboxes/uidpool.py), and so does a Slurm job's agent as root. The worker keeps its own files
+(the supervisors' logs and results, the descriptor): the sandbox's user can write its workspace, home and
+tmp, and nothing else on the host.
 """
 
 from __future__ import annotations

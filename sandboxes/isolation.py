@@ -41,14 +41,14 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Outside the namespaces
 
 
-def _bwrap_args(view: list[list[str]], *, network: bool) -> list[str]:
+def _bwrap_args(view: list[list[str]] | None, *, network: bool) -> list[str]:
     if __package__:
         from sandboxes import fsview
     else:  # run by path with -I: fsview.py is our sibling
         sys.path.insert(0, os.path.dirname(ISOLATION_PATH))
         import fsview
 
-    args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *fsview.bwrap_args(view)]
+    args = fsview.bwrap_args(view or fsview.plan([], ["/tmp"], [], []))
     args += ["--unshare-pid", "--die-with-parent"]
     if network:
         args.append("--unshare-net")
@@ -182,7 +182,7 @@ from collections.abc import Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any, Literal, NamedTuple  # noqa: E402
 
-from sandboxes import fsview, identity, netns  # noqa: E402
+from sandboxes import fsview, identity, netns, uidpool  # noqa: E402
 
 PidsMode = Literal["auto", "host", "isolated"]
 FilesystemMode = Literal["host", "readonly"]
@@ -205,7 +205,7 @@ class Isolation(NamedTuple):
     pids: bool = False  # a PID namespace of its own, with a fresh /proc
     filesystem: Filesystem = "host"  # the view of sandboxes/fsview.py: by root's mounts, or by bwrap
     network_forward: tuple[int, str] | None = None  # (port, unix socket): see sandboxes/netns.py
-    user: identity.Identity | None = None  # the unprivileged user commands run as (root's mounts only)
+    user: bool = False  # each sandbox's commands run as a uid of its own (root's mounts only; uidpool.py)
 
     @property
     def label(self) -> str:
@@ -214,23 +214,35 @@ class Isolation(NamedTuple):
             "network": self.network_forward is not None,
             "pids": self.pids,
             "filesystem": self.filesystem != "host",
-            "user": self.user is not None,
+            "user": self.user,
         }
         return ",".join(name for name, present in on.items() if present) or "none"
 
 
-def view(layers: Isolation, session_dirs: Sequence[str], hidden: Sequence[str]) -> list[list[str]] | None:
-    """The filesystem view of a sandbox whose writable directories are ``session_dirs``; ``hidden`` adds
-    to what every view hides (the sandbox root, the run directory). None without a view."""
+def view(
+    layers: Isolation,
+    session_dirs: Sequence[str],
+    hidden: Sequence[str],
+    mounts: Sequence[tuple[str, bool]] = (),
+    files: dict[str, str] | None = None,
+) -> list[list[str]] | None:
+    """The filesystem view of a sandbox whose writable directories are ``session_dirs``: the allow-list of
+    sandboxes/fsview.py. ``hidden``: what must stay out of sight inside what is bound in (the sandbox root
+    and the run directory under the harness cache); ``mounts``: (host path, writable) the run config
+    names (``sandbox.mounts``); ``files``: files bound read-only at another path (the session's
+    /etc/passwd). None without a view."""
     if layers.filesystem == "host":
         return None
-    homes = ["/root", "/home", "/run", "/var/tmp", "/mnt", "/media", "/srv"]
-    # The interpreter the worker runs (a harness venv's python links to it) and the harness cache, whose
-    # sandboxes directory is hidden again by ``hidden``.
-    readonly = [sys.base_prefix, str(_cache_root())]
+    # The interpreter the worker runs and its venv (a harness venv's python links to it), and the harness
+    # cache, whose sandboxes directory is hidden again by ``hidden``.
+    readonly = [sys.base_prefix, sys.prefix, str(_cache_root())]
+    readonly += [path for path, writable in mounts if not writable]
     if layers.network_forward is not None:
         readonly.append(layers.network_forward[1])
-    return fsview.plan([*homes, *hidden], ["/tmp", "/dev/shm"], readonly, list(session_dirs))
+    if layers.filesystem == "bwrap":  # the inner half of our chain runs inside, by path: this directory
+        readonly.append(os.path.dirname(ISOLATION_PATH))
+    writable = [*session_dirs, *(path for path, rw in mounts if rw)]
+    return fsview.plan(list(hidden), ["/tmp", "/dev/shm"], readonly, writable, files)
 
 
 def _cache_root() -> Any:
@@ -267,17 +279,19 @@ def server_network(layers: Isolation) -> tuple[int, str] | None:
     return layers.network_forward if server_pid_namespace(layers) else None
 
 
-def supervisor_params(layers: Isolation, steps: list[list[str]] | None) -> dict[str, Any]:
+def supervisor_params(
+    layers: Isolation, steps: list[list[str]] | None, user: identity.Identity | None = None
+) -> dict[str, Any]:
     """The supervisor's isolation parameters: ``network_forward`` (each command in a loopback-only
     network namespace of its own, where 127.0.0.1:port reaches the gateway's socket), ``view`` and
-    ``user``; none of them when bwrap makes the namespaces."""
+    ``user`` (the sandbox's leased identity); none of them when bwrap makes the namespaces."""
     per_command = layers.network_forward if server_network(layers) is None else None
     if layers.filesystem == "bwrap":
         return {"network_forward": None}
     return {
         "network_forward": list(per_command) if per_command else None,
         "view": steps if layers.filesystem == "mounts" else None,
-        "user": list(layers.user) if layers.user else None,
+        "user": list(user) if layers.user and user else None,
     }
 
 
@@ -308,7 +322,7 @@ def pid_namespace_unavailable() -> str | None:
 @functools.cache
 def readonly_unavailable() -> str | None:
     """Why this host cannot run a command under bwrap with the host read-only, or None when it can."""
-    return _probe([BWRAP, *_bwrap_args([], network=False), "true"], "sandbox.filesystem 'readonly'")
+    return _probe([BWRAP, *_bwrap_args(None, network=False), "true"], "sandbox.filesystem 'readonly'")
 
 
 @functools.cache
@@ -407,10 +421,10 @@ def choose(
     fs = layer("filesystem", filesystem, "host", filesystem_unavailable())
     pid_ns = fs or layer("pids", pids if pids != "auto" else None, "host", pid_namespace_unavailable())
     maker = view_maker() if fs else "host"
-    who = identity.sandbox_identity()
+    who = uidpool.pool_unavailable()
     if maker != "mounts":
         who = "commands run as the worker's own user (an unprivileged one needs root's view)"
-    user = layer("user", None, "", who if isinstance(who, str) else None)
+    user = layer("user", None, "", who)
     if missing:
         _warn_missing(tuple(f"{name} ({why})" for name, why in missing.items()))
     return Choice(network=net, pids=pid_ns, filesystem=maker, user=user)

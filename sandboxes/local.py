@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from sandboxes import diskbound, identity, isolation, owner, pidlimit, proctree
+from sandboxes import diskbound, diskfs, identity, isolation, owner, pidlimit, proctree, uidpool
 from sandboxes import supervisor as sup
 from sandboxes.base import (
     TAIL_BYTES,
@@ -83,10 +83,34 @@ DEFAULT_MAX_FILE_MB = 4096
 # A runaway of many files stops here, well above a repository with its dependencies installed; the
 # watcher's walks are then at most MAX_DELAY_S apart (sandboxes/diskbound.py).
 DEFAULT_MAX_DISK_MB = 10240
+# A sandbox's memory, its processes' and the files they write to its tmpfs together (a memory cgroup, root
+# only), unless its task says (``memory_mb``). Its disk is a tmpfs of max_disk_mb whose pages count here
+# too: the tighter bound holds.
+DEFAULT_MAX_MEMORY_MB = 8192
+DISK_SHARE = 0.75  # of the memory cap, at most, for a sandbox's tmpfs disk (diskfs.py)
 SUPERVISOR_SLACK_S = sup.SLACK_S
 # Fork servers a provider starts before it starts each sandbox's server as a new interpreter instead.
 MAX_ZYGOTE_STARTS = 3
+_DISK_DIRS = ("work", "home", "tmp", "baseline.git")  # what a reaper unmounts (diskfs.py)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class Mount(BaseModel):
+    """A host path a sandbox's commands see (``sandbox.mounts``): read-only unless ``writable``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    writable: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not os.path.isabs(value) or "\0" in value:
+            raise ValueError(f"sandbox.mounts: {value!r} is not an absolute path")
+        if not os.path.exists(value):
+            raise ValueError(f"sandbox.mounts: {value!r} does not exist on this host")
+        return os.path.normpath(value)
 
 
 class LocalSandboxConfig(ProviderConfig):
@@ -106,8 +130,12 @@ class LocalSandboxConfig(ProviderConfig):
     # readonly: the host read-only, homes, /root, /tmp, the run directory and other sandboxes hidden, only
     # the session's own directories writable (sandboxes/fsview.py).
     filesystem: Literal["host", "readonly"] | None = None
-    # More paths no sandboxed command may see (on top of homes, /root, /tmp, the run and sandbox roots).
+    # More paths no sandboxed command may see inside what it sees (the run and sandbox roots, /etc's
+    # secrets are hidden already; what is not bound in is not there at all).
     hide: list[str] = Field(default_factory=list)
+    # Host paths the filesystem view binds in besides the system directories, the harness cache and the
+    # session's own: a path (read-only), or {path, writable}. Everything else of the host is not there.
+    mounts: list[Mount] = Field(default_factory=list)
     # Bounds on what one sandbox's commands can take from the host, unset: as ``isolation`` says (off:
     # none). Processes and threads of the whole sandbox (a pids cgroup, root only: sandboxes/pidlimit.py),
     # and the size of any one file a command writes (RLIMIT_FSIZE).
@@ -116,7 +144,18 @@ class LocalSandboxConfig(ProviderConfig):
     # The disk a sandbox's files take in total (work, home, tmp), however many: past it, the running
     # command ends as timed out (sandboxes/diskbound.py). Unset: DEFAULT_MAX_DISK_MB (off: no bound).
     max_disk_mb: int | None = Field(default=None, gt=0)
+    # A sandbox's memory (a memory cgroup, root only), unless its task says: past it the kernel kills a
+    # process of the sandbox, and the command's result says so (``ExecResult.oom_kills``). Unset:
+    # DEFAULT_MAX_MEMORY_MB (off: none).
+    max_memory_mb: int | None = Field(default=None, gt=0)
     _layers: Choice | None = PrivateAttr(default=None)
+
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _path_alone(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"path": item} if isinstance(item, str) else item for item in value]
+        return value
 
     @field_validator("isolation", mode="before")
     @classmethod
@@ -155,6 +194,8 @@ class LocalSandboxConfig(ProviderConfig):
             max_processes=self.max_processes or (None if self.isolation == "off" else pidlimit.DEFAULT_LIMIT),
             max_file_mb=self.max_file_mb or (None if self.isolation == "off" else DEFAULT_MAX_FILE_MB),
             max_disk_mb=self.max_disk_mb or (None if self.isolation == "off" else DEFAULT_MAX_DISK_MB),
+            max_memory_mb=self.max_memory_mb or (None if self.isolation == "off" else DEFAULT_MAX_MEMORY_MB),
+            mounts=[(m.path, m.writable) for m in self.mounts],
         )
 
     def reap(self, root: Path, run_id: str | None, *, everything: bool = False) -> list[str]:
@@ -247,6 +288,8 @@ class LocalSandboxProvider:
         max_processes: int | None = None,
         max_file_mb: int | None = None,
         max_disk_mb: int | None = None,
+        max_memory_mb: int | None = None,
+        mounts: Sequence[tuple[str, bool]] = (),
     ) -> None:
         self.root = Path(root).resolve()
         self.name = name
@@ -261,6 +304,10 @@ class LocalSandboxProvider:
             pidlimit.sweep()  # what sandboxes of dead owners left
         self.max_file_bytes = max_file_mb * 1024 * 1024 if max_file_mb else None
         self.max_disk_bytes = max_disk_mb * 1024 * 1024 if max_disk_mb else None
+        self.max_memory_bytes = max_memory_mb * 1024 * 1024 if max_memory_mb else None
+        if max_memory_mb:
+            pidlimit.sweep(pidlimit.MEMORY)
+        self.mounts = list(mounts)
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
         # The fork server of supervisor servers (sandboxes/zygote.py), started with the first sandbox.
@@ -275,16 +322,17 @@ class LocalSandboxProvider:
         # its own, where 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
         pid_ns = isolation.resolve_pids(pids, filesystem)
         view_maker = isolation.view_maker() if filesystem == "readonly" else "host"
-        who: identity.Identity | None = None
         if user:
-            found = identity.sandbox_identity()
-            if isinstance(found, str) or view_maker != "mounts":
-                why = found if isinstance(found, str) else "an unprivileged user needs root's filesystem view"
+            why = uidpool.pool_unavailable()
+            if why is None and view_maker != "mounts":
+                why = "an unprivileged user needs root's filesystem view"
+            if why is not None:
                 raise isolation.IsolationUnavailable(f"sandbox user: {why}")
-            who = found
         self.isolation = isolation.Isolation(
-            pids=pid_ns, filesystem=view_maker, network_forward=network_forward, user=who
+            pids=pid_ns, filesystem=view_maker, network_forward=network_forward, user=user
         )
+        # The disk bound kept by the filesystem where root's view binds it in (diskfs.py), else watched.
+        self.disk_fs = bool(self.max_disk_bytes) and view_maker == "mounts" and diskfs.unavailable() is None
         # What no command may see besides homes and /tmp: every sandbox's directory, the run's directory.
         self.hidden: list[str] = [str(self.root), *hidden]
 
@@ -304,22 +352,35 @@ class LocalSandboxProvider:
             owner_name = owner.hold(self.root)  # once per process: later calls are a lookup and an fstat
         except OSError as exc:
             raise SandboxStartError(f"cannot make an owner record under {self.root}: {exc}") from exc
+        lease = None
+        if self.isolation.user:  # a uid no other running sandbox has (uidpool.py): microseconds
+            try:
+                lease = uidpool.lease()
+            except OSError as exc:
+                raise SandboxStartError(f"cannot lease a uid for the sandbox: {exc}") from exc
         try:
             server = await self._take_server()
         except OSError as exc:
+            if lease is not None:
+                lease.release()
             raise SandboxStartError(f"cannot start a supervisor server: {exc}") from exc
         try:
-            sandbox = LocalSandbox(self, spec, session_dir, server, owner_name)
+            sandbox = LocalSandbox(self, spec, session_dir, server, owner_name, lease)
         except SandboxError as exc:
             await self._discard(server, self.kill_grace_s)
+            if lease is not None:
+                lease.release()
             raise SandboxStartError(str(exc)) from exc
 
         def lay_out() -> None:
-            self._make_tree(session_dir, sandbox.xdg_dirs, sandbox.writable_dirs, self.isolation.user)
-            if server.pids_cgroup:  # a spare's, made and joined while the sandbox before it ran
-                sandbox.pids_cgroup = server.pids_cgroup
-            elif self.max_processes:
-                sandbox.pids_cgroup = self._cap(server)
+            if not server.cgroups:  # a spare's are made and joined while the sandbox before it ran
+                server.cgroups = self._cap(server)
+            sandbox.pids_cgroup = server.cgroups.get(pidlimit.PIDS)
+            sandbox.memory_cgroup = server.cgroups.get(pidlimit.MEMORY)
+            if sandbox.memory_cgroup and sandbox.memory_max != self.max_memory_bytes:  # the task's own
+                assert sandbox.memory_max
+                pidlimit.set_limit(sandbox.memory_cgroup, sandbox.memory_max, pidlimit.MEMORY)
+            self._make_tree(session_dir, sandbox)
             sandbox._write_descriptor(create=True)
 
         # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on
@@ -334,6 +395,9 @@ class LocalSandboxProvider:
             raise
         except OSError as exc:
             await self._discard(server, self.kill_grace_s)
+            await asyncio.to_thread(sandbox._unmount_disk)
+            if lease is not None:
+                lease.release()
             if isinstance(exc, FileExistsError):
                 raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
@@ -382,27 +446,35 @@ class LocalSandboxProvider:
         if self._spare_nice:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PGRP, server.pid, 19)
-        if self.max_processes:
-            # Its sandbox's cap, made now rather than on the next session's path: moving a process into
+        if self.max_processes or self.max_memory_bytes:
+            # Its sandbox's caps, made now rather than on the next session's path: moving a process into
             # a cgroup waits for an RCU grace period (~10 ms with cgroup v1).
-            server.pids_cgroup = await asyncio.to_thread(self._cap, server)
+            server.cgroups = await asyncio.to_thread(self._cap, server)
         return server
 
-    def _cap(self, server: ExecServer) -> str | None:
-        """A process cap for the sandbox ``server`` will serve, with ``server`` in it, so that every
-        command's init is born there; None where the host has none. A server that could not be moved
-        leaves each init to join the cap itself (slower, as capped)."""
-        assert self.max_processes
-        group = pidlimit.make(server.marker_token, self.max_processes)
-        if group:
-            pidlimit.adopt(group, server.pid)
-        return group
+    def _cap(self, server: ExecServer) -> dict[str, str]:
+        """The process and memory caps for the sandbox ``server`` will serve (cgroup.procs by controller),
+        with ``server`` in them, so that every command's init is born there; none where the host has none.
+        A server that could not be moved leaves each init to join the caps itself (slower, as capped)."""
+        groups: dict[str, str] = {}
+        for controller, limit in (
+            (pidlimit.PIDS, self.max_processes),
+            (pidlimit.MEMORY, self.max_memory_bytes),
+        ):
+            group = pidlimit.make(server.marker_token, limit, controller) if limit else None
+            if group:
+                if controller == pidlimit.MEMORY:
+                    pidlimit.spare_from_oom_killer(server.pid)
+                if group not in groups.values():  # cgroup v2: one group holds both
+                    pidlimit.adopt(group, server.pid)
+                groups[controller] = group
+        return groups
 
     async def _discard(self, server: ExecServer, timeout: float) -> None:
         """End a server no sandbox took, and the cap made for it."""
         await server.close(timeout)
-        if server.pids_cgroup:
-            await asyncio.to_thread(pidlimit.remove, server.pids_cgroup, 2.0)
+        for group in server.cgroups.values():
+            await asyncio.to_thread(pidlimit.remove, group, 2.0)
 
     async def _new_server(self) -> ExecServer:
         token = uuid.uuid4().hex
@@ -480,22 +552,31 @@ class LocalSandboxProvider:
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
 
-    @staticmethod
-    def _make_tree(
-        session_dir: Path, xdg: list[str], writable: list[str], user: identity.Identity | None
-    ) -> None:
+    def _make_tree(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         for sub in ("work", "home", "tmp", "logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
-        for path in xdg:
-            os.makedirs(path, exist_ok=True)
-        for path in writable:
+        for path in sandbox.writable_dirs:
             os.makedirs(path, mode=0o700, exist_ok=True)
+        if self.disk_fs:
+            assert self.max_disk_bytes
+            # Its pages count toward the memory cap: a disk filling the cap would end in kills, not
+            # ENOSPC, so it is at most DISK_SHARE of the cap, the rest left to the processes.
+            cap = int(sandbox.memory_max * DISK_SHARE) if sandbox.memory_max else self.max_disk_bytes
+            size = min(self.max_disk_bytes, cap)
+            diskfs.mount(str(session_dir), sandbox.writable_dirs, size)
+        for path in sandbox.xdg_dirs:
+            os.makedirs(path, exist_ok=True)
+        user = sandbox._user
         if user is not None:
-            # The session directory stays the worker's (so its logs and results do): the sandbox user
-            # gets the directories its commands write, and reaches them only through its view.
-            identity.give([Path(p) for p in writable], user)
+            # The session directory stays the worker's (so its logs and results do): the sandbox's uid
+            # gets the directories its commands write, and reaches them only through its view, where
+            # its own passwd and group files name it.
+            passwd, group = uidpool.account_files(user.uid, user.gid, sandbox.home)
+            for name, text in (("passwd", passwd), ("group", group)):
+                (session_dir / name).write_text(text, encoding="utf-8")
+            identity.give([Path(p) for p in sandbox.writable_dirs], user)
 
 
 class LocalSandbox:
@@ -510,6 +591,7 @@ class LocalSandbox:
         session_dir: Path,
         server: ExecServer,
         owner_name: str,
+        lease: uidpool.Lease | None = None,
     ) -> None:
         self.provider_name = provider.name
         self.spec = spec
@@ -527,19 +609,28 @@ class LocalSandbox:
         self._nofile = provider.nofile_limit
         self._slack = provider.supervisor_slack_s
         self._isolation = provider.isolation
-        self._user = provider.isolation.user
+        self._lease = lease  # its uid, no other running sandbox's (uidpool.py)
+        self._user = identity.Identity(lease.uid, lease.gid) if lease is not None else None
         # The directories commands may write; under a filesystem view, all they see of the session. The
         # baseline's git directory (sandboxes/workspace.py) is made here, as the view cannot bind what
         # does not exist yet.
         self.writable_dirs = [self.workdir, self.home, self.tmpdir]
         if provider.isolation.filesystem != "host":
             self.writable_dirs.append(baseline_git_dir(self.workdir))
-        self._view = isolation.view(provider.isolation, self.writable_dirs, provider.hidden)
+        files = None
+        if self._user is not None:  # programs that look their user up find the sandbox's uid
+            files = {"/etc/passwd": str(session_dir / "passwd"), "/etc/group": str(session_dir / "group")}
+        self._view = isolation.view(
+            provider.isolation, self.writable_dirs, provider.hidden, provider.mounts, files
+        )
         # The server was started before this sandbox existed; its marker becomes the sandbox's.
         self._server = server
         self._marker_token = server.marker_token
         self._marker = marker_entry(self._marker_token)
         self.pids_cgroup: str | None = None  # its process cap's cgroup.procs, where the host has one
+        self.memory_cgroup: str | None = None  # its memory cap's, likewise
+        memory_mb = spec.memory_limit_mb
+        self.memory_max = memory_mb * 1024 * 1024 if memory_mb else provider.max_memory_bytes
         base = base_environment(
             home=self.home,
             tmpdir=self.tmpdir,
@@ -584,6 +675,9 @@ class LocalSandbox:
             "marker": self._marker_token,
             "server_pid": self._server.pid,
             "pids_cgroup": self.pids_cgroup,
+            "memory_cgroup": self.memory_cgroup,
+            "disk_fs": self._provider.disk_fs,
+            "uid": self._user.uid if self._user is not None else None,
             # Live in memory only: on disk the server is the root, and every supervisor is its child.
             "supervisor_pids": sorted(self._running),
         }
@@ -758,11 +852,16 @@ class LocalSandbox:
             "tail_bytes": TAIL_BYTES,
             "kill_grace_s": self._grace,
             "nofile_limit": self._nofile,
-            "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            # An address-space limit only where no memory cgroup caps the whole sandbox: it breaks the
+            # runtimes that reserve address space they never use (V8, Go, the JVM).
+            "memory_limit_bytes": memory_mb * 1024 * 1024 if memory_mb and not self.memory_cgroup else None,
             "log_path": str(files.log),
-            **isolation.supervisor_params(self._isolation, self._view),
+            **isolation.supervisor_params(self._isolation, self._view, self._user),
+            "uid_busy": self._lease.busy_path if self._lease is not None else None,
             "cgroup_procs": self.pids_cgroup,
             "pids_max": self._provider.max_processes,
+            "memory_procs": self.memory_cgroup,
+            "memory_max": self.memory_max,
             "file_size_limit_bytes": self._provider.max_file_bytes,
         }
         before_files = None
@@ -779,8 +878,11 @@ class LocalSandbox:
             timeout += before.timeout
 
         started = time.monotonic()
+        oom_before = pidlimit.oom_kills(self.memory_cgroup)
         disk = None
-        if self._provider.max_disk_bytes:  # its expiry ends the command as the caller's would
+        if (
+            self._provider.max_disk_bytes and not self._provider.disk_fs
+        ):  # its expiry ends the command as the caller's would
             disk = diskbound.DiskWatch(self.writable_dirs, self._provider.max_disk_bytes, expire)
             expire = disk.expired
         # The command's environment goes through the server's pipe, never to disk.
@@ -808,6 +910,15 @@ class LocalSandbox:
         )
         if disk is not None and disk.why is not None and result.timed_out:
             result.limit = disk.why
+        result.oom_kills = pidlimit.oom_kills(self.memory_cgroup) - oom_before
+        if result.oom_kills and result.exit_code != 0 and not result.timed_out:
+            # It failed, and the kernel killed a process of it for the cap meanwhile: a kill by the cap
+            # (SIGKILL, or 137 from a shell between), not a signal sent from inside the sandbox.
+            assert self.memory_max
+            result.limit = (
+                f"the sandbox's memory cap of {self.memory_max // 2**20} MiB killed "
+                f"{result.oom_kills} of its processes (out of memory)"
+            )
         return result
 
     @staticmethod
@@ -920,12 +1031,27 @@ class LocalSandbox:
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
-            if not pidlimit.remove(self.pids_cgroup):  # its last process may not be released yet
-                await asyncio.to_thread(pidlimit.remove, self.pids_cgroup, 2.0)
+            for group in (self.pids_cgroup, self.memory_cgroup):
+                if not pidlimit.remove(group):  # its last process may not be released yet
+                    await asyncio.to_thread(pidlimit.remove, group, 2.0)
+            await asyncio.to_thread(self._unmount_disk)
+            if self._lease is not None:  # its processes are gone: the uid is free for another sandbox
+                self._lease.release()
             self.descriptor_path.unlink(missing_ok=True)
             if not self._keep:
                 self._provider._remove_later(self.root, self._owner)
             self._stopped = True
+
+    def _unmount_disk(self) -> None:
+        if self._provider.disk_fs:
+            diskfs.unmount(str(self.root), self.writable_dirs, self._keep_files if self._keep else None)
+
+    def _keep_files(self, src: str, dst: str) -> None:
+        """A kept session's files, copied off its tmpfs before it goes (links as links)."""
+        try:
+            copy_tree(src, dst, self._user)
+        except OSError as exc:  # a FIFO or socket the agent made: what is copied stays
+            log.warning("sandbox %s: kept files of %s in part: %s", self.id, dst, str(exc)[:500])
 
     async def delete(self) -> None:
         """Stop, then remove the session's directory whatever ``keep`` says."""
@@ -1087,6 +1213,10 @@ def reap_stale(
                 log.warning("reap_stale: processes of %s survived; leaving its descriptor", sandbox_id)
                 continue
             pidlimit.remove(desc.get("pids_cgroup"), 2.0)
+            pidlimit.remove(desc.get("memory_cgroup"), 2.0)
+            if desc.get("disk_fs"):
+                with contextlib.suppress(OSError):
+                    diskfs.unmount(str(path.parent), [str(path.parent / sub) for sub in _DISK_DIRS])
         elif desc.get("host") != host:
             continue  # another machine's
         path.unlink(missing_ok=True)

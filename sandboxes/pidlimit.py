@@ -1,14 +1,17 @@
-"""A cap on how many processes (and threads) one sandbox may have: a pids cgroup of its own.
+"""A sandbox's cgroups: a cap on its processes and threads (``pids``) and on its memory (``memory``).
 
-A fork bomb in one sandbox must not take the pids of the host, nor those of the other sandboxes; all of
-them run as one sandbox user, so a per-user limit (RLIMIT_NPROC) would let one sandbox starve the rest.
-Each sandbox gets ``<pids hierarchy>/rollout-executor/<marker>`` with ``pids.max`` set, and its supervisor
+A fork bomb in one sandbox must not take the pids of the host, nor those of the other sandboxes, and a
+memory hog must be killed inside its own sandbox, not by the host's OOM killer wherever it strikes. Each
+sandbox gets ``<hierarchy>/rollout-executor/<marker>`` per controller (cgroup v1: one hierarchy each; v2:
+one group holds both) with ``pids.max`` and the memory limit set (no swap beyond it). Its supervisor
 server moves there once (``adopt``; a spare server, before the sandbox it will serve starts), so that
 every command's init is born there; an init that is not (the server could not be moved, or a sweep
 removed the group) moves itself there before starting the command (``join``, sandboxes/supervisor.py).
 A move costs the kernel an RCU grace period, ~10 ms with cgroup v1; a birth in the group costs nothing.
-Needs root and a pids controller (cgroup v1's ``pids`` hierarchy, or v2 with ``pids`` enabled at the
-root); without them a sandbox has no such cap, which ``unavailable`` says.
+The memory limit counts what the sandbox's processes allocate and the files they write to a tmpfs (its
+/tmp, its own filesystem: sandboxes/diskfs.py); a process the kernel kills for it shows in ``oom_kills``.
+Needs root and the controllers (cgroup v1's hierarchies, or v2 with them available at the root); without
+them a sandbox has no such cap, which ``unavailable`` says.
 """
 
 from __future__ import annotations
@@ -20,41 +23,53 @@ import time
 
 # Standard library, and os.path rather than pathlib: each command's init imports this (by path).
 DEFAULT_LIMIT = 2048
-_V1 = "/sys/fs/cgroup/pids"
+PIDS, MEMORY = "pids", "memory"
+_V1 = "/sys/fs/cgroup"
 _V2 = "/sys/fs/cgroup"
 _OURS = "rollout-executor"
-_found: list[str] = []  # our directory, once made
+_found: dict[str, str] = {}  # controller -> our directory, once made
 
 
-def _parent() -> str | None:
-    """Our directory in the pids hierarchy, made if missing (None where there is none)."""
-    if not _found:
-        _why_not()
-    return _found[0] if _found else None
+def _v1_root(controller: str) -> str:
+    return os.path.join(_V1, controller)
 
 
-def _why_not() -> str | None:
-    """Why there is no directory of ours in the pids hierarchy (one line); None once it is made."""
+def _parent(controller: str = PIDS) -> str | None:
+    """Our directory in the controller's hierarchy, made if missing (None where there is none)."""
+    if controller not in _found:
+        _why_not(controller)
+    return _found.get(controller)
+
+
+def _enable(control: str, controller: str) -> None:
+    if controller not in _read(control).split():
+        with open(control, "w") as f:
+            f.write("+" + controller)
+
+
+def _why_not(controller: str = PIDS) -> str | None:
+    """Why there is no directory of ours in the controller's hierarchy (one line); None once it is made."""
     if os.geteuid() != 0:
-        return "a sandbox's process cap needs root"
-    if os.path.exists(os.path.join(_V1, "cgroup.procs")):
-        root = _V1
-    elif "pids" in _read(os.path.join(_V2, "cgroup.controllers")).split():
-        root = _V2
-        if "pids" not in _read(os.path.join(_V2, "cgroup.subtree_control")).split():
-            try:
-                with open(os.path.join(_V2, "cgroup.subtree_control"), "w") as control:
-                    control.write("+pids")
-            except OSError as exc:
-                return f"cannot enable the pids controller: {exc}"
+        return f"a sandbox's {controller} cap needs root"
+    v2 = False
+    if os.path.exists(os.path.join(_v1_root(controller), "cgroup.procs")):
+        root = _v1_root(controller)
+    elif controller in _read(os.path.join(_V2, "cgroup.controllers")).split():
+        root, v2 = _V2, True
+        try:
+            _enable(os.path.join(_V2, "cgroup.subtree_control"), controller)
+        except OSError as exc:
+            return f"cannot enable the {controller} controller: {exc}"
     else:
-        return "no pids cgroup controller on this host"
+        return f"no {controller} cgroup controller on this host"
     parent = os.path.join(root, _OURS)
     try:
         os.makedirs(parent, exist_ok=True)
+        if v2:  # the sandboxes' groups under ours get the controller's files too
+            _enable(os.path.join(parent, "cgroup.subtree_control"), controller)
     except OSError as exc:
         return f"cannot make {parent}: {exc}"
-    _found.append(parent)
+    _found[controller] = parent
     return None
 
 
@@ -66,26 +81,67 @@ def _read(path: str) -> str:
         return ""
 
 
-def unavailable() -> str | None:
-    """Why sandboxes get no process cap here, or None."""
-    return None if _found else _why_not()
+def unavailable(controller: str = PIDS) -> str | None:
+    """Why sandboxes get no cap of ``controller`` here, or None."""
+    return None if controller in _found else _why_not(controller)
 
 
-def make(name: str, limit: int = DEFAULT_LIMIT) -> str | None:
-    """A cgroup capped at ``limit`` tasks for one sandbox; the path of its ``cgroup.procs`` (which a
-    command's init writes itself into), or None where there is none."""
-    parent = _parent()
+def _limit_files(group: str, controller: str, limit: int) -> list[tuple[str, str]]:
+    if controller == PIDS:
+        return [(os.path.join(group, "pids.max"), str(limit))]
+    if os.path.exists(os.path.join(group, "memory.max")):  # v2: no swap beyond the limit either
+        return [
+            (os.path.join(group, "memory.max"), str(limit)),
+            (os.path.join(group, "memory.swap.max"), "0"),
+        ]
+    # v1: memory and swap together, once swap accounting is there; the limit first, as it must not pass
+    # the combined one (both are raised or lowered in the order that keeps it so).
+    both = os.path.join(group, "memory.memsw.limit_in_bytes")
+    files = [(os.path.join(group, "memory.limit_in_bytes"), str(limit))]
+    if os.path.exists(both):
+        current = _read(both).strip()
+        raise_first = current.isdigit() and int(current) < limit
+        files = [(both, str(limit)), *files] if raise_first else [*files, (both, str(limit))]
+    return files
+
+
+def set_limit(procs_path: str, limit: int, controller: str = PIDS) -> None:
+    """Set the cap of the group whose ``cgroup.procs`` is ``procs_path``. Raises OSError."""
+    for path, value in _limit_files(os.path.dirname(procs_path), controller, limit):
+        if os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(value)
+
+
+def make(name: str, limit: int = DEFAULT_LIMIT, controller: str = PIDS) -> str | None:
+    """A cgroup capped at ``limit`` (tasks, or bytes) for one sandbox; the path of its ``cgroup.procs``
+    (which a command's init writes itself into), or None where there is none."""
+    parent = _parent(controller)
     if parent is None:
         return None
     group = os.path.join(parent, name)
     try:
-        os.mkdir(group)
-        with open(os.path.join(group, "pids.max"), "w") as cap:
-            cap.write(str(limit))
+        with contextlib.suppress(FileExistsError):  # v2: one group holds both controllers
+            os.mkdir(group)
+        set_limit(os.path.join(group, "cgroup.procs"), limit, controller)
     except OSError:
         remove(os.path.join(group, "cgroup.procs"))
         return None
     return os.path.join(group, "cgroup.procs")
+
+
+def oom_kills(procs_path: str | None) -> int:
+    """How many processes of the memory group whose ``cgroup.procs`` is ``procs_path`` the kernel has
+    killed for its limit so far (0 where unknown)."""
+    if not procs_path:
+        return 0
+    group = os.path.dirname(procs_path)
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        for line in _read(os.path.join(group, name)).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return 0
 
 
 def remove(procs_path: str | None, wait_s: float = 0.0) -> bool:
@@ -106,16 +162,16 @@ def remove(procs_path: str | None, wait_s: float = 0.0) -> bool:
         time.sleep(0.01)
 
 
-def sweep() -> None:
+def sweep(controller: str = PIDS) -> None:
     """Remove the empty cgroups under ours: those of sandboxes whose owners died, and of live sandboxes
     whose server could not be moved in, between commands (each command's init makes its sandbox's
     again: ``join``)."""
-    parent = _parent()
+    parent = _parent(controller)
     if parent is None:
         return
     for name in os.listdir(parent):
         group = os.path.join(parent, name)
-        if os.path.isdir(group) and _read(os.path.join(group, "pids.current")).strip() == "0":
+        if os.path.isdir(group) and not _read(os.path.join(group, "cgroup.procs")).strip():
             try:
                 os.rmdir(group)
             except OSError:
@@ -130,32 +186,40 @@ def adopt(procs_path: str, pid: int) -> None:
         procs.write(str(pid))
 
 
-def member(procs_path: str) -> bool:
+def spare_from_oom_killer(pid: int) -> None:
+    """Keep process ``pid`` (a sandbox's supervisor server, and what it forks) from the OOM killer where
+    this process may (CAP_SYS_RESOURCE): a memory cap's kill must take a command of the sandbox, not its
+    supervisor. Each command raises its own score to the top (supervisor.py), which is what keeps the
+    supervisors where this cannot be done."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as adj:
+        adj.write("-1000")
+
+
+def member(procs_path: str, controller: str = PIDS) -> bool:
     """Whether the calling process is in the cgroup whose ``cgroup.procs`` is ``procs_path`` already."""
     group = os.path.dirname(procs_path)
-    for root, controllers in ((_V1, "pids"), (_V2, "")):
+    for root, listed_as in ((_v1_root(controller), controller), (_V2, "")):
         if group.startswith(root + "/"):
             wanted = group[len(root) :]
             for line in _read("/proc/self/cgroup").splitlines():
                 _id, listed, path = line.split(":", 2)
-                if path == wanted and (controllers in listed.split(",") if controllers else not listed):
+                if path == wanted and (listed_as in listed.split(",") if listed_as else not listed):
                     return True
             return False
     return False
 
 
-def join(procs_path: str, limit: int) -> None:
+def join(procs_path: str, limit: int, controller: str = PIDS) -> None:
     """Move the calling process into the cgroup whose ``cgroup.procs`` is ``procs_path``, making it (capped
     at ``limit``) if a sweep removed it. Raises OSError if that cannot be done."""
     for _ in range(3):  # a sweep may remove a group between its making and our joining it
         group = os.path.dirname(procs_path)
         os.makedirs(group, exist_ok=True)
         try:
-            with open(os.path.join(group, "pids.max"), "w") as cap:
-                cap.write(str(limit))
+            set_limit(procs_path, limit, controller)
             with open(procs_path, "w") as procs:
                 procs.write("0")
             return
         except FileNotFoundError:
             continue
-    raise OSError(f"cannot join the process cap's cgroup {procs_path}")
+    raise OSError(f"cannot join the {controller} cap's cgroup {procs_path}")

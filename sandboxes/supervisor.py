@@ -125,7 +125,8 @@ MAX_FD = 1 << 16  # what a command's init may hold open; the command gets only s
 
 
 def needs_init(p: dict[str, Any]) -> bool:
-    return bool(p.get("network_forward") or p.get("view") or p.get("user") or p.get("cgroup_procs"))
+    keys = ("network_forward", "view", "user", "cgroup_procs", "memory_procs")
+    return any(p.get(key) for key in keys)
 
 
 def _start_init(
@@ -163,11 +164,19 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     # Run by path with -I, our directory is not on sys.path; netns.py and fsview.py are our siblings.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     forward, view, user = p.get("network_forward"), p.get("view"), p.get("user")
-    if p.get("cgroup_procs"):  # the sandbox's process cap (sandboxes/pidlimit.py), before /sys is read-only
-        import pidlimit
+    # The sandbox's process and memory caps (sandboxes/pidlimit.py), before the view leaves /sys out.
+    for procs, limit, controller in (
+        ("cgroup_procs", "pids_max", "pids"),
+        ("memory_procs", "memory_max", "memory"),
+    ):
+        if p.get(procs):
+            import pidlimit
 
-        if not pidlimit.member(p["cgroup_procs"]):  # born there, from the server it adopted: no move
-            pidlimit.join(p["cgroup_procs"], int(p["pids_max"]))
+            if not pidlimit.member(p[procs], controller):  # born there, from the server it adopted: no move
+                pidlimit.join(p[procs], int(p[limit]), controller)
+    if view and p.get("host_mounts_fd") is not None:  # the server's, made before the session's mounts
+        proctree.libc_call("setns", int(p["host_mounts_fd"]), CLONE_NEWNS)
+        os.close(int(p["host_mounts_fd"]))
     flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
     if flags:
         proctree.libc_call("unshare", flags)
@@ -197,6 +206,26 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
     os.write(status_fd, str(status).encode())
     return 0
+
+
+def _own_session_keyring() -> None:
+    """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
+    processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
+    alike), with the uid's user keyring linked in as a login session has it, so that the sandbox's keys
+    are its own to read in its later commands. Best effort: a kernel without keyrings has nothing to
+    share."""
+    import ctypes
+
+    number = _KEYCTL.get(os.uname().machine)
+    if number is not None:
+        libc = ctypes.CDLL(None)
+        if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+            libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+
+
+_KEYCTL = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_LINK = 1, 8
+_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING = -3, -4
 
 
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
@@ -231,12 +260,18 @@ def _exec_command(
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.chdir(p["cwd"])
+        if p.get("memory_procs"):
+            # The memory cap's OOM killer takes a command before a supervisor (pidlimit.py): raising
+            # one's own score needs no privilege, where lowering the server's needs CAP_SYS_RESOURCE.
+            with open("/proc/self/oom_score_adj", "w") as adj:
+                adj.write("1000")
         if limits is not None:
             limits()
         if user:
             os.setgroups([])
             os.setresgid(user[1], user[1], user[1])
             os.setresuid(user[0], user[0], user[0])
+            _own_session_keyring()
         os.closerange(3, MAX_FD)
         failed: OSError | None = None
         for path in candidates:  # as execvpe: a later directory may still hold a runnable one

@@ -24,12 +24,14 @@ Standard library only, like its siblings supervisor.py, proctree.py and namespac
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
 import selectors
 import signal
 import sys
+import time
 
 if __package__:
     from sandboxes import namespaces, proctree, supervisor
@@ -62,6 +64,9 @@ class _Server:
         self.worker = worker  # a pidfd of the worker: readable once it has died
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
+        # Held shared until we exit, after our PID namespace is empty: the sandbox's uid is not leased
+        # again while a process of it may be left (sandboxes/identity.py).
+        self.busy: int | None = None
         self.children: dict[int, int] = {}  # supervisor pid -> request id
         self.stop_signal: int | None = None
         self.stdin_open = True
@@ -91,6 +96,9 @@ class _Server:
             return  # not from our worker; nothing to answer
         # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
         # one sent right after the fork is not lost.
+        busy = req.get("params", {}).get("uid_busy") if isinstance(req.get("params"), dict) else None
+        if busy and self.busy is None:
+            self.busy = _hold_shared(str(busy))
         signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
         try:
             pid = os.fork()
@@ -111,6 +119,10 @@ class _Server:
             # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
             params["parent_pid"] = self.me
             if self.pid_namespace is not None:
+                if params.get("view"):
+                    # A view is built from the host's mounts (the session's own filesystem, mounted
+                    # after this server started), not from the namespace's copy: the init joins them.
+                    params["host_mounts_fd"] = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
                 self.pid_namespace.enter()
                 params["parent_pid"] = 0
             for fd in (self.wake_r, self.wake_w, self.worker):
@@ -174,6 +186,18 @@ class _Server:
                     self.stop_signal = signal.SIGTERM
             self.reap()
         return 0
+
+
+def _hold_shared(path: str) -> int | None:
+    for _ in range(1000):  # a leaser holds it exclusively for microseconds at a time
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+        time.sleep(0.001)
+    return None
 
 
 def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> int:

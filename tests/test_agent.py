@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sandboxes import identity
+from sandboxes import identity, uidpool
 from sandboxes.agent import DEFAULT_MAX_CONNECTIONS
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, WorkspaceSpec
 from sandboxes.remote import AGENT_PATH, RemoteSandbox, agent_files
@@ -419,6 +419,39 @@ async def test_run_as_runs_every_command_as_the_unprivileged_user():
     assert "Permission denied" in result.stderr_tail and not planted
     assert appended == "uploaded\nmore\n"
     assert diff is not None and "+two" in diff
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or isinstance(identity.sandbox_identity(), str),
+    reason=f"--uid-pool needs root and the sandbox user: {identity.sandbox_identity()}",
+)
+async def test_agents_on_one_node_run_their_commands_as_uids_of_their_own():
+    """Two Slurm jobs' agents on one node (as root, ``--uid-pool``): each runs its commands as a uid of the
+    node's pool, not the other's nor the named user's, which its view's passwd names; the files it is
+    given are that uid's; its view is the allow-list (no source tree)."""
+    base = Path(tempfile.mkdtemp(prefix="rollout-uid-pool-", dir="/tmp"))
+    base.chmod(0o711)
+    flags = ("--isolation", "auto", "--run-as", identity.SANDBOX_USER, "--uid-pool")
+    agents = [start_agent(base / name, TOKEN, *flags) for name in ("a", "b")]
+    try:
+        results = []
+        for agent in agents:
+            sandbox = _remote(agent)
+            await sandbox.write_file("given.txt", b"x")
+            script = f"id -u; id -un; stat -c %u given.txt; ls {Path(__file__).parent}"
+            results.append(await sandbox.exec(["sh", "-c", script], timeout=30))
+    finally:
+        for agent in agents:
+            agent.kill()
+        shutil.rmtree(base, ignore_errors=True)
+    uids = set()
+    for res in results:
+        uid, name, owner, *_ = res.stdout_tail.splitlines()
+        assert int(uid) >= uidpool.POOL_BASE and owner == uid, res
+        assert name == identity.SANDBOX_USER
+        assert "No such file or directory" in res.stderr_tail, res  # the tests' directory is not there
+        uids.add(uid)
+    assert len(uids) == 2
 
 
 GATEWAY_STANDIN = """

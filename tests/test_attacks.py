@@ -25,9 +25,10 @@ import pytest
 
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
+from harnesses.command import CommandHarness
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
-from sandboxes import isolation, pidlimit
+from sandboxes import isolation, pidlimit, uidpool
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandbox, LocalSandboxConfig, LocalSandboxProvider
 from tests.conftest import processes_under, session_context
@@ -297,21 +298,23 @@ async def test_a_spare_servers_cap_is_made_before_its_sandbox_starts_and_goes_wi
     await world.a.exec(["true"], timeout=30)  # a command runs: a spare is made for the next sandbox
     assert world.provider._spare is not None
     spare = await world.provider._spare[1]
-    assert spare.pids_cgroup and str(spare.pid) in Path(spare.pids_cgroup).read_text().split()
+    for group in spare.cgroups.values():  # its process cap and its memory cap
+        assert str(spare.pid) in Path(group).read_text().split()
+    assert set(spare.cgroups) == {"pids", "memory"}
     c = await world.provider.start(SandboxSpec(run_id="r", session_id="c", ttl_s=300))
     try:
-        assert c.descriptor()["server_pid"] == spare.pid and c.pids_cgroup == spare.pids_cgroup
+        assert c.descriptor()["server_pid"] == spare.pid and c.pids_cgroup == spare.cgroups["pids"]
         res = await c.exec(["cat", "/proc/self/cgroup"], timeout=30)
-        group = "/rollout-executor/" + Path(spare.pids_cgroup).parent.name
+        group = "/rollout-executor/" + Path(spare.cgroups["pids"]).parent.name
         assert group in {line.split(":", 2)[2] for line in res.stdout_tail.splitlines()}, res.stdout_tail
     finally:
         await c.stop()
-    assert not Path(spare.pids_cgroup).parent.exists()
+    assert not any(Path(group).parent.exists() for group in spare.cgroups.values())
     assert world.provider._spare is not None  # c's command made the next one
     unused = await world.provider._spare[1]
-    assert unused.pids_cgroup and Path(unused.pids_cgroup).exists()
+    assert unused.cgroups["pids"] and Path(unused.cgroups["pids"]).exists()
     await world.provider.aclose()
-    assert not Path(unused.pids_cgroup).parent.exists()
+    assert not Path(unused.cgroups["pids"]).parent.exists()
 
 
 async def test_a_runaway_file_stops_at_the_cap_and_the_other_session_writes(world):
@@ -335,13 +338,202 @@ async def test_filling_the_disk_with_many_files_is_stopped_and_the_other_session
     filler = world.a.exec(["python3", "-c", FILL], timeout=600)
     other = world.b.exec(["sh", "-c", "head -c 4M /dev/zero > f && ls -s f"], timeout=600)
     filled, fine = await asyncio.gather(filler, other)
-    assert filled.timed_out and filled.limit and "max_disk_mb" in filled.limit, filled
+    # The session's own filesystem refuses the write past the bound (diskfs.py): nothing is written past it.
+    assert filled.exit_code != 0 and "No space left on device" in filled.stderr_tail, filled
     assert "wrote them all" not in filled.stdout_tail
     assert fine.exit_code == 0 and not fine.timed_out, fine
     written = len(os.listdir(world.a.workdir))
-    assert DISK_MB * 2**20 // 4096 // 2 < written < 100_000  # stopped past the bound, long before the end
+    # Up to the bound, not past it: the last file is made, empty, before its write is refused.
+    assert DISK_MB * 2**20 // 4096 // 2 < written <= DISK_MB * 2**20 // 4096 + 1
     again = await world.a.exec(["sh", "-c", "echo alive"], timeout=30)  # the sandbox itself still runs
     assert again.stdout_tail.strip() == "alive"
+
+
+async def test_big_fallocates_past_the_bound_write_at_most_the_bound(world):
+    """Six fallocate calls of 7 MiB each (under the file cap), 42 MiB against a bound of 32: those that
+    fit take their space, the others are refused whole, before a byte is written (a watcher saw 2.7 GB
+    written past a bound of 512 MB before its stop)."""
+    script = "for i in 1 2 3 4 5 6; do fallocate -l 7M big$i; echo $?; done; du -sk ."
+    res, fine = await asyncio.gather(
+        world.a.exec(["sh", "-c", script], timeout=60),
+        world.b.exec(["sh", "-c", "head -c 4M /dev/zero > f && echo ok"], timeout=60),
+    )
+    *codes, used_kb = res.stdout_tail.split()[:7]
+    assert codes == ["0", "0", "0", "0", "1", "1"], res
+    assert "No space left on device" in res.stderr_tail
+    assert int(used_kb) * 1024 <= DISK_MB * 2**20, res.stdout_tail
+    assert fine.stdout_tail.strip() == "ok", fine  # the other session's disk is its own
+
+
+# --- one identity per session: keyrings, signals ---------------------------------------------------------
+
+
+KEYRING = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+KEYRING = int(sys.argv[3])  # -4: the user keyring, -3: the session keyring
+if sys.argv[1] == "store":
+    secret = sys.argv[2].encode()
+    key = libc.syscall(ADD_KEY, b"user", b"gateway-token", secret, ctypes.c_size_t(len(secret)), KEYRING)
+    print(key if key >= 0 else "failed " + os.strerror(ctypes.get_errno()))
+else:
+    found = libc.syscall(KEYCTL, 10, KEYRING, b"user", b"gateway-token", 0)  # KEYCTL_SEARCH
+    print("search", found if found >= 0 else os.strerror(ctypes.get_errno()))
+    for key in {found, int(sys.argv[2])} - {-1}:
+        buf = ctypes.create_string_buffer(256)
+        n = libc.syscall(KEYCTL, 11, key, buf, ctypes.c_size_t(256))  # KEYCTL_READ
+        print("read", buf.raw[:n].decode() if n >= 0 else os.strerror(ctypes.get_errno()))
+"""
+
+
+@pytest.mark.parametrize("keyring", ["user", "session"])
+async def test_a_key_in_one_sessions_keyring_is_not_the_others(world, keyring):
+    """Session a stores its gateway token in its user keyring (the kernel's, keyed by uid), or in its
+    session keyring (which a command would inherit from the worker); b searches its own and reads a's key
+    by its serial: neither finds it, as b runs as another uid, each command in a session keyring of its
+    own."""
+    token = world.base_url.split("/s/")[1].split("/")[0]
+    ring = "-4" if keyring == "user" else "-3"
+    stored = await world.a.exec(["python3", "-c", KEYRING, "store", token, ring], timeout=30)
+    assert stored.stdout_tail.strip().isdigit(), stored  # a's own keyring takes it
+    if keyring == "user":  # the user keyring outlives a command: a reads it back in a later one
+        again = await world.a.exec(
+            ["python3", "-c", KEYRING, "find", stored.stdout_tail.strip(), ring], timeout=30
+        )
+        assert f"read {token}" in again.stdout_tail, again
+    stolen = await world.b.exec(
+        ["python3", "-c", KEYRING, "find", stored.stdout_tail.strip(), ring], timeout=30
+    )
+    assert token not in stolen.stdout_tail, stolen.stdout_tail
+    assert "search Required key not available" in stolen.stdout_tail, stolen.stdout_tail
+    ids = [await world.a.exec(["id", "-u"], timeout=30), await world.b.exec(["id", "-u"], timeout=30)]
+    uid_a, uid_b = (int(r.stdout_tail) for r in ids)
+    assert uid_a != uid_b and min(uid_a, uid_b) >= uidpool.POOL_BASE
+
+
+async def test_one_session_cannot_signal_the_others_processes(world):
+    """b signals everything it may (``kill -1``: every process of its uid, itself included) and every pid
+    it sees while a command of a runs: a's command ends as it would have."""
+    waiting = "touch started; i=0; while [ ! -e go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done"
+    waiting += "; echo survived"
+    running = asyncio.ensure_future(world.a.exec(["sh", "-c", waiting], timeout=60))
+    started = Path(world.a.workdir, "started")
+    for _ in range(600):  # bounded: a's command has started once the file is there
+        if started.exists() or running.done():
+            break
+        await asyncio.sleep(0.05)
+    attack = "for p in /proc/[0-9]*; do kill -9 ${p#/proc/} 2>/dev/null; done; kill -9 -1; echo spared"
+    killed = await world.b.exec(["sh", "-c", attack], timeout=30)
+    Path(world.a.workdir, "go").write_text("")
+    res = await running
+    assert killed.signal == signal.SIGKILL, killed  # its kill -1 reached its own processes
+    assert res.exit_code == 0 and res.stdout_tail.strip() == "survived", res
+
+
+async def test_sandboxes_started_at_once_get_their_own_uids_and_own_their_files(world, tmp_path):
+    """Two sandboxes started concurrently from one provider (as the agent's and its fresh verification
+    sandbox are) run as two uids; what the worker writes or copies into each is that uid's."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.txt").write_text("x")
+    spec = [SandboxSpec(run_id="r", session_id=n, ttl_s=300) for n in ("c", "d")]
+    c, d = await asyncio.gather(*(world.provider.start(s) for s in spec))
+    try:
+        uids = set()
+        for sandbox in (c, d, world.a, world.b):
+            await sandbox.copy_in(src)
+            await sandbox.write_file("w.txt", b"w")
+            res = await sandbox.exec(["sh", "-c", "id -u; stat -c %u d/f.txt d w.txt ."], timeout=30)
+            numbers = res.stdout_tail.split()
+            assert len(set(numbers)) == 1, res  # the command's uid owns every file it was given
+            uids.add(numbers[0])
+        assert len(uids) == 4
+    finally:
+        await asyncio.gather(c.stop(), d.stop())
+
+
+# --- the host by allow-list ------------------------------------------------------------------------------
+
+
+ALLOWED_READS = {
+    # What a deny-list left readable: source trees, dataset directories, anything outside homes and /tmp.
+    "the repository": "cat {repo}/pyproject.toml",
+    "a dataset directory": "ls {repo}/tests/fixtures",
+    "host state": "ls /var/lib /opt /srv /boot /sys/fs/cgroup",
+}
+
+
+@pytest.mark.parametrize("attack", ALLOWED_READS, ids=list(ALLOWED_READS))
+async def test_a_host_path_outside_the_allow_list_is_not_there(world, attack):
+    repo = Path(__file__).resolve().parent.parent
+    code, out = await _sh(world.a, ALLOWED_READS[attack].format(repo=repo))
+    assert code != 0 and "No such file or directory" in out, out
+    assert "[project]" not in out
+
+
+async def test_sandbox_mounts_bind_in_only_what_the_run_config_names(tmp_path):
+    """``sandbox.mounts``: a path read-only unless asked writable; nothing else of the host."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    (data / "train.txt").write_text("visible")
+    out.chmod(0o1777)  # written as the sandbox's uid, one of a pool: a directory anyone may write
+    config = LocalSandboxConfig.model_validate(
+        {"network": "host", "mounts": [str(data), {"path": str(out), "writable": True}]}
+    )
+    provider = config.build(tmp_path / "sandboxes")
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="m", ttl_s=300))
+    try:
+        read = await sandbox.exec(["cat", str(data / "train.txt")], timeout=30)
+        write_ro = await sandbox.exec(["sh", "-c", f"echo x > {data}/new"], timeout=30)
+        write_rw = await sandbox.exec(["sh", "-c", f"echo x > {out}/new && echo ok"], timeout=30)
+        other = await sandbox.exec(["ls", str(tmp_path)], timeout=30)
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+    assert read.stdout_tail == "visible"
+    assert write_ro.exit_code != 0 and "Read-only file system" in write_ro.stderr_tail
+    assert write_rw.stdout_tail.strip() == "ok", write_rw
+    assert (out / "new").read_text() == "x\n"
+    # Made as the binds' parents, empty but for them: the mounts and the session's own directories.
+    assert sorted(other.stdout_tail.split()) == ["data", "out", "sandboxes"]
+
+
+# --- memory -----------------------------------------------------------------------------------------------
+
+
+HOG = "x = b'x' * (256 * 2**20); print('allocated')"
+
+
+async def test_a_memory_hog_is_killed_and_recorded_and_the_other_session_runs(world):
+    """A sandbox whose task asks for 64 MiB: its hog is killed by its own cap, which the result says (not
+    a signal sent from inside), while another session's command runs on."""
+    spec = SandboxSpec(run_id="r", session_id="hog", ttl_s=300, memory_limit_mb=64)
+    hog = await world.provider.start(spec)
+    try:
+        res, fine = await asyncio.gather(
+            hog.exec(["python3", "-c", HOG], timeout=60),
+            world.b.exec(["python3", "-c", "x = b'y' * (128 * 2**20); print('fine')"], timeout=60),
+        )
+        after = await hog.exec(["sh", "-c", "echo alive"], timeout=30)
+    finally:
+        await hog.stop()
+    assert res.signal == signal.SIGKILL and res.oom_kills >= 1, res
+    assert res.limit and "memory cap of 64 MiB" in res.limit, res
+    assert "allocated" not in res.stdout_tail
+    assert fine.stdout_tail.strip() == "fine" and fine.oom_kills == 0, fine
+    assert after.stdout_tail.strip() == "alive" and after.oom_kills == 0
+
+
+async def test_a_memory_hog_through_the_command_harness_is_recorded_as_the_caps(tmp_path):
+    task = Task.model_validate({"id": "hog", "prompt": "p", "memory_mb": 64, "verify": "true"})
+    async with session_context(tmp_path) as ctx:
+        ctx.harness = CommandHarness(command=f'python3 -c "{HOG}"')
+        row = await run_session(SessionRequest("t", task, 0, 1), ctx)
+    assert row["status"] == "failed" and row["exit_code"] == 137, row["error_message"]
+    assert "memory cap of 64 MiB" in row["error_message"], row["error_message"]
 
 
 # --- through the harness ----------------------------------------------------------------------------------

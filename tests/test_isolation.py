@@ -219,7 +219,7 @@ async def test_readonly_writes_only_inside_the_session(tmp_path, mode):
     """The host is read-only, and /tmp (where the test's own directory is) is a different one."""
     hidden = tmp_path / "host-dir"
     hidden.mkdir()
-    visible = Path(__file__).parent / f".readonly-probe-{uuid.uuid4().hex[:8]}"  # a host directory in sight
+    visible = Path("/etc") / f".readonly-probe-{uuid.uuid4().hex[:8]}"  # a host directory in sight
     write = 'echo x > "$1" && echo wrote'
     try:
         async with _sandbox(tmp_path, **mode) as sandbox:
