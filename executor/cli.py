@@ -161,7 +161,7 @@ def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
     that fails stops the cluster started for it and leaves nothing behind."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from executor import phases
+    from executor import capacity, phases
     from executor.driver import connect_ray, leave_ray
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollout-check") as pool:
@@ -173,6 +173,10 @@ def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
         own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
         phases.mark("ray_up")
         try:
+            try:
+                capacity.check(cfg.concurrency.worker_resources, cfg.concurrency.workers)
+            except InputError as exc:
+                _fail_input(str(exc))
             if checked is not None:
                 checked.result()
             phases.mark("preflight")
