@@ -27,7 +27,7 @@ from ray.exceptions import (
     TaskCancelledError,
 )
 
-from executor import capacity, phases, stopping, warm
+from executor import capacity, orphans, phases, stopping, warm
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
@@ -38,7 +38,7 @@ from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
-from executor.storage import describe_error, locate
+from executor.storage import Location, describe_error, locate
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
@@ -399,6 +399,8 @@ class Driver:
         if state.rows and self._restore_breaker():
             return None
         self._write_config()
+        # What a driver killed outright left (before its first row, too): launches no row names.
+        orphans.adopt(self.run_dir / "evidence", state, self._named, self._write_orphans)
         total = self._count_pending(state)
         # Install once here so the first sessions don't all queue on the install lock.
         make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
@@ -652,6 +654,37 @@ class Driver:
         if self._cancelled:
             ray.wait(self._cancelled, num_returns=len(self._cancelled), timeout=CANCEL_GRACE_S)
             self._cancelled.clear()
+
+    def _named(self, launches: list[Location]) -> set[str]:
+        """Which of these launch directories a row names."""
+        wanted = {loc.uri for loc in launches}
+        named = read_table(self.run_dir, ["evidence_dir"]).column("evidence_dir").to_pylist()
+        return wanted.intersection(named)
+
+    def _write_orphans(self, found: list[orphans.Orphan]) -> None:
+        """The rows of launches a killed driver left without one: ``cancelled``, as its stop would have
+        written them, retried."""
+        cfg = self.cfg
+        ids = {o.task_id for o in found}
+        tasks = {t.id: t for t in load_tasks(Path(cfg.tasks)) if t.id in ids}
+        message = "found on resume: the run's driver ended before this launch's row was written"
+        rows = [
+            lost_row(
+                SessionRequest(cfg.run_id or "", tasks[o.task_id], o.sample_index, o.attempt),
+                cfg.harness.name,
+                cfg.sandbox.provider,
+                message,
+                {"evidence_dir": o.evidence_dir.uri},
+                FailureKind.CANCELLED,
+            )
+            for o in found
+            if o.task_id in tasks  # a task since taken out of the file runs no more
+        ]
+        if rows:
+            verdict = Verdict(Decision.RETRY, "the run was stopped; resubmitted on resume")
+            columns = {name: values * len(rows) for name, values in decision_columns(verdict).items()}
+            self.store.append(with_decisions(rows_to_batch(rows), columns))
+            self.store.flush()
 
     def _write_config(self) -> None:
         self.run_dir.mkdir()

@@ -87,8 +87,9 @@ class Placements:
             known["t_total_s"] = round(max(time.time() - known["started_at"], 0.0), 4)
         return {k: v for k, v in known.items() if v is not None}
 
-    def forget(self, ref: Any) -> None:
-        self._dispatched.pop(ref, None)
+    def running(self) -> dict[str, dict[str, Any]]:
+        """Every session the workers last said they run, by rollout id, as they said it."""
+        return {rid: known for w in self._workers.values() for rid, known in w.sessions.items()}
 
     def poll(self, workers: list[Any], busy: list[int]) -> None:
         """Take in the answers that came, and ask each busy worker (sessions in flight) again once
