@@ -596,9 +596,9 @@ class Driver:
             return
         self._stopped, self._stopped_by = reason, by
         # info, not error: the CLI prints the reason once, as the run's one message about it.
+        # The loop ends at its next turn; the sessions in flight are cancelled then (``_cancel_in_flight``),
+        # once their workers have said what they did so far.
         log.info("stopping the run: %s", reason)
-        for pending in self._inflight:
-            ray.cancel(pending)
 
     def _note_death(self, index: int, submitted_at: float) -> None:
         """Record a worker's death once per burst: sessions sent before it died do not move the mark."""
@@ -617,6 +617,7 @@ class Driver:
         what it knew of them."""
         if not self._inflight:
             return
+        self.placements.refresh(self._workers, [i for i, n in enumerate(self._load) if n])
         ready, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
         for ref in ready:
             try:

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayError
 
 POLL_S = 2.0
+REFRESH_S = 1.0  # at a stop: the last word of the workers, within `ray job stop`'s 3 s before SIGKILL
 # The columns of a row a snapshot carries: placement and the phase times reached so far.
 PLACEMENT_FIELDS = (
     "node_id",
@@ -106,6 +107,21 @@ class Placements:
                 ask = getattr(workers[index], "sessions", None)  # a benchmark's null worker has none
                 if ask is not None:
                     state.asking, state.asked_at, state.asked_epoch = ask.remote(), now, time.time()
+
+    def refresh(self, workers: list[Any], busy: list[int], timeout_s: float = REFRESH_S) -> None:
+        """Ask each busy worker now and wait for the answers, at most ``timeout_s``: at a stop, so that
+        the rows written for its sessions hold what they did up to it."""
+        asked: dict[Any, _Worker] = {}
+        for index in busy:
+            ask = getattr(workers[index], "sessions", None)
+            if ask is not None:
+                state = self._workers.setdefault(index, _Worker())
+                state.asking, state.asked_at, state.asked_epoch = ask.remote(), time.monotonic(), time.time()
+                asked[state.asking] = state
+        if asked:
+            ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+            for ref in ready:
+                self._take(asked[ref], ref)
 
     @staticmethod
     def _take(state: _Worker, ref: Any) -> None:

@@ -135,6 +135,9 @@ def test_a_signal_stops_the_run_in_order_and_a_resume_finishes_it(tmp_path, gate
             1,
         )
         assert r["started_at"].timestamp() <= signalled_at and r["evidence_gaps"] == ["run_stopped"]
+        # Asked of the worker at the stop: where the session ran, and how far it got.
+        assert r["node_id"] and r["worker_id"] and r["sandbox_id"] and r["t_setup_s"] is not None, r
+        assert Path(r["evidence_dir"]).parent == run_dir / "evidence"
     # Their sandboxes stopped and removed, the run's own cluster stopped, nothing of either left.
     assert processes_under(str(tmp_path / "sb")) == []
     assert _sessions_left(tmp_path / "sb") == []
