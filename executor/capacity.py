@@ -102,8 +102,8 @@ class Watch:
         self.note: str | None = None
         self._last = time.monotonic()
 
-    def tick(self) -> None:
-        if not self.request or time.monotonic() - self._last < WATCH_S:
+    def tick(self, force: bool = False) -> None:
+        if not self.request or (not force and time.monotonic() - self._last < WATCH_S):
             return
         self._last = time.monotonic()
         import ray

@@ -67,20 +67,28 @@ def remove_empty_runs(root: Path, *kinds: str, now: float | None = None) -> list
     now = time.time() if now is None else now
     removed: list[str] = []
 
-    def rmdir_settled(path: Path) -> None:
+    def settled(path: Path) -> bool:
+        try:
+            return now - path.lstat().st_mtime >= SETTLED_S
+        except OSError:
+            return False
+
+    def rmdir(path: Path) -> None:
         with contextlib.suppress(OSError):
-            if now - path.lstat().st_mtime >= SETTLED_S:
-                path.rmdir()
-                removed.append(str(path.relative_to(root)))
+            path.rmdir()
+            removed.append(str(path.relative_to(root)))
 
     try:
         runs = [p for p in Path(root).iterdir() if p.name != owner.OWNERS_DIR and p.is_dir()]
     except OSError:
         return removed
     for run in runs:
+        run_settled = settled(run)  # before its emptied parts go, which touches its mtime
         for kind in kinds:
-            rmdir_settled(run / kind)
-        rmdir_settled(run)
+            if settled(run / kind):
+                rmdir(run / kind)
+        if run_settled:
+            rmdir(run)
     return removed
 
 

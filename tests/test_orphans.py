@@ -1,0 +1,50 @@
+"""Launch directories no row names: found from their names and the resume state alone."""
+
+from __future__ import annotations
+
+from executor.orphans import adopt, find, parse_launch
+from executor.storage import locate
+from executor.store import ResumeState
+
+
+def test_a_launch_name_parses_with_dots_in_the_task_id():
+    assert parse_launch("repo.v2.fix-1.s3.a12.0a9f3c") == ("repo.v2.fix-1", 3, 12)
+    assert parse_launch("t0.s0.a1") is None  # no launch tag: not a launch directory
+    assert parse_launch("notes.txt") is None
+
+
+def test_orphans_are_attempts_without_a_row_and_doubles_are_checked(tmp_path):
+    evidence = tmp_path / "evidence"
+    names = [
+        "done.s0.a1.aaaaaa",  # final: its row names it
+        "lost.s0.a1.bbbbbb",  # a row for attempt 1 (retry) names it
+        "lost.s0.a2.cccccc",  # no row for attempt 2: adopted
+        "lost.s0.a2.dddddd",  # a second launch of the same attempt: removed, the other is adopted
+        "rerun.s0.a1.eeeeee",  # attempt 1 has a row, which names one of these two
+        "rerun.s0.a1.ffffff",
+        "new.s1.a1.123456",  # a sample with no row at all
+    ]
+    for name in names:
+        (evidence / name).mkdir(parents=True)
+    state = ResumeState(final={("done", 0)}, last_attempt={("done", 0): 1, ("lost", 0): 1, ("rerun", 0): 1})
+    orphans, doubtful = find(locate(evidence), state)
+    assert sorted((o.task_id, o.sample_index, o.attempt, o.evidence_dir.name) for o in orphans) == [
+        ("lost", 0, 2, "lost.s0.a2.cccccc"),
+        ("new", 1, 1, "new.s1.a1.123456"),
+    ]
+    assert sorted(d.name for d in doubtful) == [
+        "lost.s0.a2.dddddd",
+        "rerun.s0.a1.eeeeee",
+        "rerun.s0.a1.ffffff",
+    ]
+
+    written = []
+    named = {str(evidence / "rerun.s0.a1.ffffff")}
+    assert adopt(locate(evidence), state, lambda dirs: named & {d.uri for d in dirs}, written.extend) == (
+        2,
+        2,
+    )
+    assert sorted(p.name for p in evidence.iterdir()) == sorted(
+        set(names) - {"lost.s0.a2.dddddd", "rerun.s0.a1.eeeeee"}
+    )
+    assert len(written) == 2 and state.last_attempt[("lost", 0)] == 2 and state.last_attempt[("new", 1)] == 1
