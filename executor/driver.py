@@ -369,7 +369,7 @@ class Driver:
                     ready = list(dict.fromkeys(ready + more))
                 for ref in ready:
                     budget = self._settle(ref, budget, progress)
-                self.placements.poll(workers, [i for i, n in enumerate(self._load) if n])
+                self.placements.poll(workers, self._load)
                 self.store.maybe_flush()
                 watch.tick()
                 progress.cluster = watch.note

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayError
 
 POLL_S = 2.0
+TURN_S = 0.25  # how often the driver's loop looks at all
 REFRESH_S = 1.0  # at a stop: the last word of the workers, within `ray job stop`'s 3 s before SIGKILL
 # The columns of a row a snapshot carries: placement and the phase times reached so far.
 PLACEMENT_FIELDS = (
@@ -67,6 +68,7 @@ class Placements:
     def __init__(self) -> None:
         self._dispatched: dict[Any, _Dispatch] = {}
         self._workers: dict[int, _Worker] = {}
+        self._turn = float("-inf")
 
     def dispatched(self, ref: Any, rollout_id: str, worker: int) -> None:
         self._dispatched[ref] = _Dispatch(rollout_id, worker, time.time())
@@ -92,18 +94,24 @@ class Placements:
         """Every session the workers last said they run, by rollout id, as they said it."""
         return {rid: known for w in self._workers.values() for rid, known in w.sessions.items()}
 
-    def poll(self, workers: list[Any], busy: list[int]) -> None:
-        """Take in the answers that came, and ask each busy worker (sessions in flight) again once
-        ``POLL_S`` has passed since it was last asked. Never waits."""
+    def poll(self, workers: list[Any], load: list[int]) -> None:
+        """Take in the answers that came, and ask each busy worker (``load``: its sessions in flight)
+        again once ``POLL_S`` has passed since it was last asked. Never waits; does anything only every
+        ``TURN_S``, so that the driver's loop pays for it a few times a second, whatever its pace."""
         now = time.monotonic()
-        for index in busy:
+        if now - self._turn < TURN_S:
+            return
+        self._turn = now
+        asking = {w.asking: w for w in self._workers.values() if w.asking is not None}
+        if asking:
+            ready, _ = ray.wait(list(asking), num_returns=len(asking), timeout=0)
+            for ref in ready:
+                self._take(asking[ref], ref)
+        for index, sessions in enumerate(load):
+            if not sessions:
+                continue
             state = self._workers.setdefault(index, _Worker())
-            if state.asking is not None:
-                ready, _ = ray.wait([state.asking], timeout=0)
-                if not ready:
-                    continue
-                self._take(state, state.asking)
-            if now - state.asked_at >= POLL_S:
+            if state.asking is None and now - state.asked_at >= POLL_S:
                 ask = getattr(workers[index], "sessions", None)  # a benchmark's null worker has none
                 if ask is not None:
                     state.asking, state.asked_at, state.asked_epoch = ask.remote(), now, time.time()

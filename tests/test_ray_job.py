@@ -392,3 +392,25 @@ def test_ray_job_stop_is_an_orderly_stop(tmp_path, head, gate_dir):
     assert all(r["node_id"] and r["sandbox_id"] for r in rows), rows
     assert not processes_under(sandboxes)
     assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the stop touched the cluster"
+
+
+@pytest.mark.integration
+def test_gc_with_an_address_reaps_on_every_node_of_the_cluster(tmp_path, head):
+    from tests.test_gc import _killed_owner_sandbox
+
+    root = tmp_path / "sb"
+    _killed_owner_sandbox(root, "s1", keep=False)
+    config = tmp_path / "gc.yaml"
+    config.write_text(f"tasks: {tmp_path / 'tasks.jsonl'}\nsandbox: {{root: {root}}}\n")
+    gc = subprocess.run(
+        [sys.executable, "-m", "executor.cli", "gc", str(config), "--address", head.gcs_address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )
+    assert gc.returncode == 0, gc.stderr[-3000:]
+    assert "ended local-s1" in gc.stdout and "local: 1 sandboxes ended" in gc.stdout, gc.stdout
+    assert not (root / "crashed" / "s1").exists() and not processes_under(str(root))
+    assert head.proc.poll() is None
