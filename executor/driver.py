@@ -38,7 +38,7 @@ from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
-from executor.storage import Location, describe_error, locate
+from executor.storage import describe_error, locate
 from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
@@ -400,7 +400,7 @@ class Driver:
             return None
         self._write_config()
         # What a driver killed outright left (before its first row, too): launches no row names.
-        orphans.adopt(self.run_dir / "evidence", state, self._named, self._write_orphans)
+        orphans.adopt(self.run_dir, state, cfg, self._append_cancelled)
         total = self._count_pending(state)
         # Install once here so the first sessions don't all queue on the install lock.
         make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
@@ -636,7 +636,6 @@ class Driver:
         cfg = self.cfg
         message = f"the run was stopped: {self._stopped or 'cancelled'}"[:500]
         row = lost_row(req, cfg.harness.name, cfg.sandbox.provider, message, known, FailureKind.CANCELLED)
-        verdict = Verdict(Decision.RETRY, "the run was stopped; resubmitted on resume")
         progress.record(
             Decision.RETRY.value,
             FailureKind.CANCELLED.value,
@@ -645,9 +644,20 @@ class Driver:
             provider=cfg.sandbox.provider,
         )
         try:
-            self.store.append(with_decisions(rows_to_batch([row]), decision_columns(verdict)))
+            self._append_cancelled([row], flush=False)
         except StoreError as exc:
             self._stop(f"output: {exc}", "store")
+
+    def _append_cancelled(self, rows: list[dict[str, Any]], *, flush: bool = True) -> None:
+        """Append ``cancelled`` rows (a stop's, or those a killed driver's launches get on resume),
+        each retried on resume, decided here outside the policy: a stop is nobody's failure."""
+        if not rows:
+            return
+        verdict = Verdict(Decision.RETRY, "the run was stopped; resubmitted on resume")
+        columns = {name: values * len(rows) for name, values in decision_columns(verdict).items()}
+        self.store.append(with_decisions(rows_to_batch(rows), columns))
+        if flush:
+            self.store.flush()
 
     def _await_cancelled(self) -> None:
         """Wait, bounded, for the cancelled sessions to stop their sandboxes, before the workers (and
@@ -655,37 +665,6 @@ class Driver:
         if self._cancelled:
             ray.wait(self._cancelled, num_returns=len(self._cancelled), timeout=CANCEL_GRACE_S)
             self._cancelled.clear()
-
-    def _named(self, launches: list[Location]) -> set[str]:
-        """Which of these launch directories a row names."""
-        wanted = {loc.uri for loc in launches}
-        named = read_table(self.run_dir, ["evidence_dir"]).column("evidence_dir").to_pylist()
-        return wanted.intersection(named)
-
-    def _write_orphans(self, found: list[orphans.Orphan]) -> None:
-        """The rows of launches a killed driver left without one: ``cancelled``, as its stop would have
-        written them, retried."""
-        cfg = self.cfg
-        ids = {o.task_id for o in found}
-        tasks = {t.id: t for t in load_tasks(Path(cfg.tasks)) if t.id in ids}
-        message = "found on resume: the run's driver ended before this launch's row was written"
-        rows = [
-            lost_row(
-                SessionRequest(cfg.run_id or "", tasks[o.task_id], o.sample_index, o.attempt),
-                cfg.harness.name,
-                cfg.sandbox.provider,
-                message,
-                {"evidence_dir": o.evidence_dir.uri},
-                FailureKind.CANCELLED,
-            )
-            for o in found
-            if o.task_id in tasks  # a task since taken out of the file runs no more
-        ]
-        if rows:
-            verdict = Verdict(Decision.RETRY, "the run was stopped; resubmitted on resume")
-            columns = {name: values * len(rows) for name, values in decision_columns(verdict).items()}
-            self.store.append(with_decisions(rows_to_batch(rows), columns))
-            self.store.flush()
 
     def _write_config(self) -> None:
         self.run_dir.mkdir()

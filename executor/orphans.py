@@ -14,9 +14,15 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from executor.config import RunConfig
+from executor.session import SessionRequest, lost_row
 from executor.storage import Location
-from executor.store import ResumeState
+from executor.store import ResumeState, read_table
+from executor.tasks import load_tasks
+from policy import FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +67,50 @@ def find(evidence: Location, state: ResumeState) -> tuple[list[Orphan], list[Loc
     return adopt, doubtful
 
 
+def named(run_dir: Location, launches: list[Location]) -> set[str]:
+    """Which of these launch directories a row of the run names."""
+    wanted = {loc.uri for loc in launches}
+    return wanted.intersection(read_table(run_dir, ["evidence_dir"]).column("evidence_dir").to_pylist())
+
+
+def rows_for(found: list[Orphan], cfg: RunConfig) -> list[dict[str, Any]]:
+    """The ``cancelled`` rows of launches a killed driver left without one, each naming its directory;
+    none for a task since taken out of the task file (it runs no more)."""
+    ids = {o.task_id for o in found}
+    tasks = {t.id: t for t in load_tasks(Path(cfg.tasks)) if t.id in ids}
+    message = "found on resume: the run's driver ended before this launch's row was written"
+    return [
+        lost_row(
+            SessionRequest(cfg.run_id or "", tasks[o.task_id], o.sample_index, o.attempt),
+            cfg.harness.name,
+            cfg.sandbox.provider,
+            message,
+            {"evidence_dir": o.evidence_dir.uri},
+            FailureKind.CANCELLED,
+        )
+        for o in found
+        if o.task_id in tasks
+    ]
+
+
 def adopt(
-    evidence: Location,
-    state: ResumeState,
-    named: Callable[[list[Location]], set[str]],
-    write: Callable[[list[Orphan]], None],
+    run_dir: Location, state: ResumeState, cfg: RunConfig, write: Callable[[list[dict[str, Any]]], None]
 ) -> tuple[int, int]:
-    """Give each orphan its row (``write``), counting its attempt in ``state``; remove the launch
-    directories of attempts that have a row naming another (``named``: which of these the rows name).
-    Returns (adopted, removed)."""
-    orphans, doubtful = find(evidence, state)
-    keep = named(doubtful) if doubtful else set()  # before the adopted rows are written
+    """Give each orphan under ``run_dir``'s evidence its row (``write``), counting its attempt in
+    ``state``; remove the launch directories of attempts whose row names another. Returns (adopted,
+    removed)."""
+    orphans, doubtful = find(run_dir / "evidence", state)
+    keep = named(run_dir, doubtful) if doubtful else set()  # before the adopted rows are written
     if orphans:
-        write(orphans)
+        write(rows_for(orphans, cfg))
         for o in orphans:
             key = (o.task_id, o.sample_index)
             state.last_attempt[key] = max(state.last_attempt.get(key, 0), o.attempt)
     removed = 0
-    if doubtful:
-        for loc in doubtful:
-            if loc.uri not in keep:
-                loc.remove_tree()
-                removed += 1
+    for loc in doubtful:
+        if loc.uri not in keep:
+            loc.remove_tree()
+            removed += 1
     if orphans or removed:
         log.info("resume: %d launch directories given their rows, %d removed", len(orphans), removed)
     return len(orphans), removed

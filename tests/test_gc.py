@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,37 +45,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "sandbox.slurm.partiton" in proc.stderr
 
 
-def test_local_sandbox_of_a_killed_owner_is_reaped(tmp_path):
-    root = tmp_path / "sb"
-    cfg = _config(tmp_path, {"root": str(root)})
-    # A stand-in worker that starts a sandbox, runs a long command in it, and is then SIGKILLed.
-    code = (
-        "import asyncio; from pathlib import Path\n"
-        "from sandboxes.base import SandboxSpec; from sandboxes.local import LocalSandboxProvider\n"
-        "async def main():\n"
-        f"    s = await LocalSandboxProvider(Path({str(root)!r})).start(\n"
-        "        SandboxSpec(run_id='crashed', session_id='s1', ttl_s=600))\n"
-        "    print('ready', flush=True)\n"
-        "    await s.exec(['sleep', '600'], timeout=600)\n"
-        "asyncio.run(main())\n"
-    )
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        assert owner.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-        assert _gc(cfg, "--run", "crashed").stdout.strip().endswith("local: 0 sandboxes ended")
-    finally:
-        owner.kill()
-        owner.wait(10)
-    proc = _gc(cfg, "--run", "crashed")
-    assert proc.returncode == 0, proc.stderr
-    assert "ended local-s1" in proc.stdout
-    assert not (root / "crashed" / "s1" / "sandbox.json").exists()
-    assert processes_under(str(root)) == []
-    assert "local: 0 sandboxes ended" in _gc(cfg, "--run", "crashed").stdout  # idempotent
-
-
-def _killed_owner_sandbox(root: Path, session: str, *, keep: bool) -> None:
-    """A sandbox whose owner process was SIGKILLed mid-command."""
+@contextlib.contextmanager
+def _sandbox_owner(root: Path, session: str, *, keep: bool) -> Iterator[None]:
+    """A stand-in worker that starts a sandbox and runs a long command in it, while the block runs;
+    then it is SIGKILLed."""
     code = (
         "import asyncio; from pathlib import Path\n"
         "from sandboxes.base import SandboxSpec; from sandboxes.local import LocalSandboxProvider\n"
@@ -87,9 +62,30 @@ def _killed_owner_sandbox(root: Path, session: str, *, keep: bool) -> None:
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert owner.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        yield
     finally:
         owner.kill()
         owner.wait(10)
+
+
+def _killed_owner_sandbox(root: Path, session: str, *, keep: bool) -> None:
+    """A sandbox whose owner process was SIGKILLed mid-command."""
+    with _sandbox_owner(root, session, keep=keep):
+        pass
+
+
+def test_local_sandbox_of_a_killed_owner_is_reaped(tmp_path):
+    root = tmp_path / "sb"
+    cfg = _config(tmp_path, {"root": str(root)})
+    with _sandbox_owner(root, "s1", keep=False):
+        assert _gc(cfg, "--run", "crashed").stdout.strip().endswith("local: 0 sandboxes ended")
+        assert (root / "crashed" / "s1" / "work").is_dir()  # its owner lives: left as it is
+    proc = _gc(cfg, "--run", "crashed")
+    assert proc.returncode == 0, proc.stderr
+    assert "ended local-s1" in proc.stdout
+    assert not (root / "crashed" / "s1").exists()  # the directory too: nobody will collect from it
+    assert processes_under(str(root)) == []
+    assert "local: 0 sandboxes ended" in _gc(cfg, "--run", "crashed").stdout  # idempotent
 
 
 def test_a_kept_sandbox_directory_stays_and_a_live_owner_s_is_left(tmp_path):

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+from executor.config import RunConfig
 from executor.orphans import adopt, find, parse_launch
+from executor.schema import rows_to_batch, with_decisions
+from executor.session import SessionRequest, lost_row
 from executor.storage import locate
-from executor.store import ResumeState
+from executor.store import ResumeState, RunStore
+from executor.tasks import Task
 
 
 def test_a_launch_name_parses_with_dots_in_the_task_id():
@@ -38,13 +44,21 @@ def test_orphans_are_attempts_without_a_row_and_doubles_are_checked(tmp_path):
         "rerun.s0.a1.ffffff",
     ]
 
-    written = []
-    named = {str(evidence / "rerun.s0.a1.ffffff")}
-    assert adopt(locate(evidence), state, lambda dirs: named & {d.uri for d in dirs}, written.extend) == (
-        2,
-        2,
-    )
+    # The run's rows: one names rerun's second launch; the task file has "lost", not "new" any more.
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "lost", "prompt": "p"}) + "\n")
+    cfg = RunConfig(tasks=str(tmp_path / "tasks.jsonl"), run_id="r")
+    rerun = lost_row(SessionRequest("r", Task(id="rerun", prompt="p"), 0, 1), "command", "local", "x")
+    rerun["evidence_dir"] = str(evidence / "rerun.s0.a1.ffffff")
+    store = RunStore(locate(tmp_path))
+    store.append(with_decisions(rows_to_batch([rerun]), {"final": [False]}))
+    store.flush()
+
+    written: list[dict] = []
+    assert adopt(locate(tmp_path), state, cfg, written.extend) == (2, 2)
     assert sorted(p.name for p in evidence.iterdir()) == sorted(
         set(names) - {"lost.s0.a2.dddddd", "rerun.s0.a1.eeeeee"}
     )
-    assert len(written) == 2 and state.last_attempt[("lost", 0)] == 2 and state.last_attempt[("new", 1)] == 1
+    assert [(r["rollout_id"], r["failure_kind"], r["evidence_dir"]) for r in written] == [
+        ("lost.s0.a2", "cancelled", str(evidence / "lost.s0.a2.cccccc"))
+    ]
+    assert state.last_attempt[("lost", 0)] == 2 and state.last_attempt[("new", 1)] == 1

@@ -266,18 +266,23 @@ def test_without_an_address_the_run_starts_its_own_ray_beside_a_running_cluster(
 def test_the_address_flag_wins_over_the_config_and_the_joined_cluster_stays_up(tmp_path, head):
     before = head.sessions()
     config = _config(tmp_path, "ray_address: local\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config), "--address", head.gcs_address],
+    proc = _rollout("run", str(config), "--address", head.gcs_address)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_table(tmp_path / "out" / "r").num_rows == 1
+    assert head.sessions() == before, "started a cluster instead of joining the one --address names"
+    assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the run stopped a cluster it joined"
+
+
+def _rollout(*args: str) -> subprocess.CompletedProcess[str]:
+    """`rollout ARGS` in a fresh process, with no RAY_ADDRESS: only what ARGS name is joined."""
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_table(tmp_path / "out" / "r").num_rows == 1
-    assert head.sessions() == before, "started a cluster instead of joining the one --address names"
-    assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the run stopped a cluster it joined"
 
 
 def _submit(head: Head, job_dir: Path, submission_id: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -402,14 +407,7 @@ def test_gc_with_an_address_reaps_on_every_node_of_the_cluster(tmp_path, head):
     _killed_owner_sandbox(root, "s1", keep=False)
     config = tmp_path / "gc.yaml"
     config.write_text(f"tasks: {tmp_path / 'tasks.jsonl'}\nsandbox: {{root: {root}}}\n")
-    gc = subprocess.run(
-        [sys.executable, "-m", "executor.cli", "gc", str(config), "--address", head.gcs_address],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-    )
+    gc = _rollout("gc", str(config), "--address", head.gcs_address)
     assert gc.returncode == 0, gc.stderr[-3000:]
     assert "ended local-s1" in gc.stdout and "local: 1 sandboxes ended" in gc.stdout, gc.stdout
     assert not (root / "crashed" / "s1").exists() and not processes_under(str(root))

@@ -27,7 +27,7 @@ from executor.driver import Driver
 from executor.runs import list_runs
 from executor.store import read_table
 from sandboxes.testing.leaks import ended
-from tests.conftest import REPO, processes_under, stopped_by
+from tests.conftest import REPO, processes_under, rollout_run, stopped_by
 
 pytestmark = pytest.mark.integration
 
@@ -83,14 +83,7 @@ def _driver(config: Path, ray_tmp: Path) -> subprocess.Popen[bytes]:
 
 
 def _resume(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-        cwd=REPO,
-        env={**os.environ, "RAY_TMPDIR": "/tmp/rollout-ray-tests"},
-    )
+    return rollout_run(config, {**os.environ, "RAY_TMPDIR": "/tmp/rollout-ray-tests"}, BOUND_S)
 
 
 def _each_final_once(rows: list[dict], tasks: int) -> None:
