@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from executor.config import RunConfig
 from executor.orphans import adopt, find, parse_launch
 from executor.schema import rows_to_batch, with_decisions
@@ -11,6 +13,7 @@ from executor.session import SessionRequest, lost_row
 from executor.storage import locate
 from executor.store import ResumeState, RunStore
 from executor.tasks import Task
+from tests.s3_server import s3_server
 
 
 def test_a_launch_name_parses_with_dots_in_the_task_id():
@@ -62,3 +65,23 @@ def test_orphans_are_attempts_without_a_row_and_doubles_are_checked(tmp_path):
         ("lost.s0.a2", "cancelled", str(evidence / "lost.s0.a2.cccccc"))
     ]
     assert state.last_attempt[("lost", 0)] == 2 and state.last_attempt[("new", 1)] == 1
+
+
+@pytest.mark.integration
+def test_on_an_object_store_too(tmp_path, monkeypatch):
+    """A driver killed after a worker put a launch's evidence to S3, before its row was written."""
+    with s3_server(tmp_path / "moto.log") as s3:
+        s3.client().create_bucket(Bucket="runs")
+        for key, value in s3.env().items():
+            monkeypatch.setenv(key, value)
+        run_dir = locate("s3://runs/r")
+        for name in ("t0.s0.a1.aaaaaa", "t0.s0.a1.bbbbbb"):
+            (run_dir / "evidence" / name / "harness.stdout.gz").write_bytes(b"x")
+        (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t0", "prompt": "p"}) + "\n")
+        cfg = RunConfig(tasks=str(tmp_path / "tasks.jsonl"), run_id="r")
+        written: list[dict] = []
+        assert adopt(run_dir, ResumeState(), cfg, written.extend) == (1, 1)
+        assert [r["evidence_dir"] for r in written] == ["s3://runs/r/evidence/t0.s0.a1.aaaaaa"]
+        # (pyarrow keeps the parent "directory" as an empty marker object, r/evidence/)
+        files = [k for k in s3.keys("runs") if not k.endswith("/")]
+        assert files == ["r/evidence/t0.s0.a1.aaaaaa/harness.stdout.gz"]
