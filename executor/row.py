@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 # 2: token ids and logprobs in the model calls; 3: verifier_runs, t_model_wait_s; 4: model_attempts
 # renamed model_calls (the export's name) and the columns ordered as the export lists them; 5:
-# sandbox_isolation. An older part file reads as this version (schema.upgrade).
-SCHEMA_VERSION = "5"
+# sandbox_isolation; 6: review_sandbox_id. An older part file reads as this version (schema.upgrade).
+SCHEMA_VERSION = "6"
 
 # Who reads a column besides the dataset itself: the training export (``train``: always, ``all``: only
 # with --all), ``rollout status`` and ``rollout report``.
@@ -158,6 +158,9 @@ class Row:
         "string", "the sandbox provider (local, slurm, ecs)", "status", "report"
     )
     sandbox_id: str | None = col("string", "the sandbox's id")
+    review_sandbox_id: str | None = col(
+        "string", "the fresh sandbox the diff and the verifier ran in, never the agent's (grading.py)"
+    )
     sandbox_isolation: str | None = col(
         "string",
         "the isolation layers the sandbox's commands ran under: network, pids, filesystem, user; none",

@@ -10,10 +10,8 @@ import contextlib
 import gzip
 import json
 import logging
-import math
 import secrets
 import shutil
-import signal
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -21,27 +19,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from executor import harbor
+from executor import grading
 from executor.config import RunConfig
+from executor.grading import describe
 from executor.row import Message, ModelCall, Row, ToolCall
 from executor.storage import Location, describe_error
-from executor.tasks import Task, Verifier
+from executor.tasks import Task
 from harnesses.base import Harness, HarnessReport, Launch, LaunchContext
 from harnesses.classify import classify
 from harnesses.gateway import GatewaySession
 from harnesses.install import InstallError
-from policy import FailureKind, Outcome, Status, bound_text
+from policy import FailureKind, Outcome, Status
 from sandboxes.base import (
     ExecResult,
-    RunsBefore,
     Sandbox,
-    SandboxError,
     SandboxLostError,
     SandboxProvider,
     SandboxSpec,
 )
 from sandboxes.prepared import PreparedWorkspaces
-from sandboxes.workspace import diff_step, lay_out, read_diff, workspace_diff
+from sandboxes.workspace import lay_out
 
 # The gateway's server (aiohttp) is the worker's to import, not a driver's; the scripted model is test
 # machinery that only a run with the scripted provider has.
@@ -57,24 +54,10 @@ EVIDENCE_COPY_LIMIT = 16 * 1024 * 1024
 EVIDENCE_UPLOAD_TRIES = 3
 EVIDENCE_UPLOAD_PAUSE_S = 0.5
 EVIDENCE_UPLOAD_TIMEOUT_S = 120.0
-MAX_DIFF_CHARS = 200_000
 DEADLINE_STALL_SHARE = 0.25
 AGENT_TIME_TICK_S = 0.05  # the shortest wait of the agent-time watch
 # Launch directories of one rollout id: a fresh random tag each, so this many collisions never happen.
 EVIDENCE_DIR_TRIES = 16
-
-# The verifier's contract (README, "The verifier"): exit 0 is reward 1.0 and any other exit 0.0, except
-# the exits that say it could not grade. 125 is the one a verifier uses itself for "could not grade",
-# as git bisect reserves it for "skip this commit"; 126 and 127 are the shell's "found but not
-# executable" and "not found"; 129 up to 128 + SIGRTMAX are how a shell reports a command it ran
-# killed by a signal (an OOM kill of the test runner is no grade of the agent's work).
-VERIFIER_CANNOT_GRADE = 125
-VERIFIER_COULD_NOT_RUN = (126, 127)
-_SHELL_SIGNAL_EXITS = range(129, 129 + int(signal.SIGRTMAX))
-# The optional reward file: the verifier may write one number in [0, 1] to the path this variable
-# names (in the sandbox, outside the workspace, fresh for each run); when present it is the reward.
-REWARD_FILE_VAR = "ROLLOUT_REWARD_FILE"
-REWARD_FILE_LIMIT = 4096  # bytes read of it; a number needs a few dozen
 
 
 @dataclass(frozen=True)
@@ -239,7 +222,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             sandbox = await ctx.provider.start(spec)
         except Exception as exc:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
+            return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, describe(exc)), timer)
         row.sandbox_id = sandbox.id
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
         row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
@@ -271,11 +254,11 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         try:
             # The harness's config goes to HOME while the workspace is laid out: neither reads the other.
             _, launch = await _gather_or_cancel(
-                lay_out(sandbox, req.task.workspace, ctx.workspaces), install_and_prepare(gw)
+                lay_out(sandbox, req.task.workspace, ctx.workspaces, baseline=False), install_and_prepare(gw)
             )
         except (InstallError, Exception) as exc:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
+            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, describe(exc)), timer)
         timer.lap("setup")
 
         expire = asyncio.Event() if wall > deadline else None  # limits.deadline_counts: agent
@@ -283,7 +266,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             result = await _run_harness(sandbox, launch, deadline, wall, gw, expire)
         except SandboxLostError as exc:
             timer.lap("agent")
-            return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, _err(exc)), timer)
+            return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, describe(exc)), timer)
         # A request the model has sat on for a quarter of the deadline when the deadline falls makes the
         # end the model's: the gateway's own stall bounds (minutes) can be longer than a short deadline.
         ctx.gateway.close_session(gw, stall_bound_s=deadline * DEADLINE_STALL_SHARE)
@@ -296,10 +279,10 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         # The evidence copy reads the harness's files while the diff and the verifier use the workspace.
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:
-            if cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None:
-                outcome = await _diff_and_grade(sandbox, req.task, outcome, row)
-            else:
-                await _record_diff(row, workspace_diff(sandbox))
+            grade = cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None
+            outcome = await grading.review(
+                ctx.provider, spec, sandbox, req.task, outcome, row, grade=grade, workspaces=ctx.workspaces
+            )
             await evidence
         finally:
             evidence.cancel()  # only when the grading raised, or the session was cancelled
@@ -309,7 +292,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         if gw is not None:
             ctx.gateway.close_session(gw)
         if sandbox is not None:
-            row.cleanup_ok = await _stop(sandbox)
+            stopped = await grading.stop_sandbox(sandbox)
+            row.cleanup_ok = stopped and row.cleanup_ok is not False  # the grading sandbox's too
             row.t_cleanup_s = timer.since_lap()
             row.t_total_s = round(sum(timer.marks.values()) + row.t_cleanup_s, 4)
 
@@ -373,125 +357,6 @@ async def _gather_or_cancel(*steps: Awaitable[Any]) -> list[Any]:
         raise
 
 
-async def _record_diff(row: Row, diff: Awaitable[str | None]) -> None:
-    try:
-        row.workspace_diff = bound_text(await diff, MAX_DIFF_CHARS)
-    except Exception as exc:
-        row.evidence_gaps.append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
-
-
-async def _diff_and_grade(sandbox: Sandbox, task: Task, outcome: Outcome, row: Row) -> Outcome:
-    """The diff, then the verifier, re-run in the same sandbox while it could not grade, at most
-    ``retries`` more times. The diff is taken once, before the first run: it holds the agent's changes
-    and nothing of the verifier's. A sandbox lost meanwhile is SANDBOX_LOST (the agent runs again);
-    a verifier that never graded is VERIFIER_ERROR / VERIFIER_TIMEOUT (the session's status kept)."""
-    verify = task.verify
-    assert verify is not None
-    one_exec = isinstance(sandbox, RunsBefore)
-    if not one_exec:
-        await _record_diff(row, workspace_diff(sandbox))
-    failure: tuple[FailureKind, str] = (FailureKind.VERIFIER_ERROR, "the verifier did not run")
-    for run in range(1, verify.retries + 2):
-        row.verifier_runs = run
-        first_with_diff = one_exec and run == 1
-        try:
-            reward, failure_now = await _verify_once(sandbox, verify, row, with_diff=first_with_diff)
-        except SandboxLostError as exc:
-            return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {_err(exc)}")
-        except Exception as exc:
-            if first_with_diff:  # the diff step's result went with the exec; later runs never take it
-                row.evidence_gaps.append(f"workspace_diff_unavailable: {_err(exc)[:200]}")
-            reward, failure_now = None, (FailureKind.VERIFIER_ERROR, _err(exc))
-        if failure_now is None:
-            row.verified, row.reward = True, reward
-            return outcome
-        failure = failure_now
-    kind, message = failure
-    runs = verify.retries + 1
-    message = bound_text(f"{message} ({runs} verifier run{'s' if runs > 1 else ''})", 4000)
-    return outcome.model_copy(update={"failure_kind": kind, "error_message": message})
-
-
-async def _verify_once(
-    sandbox: Sandbox, verify: Verifier, row: Row, *, with_diff: bool
-) -> tuple[float | None, tuple[FailureKind, str] | None]:
-    """One run of the verifier: its reward, or why it could not grade. ``with_diff``: the workspace's
-    diff is taken in the same exec, just before the verifier starts, and recorded on the row."""
-    if verify.tests_dir is not None:
-        return await _verify_harbor(sandbox, verify, row)
-    argv = ["bash", "-c", verify.command]
-    # A fresh name per run, outside the workspace: an earlier run's file, or one the agent planted at a
-    # name it could guess, is never read as this run's reward.
-    reward_path = f"{sandbox.home.rstrip('/')}/.rollout-reward-{secrets.token_hex(8)}"
-    env = {REWARD_FILE_VAR: reward_path}
-    if with_diff:
-        before = diff_step(sandbox.workdir)
-        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify", before=before)
-        await _record_diff(row, read_diff(sandbox, res.before))
-    else:
-        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify")
-    row.verifier_exit_code = res.exit_code
-    cannot = _cannot_grade(res, verify)
-    if cannot is not None:
-        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
-    return await _reward_of(sandbox, res, reward_path)
-
-
-async def _verify_harbor(
-    sandbox: Sandbox, verify: Verifier, row: Row
-) -> tuple[float | None, tuple[FailureKind, str] | None]:
-    """One run of a Harbor task's tests: the reward is what they wrote in /logs/verifier, whatever their
-    exit code."""
-    if (why := await harbor.prepare_verifier(sandbox, verify)) is not None:
-        return None, (FailureKind.VERIFIER_ERROR, why)
-    res = await sandbox.exec(["bash", "-c", verify.command], timeout=verify.timeout_s, name="verify")
-    row.verifier_exit_code = res.exit_code
-    if res.timed_out or res.exit_code is None:
-        cannot = _cannot_grade(res, verify) or "verifier did not finish"
-        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
-    return await harbor.read_reward(sandbox)
-
-
-def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:
-    """Why this run of the verifier is no grade at all, or None when its exit code is one."""
-    stderr = res.stderr_tail.strip()[-500:]
-    said = f"; stderr: {stderr}" if stderr else ""
-    if res.timed_out:
-        return f"verifier ran past {verify.timeout_s}s"
-    if res.exit_code is None or res.signal:
-        return f"verifier killed by signal {res.signal}{said}"
-    if res.exit_code in _SHELL_SIGNAL_EXITS:
-        return f"verifier's command killed by signal {res.exit_code - 128} (exit {res.exit_code}){said}"
-    if res.exit_code in VERIFIER_COULD_NOT_RUN:
-        return f"verifier could not run (exit {res.exit_code}){said}"
-    if res.exit_code == VERIFIER_CANNOT_GRADE:
-        return f"verifier could not grade (exit {VERIFIER_CANNOT_GRADE}){said}"
-    return None
-
-
-async def _reward_of(
-    sandbox: Sandbox, res: ExecResult, reward_path: str
-) -> tuple[float | None, tuple[FailureKind, str] | None]:
-    """The reward file's number when the verifier wrote one, else 1.0 for exit 0 and 0.0 otherwise."""
-    try:
-        data = await sandbox.read_file(reward_path, REWARD_FILE_LIMIT)
-    except FileNotFoundError:
-        return (1.0 if res.exit_code == 0 else 0.0), None
-    except SandboxLostError:
-        raise
-    except SandboxError as exc:
-        return None, (FailureKind.VERIFIER_ERROR, f"reward file unreadable: {_err(exc)[:500]}")
-    text = data.decode("utf-8", errors="replace").strip()
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:  # NaN fails this too
-        shown = repr(text[:100]) + ("..." if len(text) > 100 else "")
-        return None, (FailureKind.VERIFIER_ERROR, f"reward file holds {shown}, not a number in [0, 1]")
-    return value, None
-
-
 def _record_agent(row: Row, result: ExecResult, report: HarnessReport, gw: GatewaySession) -> None:
     # The gateway saw what the endpoint really reported; Codex prints 0 for usage it never received.
     row.input_tokens, row.output_tokens = _gateway_usage(gw)
@@ -534,18 +399,9 @@ async def _keep_evidence(
         try:
             data = await sandbox.read_file(path, EVIDENCE_COPY_LIMIT)
         except Exception as exc:
-            row.evidence_gaps.append(f"{name}_unavailable: {_err(exc)[:200]}")
+            row.evidence_gaps.append(f"{name}_unavailable: {describe(exc)[:200]}")
             continue
         await asyncio.to_thread((evidence_dir / name).write_bytes, gzip.compress(data, compresslevel=3))
-
-
-async def _stop(sandbox: Sandbox) -> bool:
-    try:
-        await asyncio.wait_for(sandbox.stop(), timeout=30)
-        return True
-    except Exception as exc:
-        log.warning("sandbox %s: cleanup failed: %s", sandbox.id, _err(exc))
-        return False
 
 
 def _finish(row: Row, outcome: Outcome, timer: _Timer) -> Row:
@@ -560,11 +416,6 @@ def _finish(row: Row, outcome: Outcome, timer: _Timer) -> Row:
     row.error_detail = json.dumps(outcome.error_detail, default=str)[:16_000]
     row.retry_after_s = outcome.retry_after_s
     return row
-
-
-def _err(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return bound_text(f"{type(exc).__name__}: {text}", 4000) or ""
 
 
 def lost_row(

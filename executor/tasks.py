@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sandboxes.base import WorkspaceSpec
+from sandboxes.workspace import WorkspaceError, checked_relative_path
 
 
 class InputError(Exception):
@@ -17,8 +18,8 @@ class InputError(Exception):
 
 
 class Verifier(BaseModel):
-    """A command run in the sandbox after the harness; exit 0 means reward 1.0 (the whole contract:
-    README, "The verifier")."""
+    """A command run after the harness in a fresh sandbox holding the agent's final workspace; exit 0
+    means reward 1.0 (the whole contract: docs/configuration.md, "The verifier")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +31,17 @@ class Verifier(BaseModel):
     # Harbor's contract (executor/harbor.py): this directory is uploaded to /tests after the agent's
     # session, and the reward is read from /logs/verifier, not from the exit code.
     tests_dir: str | None = None
+    # The task's hidden checks (relative path -> text): written into the workspace only in the grading
+    # sandbox, after the diff and over whatever the agent left at those paths; the agent never sees them.
+    files: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("files")
+    @classmethod
+    def _relative_paths(cls, value: dict[str, str]) -> dict[str, str]:
+        try:
+            return {checked_relative_path(rel): text for rel, text in value.items()}
+        except WorkspaceError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class Task(BaseModel):

@@ -6,7 +6,7 @@ from typing import Any
 
 from harnesses.base import HarnessReport
 from harnesses.gateway import GatewaySession
-from policy import FailureKind, Outcome, Status
+from policy import KIND_INFO, FailureKind, Outcome, Status
 from sandboxes.base import ExecResult
 
 _OUTPUT_LIMIT_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
@@ -77,6 +77,8 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
     # The harness failed. Prefer what the endpoint actually answered on the session's last request.
     if last_failure is not None and _on_last_request(gateway, last_failure.request_index):
         return Outcome.of(last_failure.kind, last_failure.error_message, **http)
+    if (why := _self_inflicted(result, report, gateway)) is not None:
+        return Outcome.of(FailureKind.AGENT_SELF_INFLICTED, why, **http)
     if report.claimed_failure is not None:
         return Outcome.of(report.claimed_failure, report.claimed_message, **http)
     if result.exit_code != 0:
@@ -90,3 +92,37 @@ def classify(result: ExecResult, report: HarnessReport, gateway: GatewaySession)
 
 def _on_last_request(gateway: GatewaySession, request_index: int) -> bool:
     return not gateway.attempts or request_index >= max(a.request_index for a in gateway.attempts)
+
+
+def _self_inflicted(result: ExecResult, report: HarnessReport, gateway: GatewaySession) -> str | None:
+    """Why the harness's failure is the agent's own doing, or None when it may not be.
+
+    Once the model has answered, what runs in the sandbox is the policy's: its tool commands run as the
+    harness's own user, in its PID namespace, beside its files, and nothing of the executor's shares
+    that identity (the gateway's forwarder and every supervisor are root's). So after a model answer,
+    a harness killed by a signal that no timeout or bound of ours sent, stopped by its sandbox's own
+    bound (memory), dead of a non-zero exit, or claiming an endpoint failure that the gateway, which sees
+    every request, never saw, was brought down from inside the sandbox: by a process the agent ran, a
+    file or config it changed, or an answer that broke its harness. That is graded, or the policy could
+    escape a reward of 0 by killing its harness. Before the first answer the agent has done nothing,
+    and a session in which the gateway saw an infrastructure failure keeps the doubt: both stay the
+    infrastructure's (docs/failures.md)."""
+    if result.timed_out or not any(a.kind is FailureKind.NONE for a in gateway.attempts):
+        return None
+    if any(a.kind is not FailureKind.NONE and KIND_INFO[a.kind].infrastructure for a in gateway.attempts):
+        return None
+    claimed = report.claimed_failure
+    if claimed is not None and not KIND_INFO[claimed].infrastructure:
+        return None  # the harness's own word on the model's part (an overflow, say) decides
+    if result.limit:
+        return f"the harness was stopped by its sandbox's {result.limit} bound after the model had acted"
+    if result.signal:
+        return f"the harness was killed by signal {result.signal} (none of ours) after the model had acted"
+    if result.exit_code not in (0, None):
+        return (
+            f"the harness died (exit code {result.exit_code}) after the model had acted; stderr: "
+            + (result.stderr_tail[-1500:])
+        )
+    if claimed is not None and KIND_INFO[claimed].infrastructure:
+        return f"the harness reported {claimed.value}, which the gateway never saw, after the model had acted"
+    return None

@@ -42,6 +42,7 @@ class FailureKind(StrEnum):
     MODEL_OUTPUT_LIMIT = "model_output_limit"
     AGENT_TIMEOUT = "agent_timeout"
     AGENT_CRASH = "agent_crash"
+    AGENT_SELF_INFLICTED = "agent_self_inflicted"
     AGENT_NO_RESULT = "agent_no_result"
     AGENT_NO_MODEL_CALL = "agent_no_model_call"
     SETUP_FAILED = "setup_failed"
@@ -95,6 +96,12 @@ KIND_INFO: dict[FailureKind, KindInfo] = {
     ),
     FailureKind.AGENT_CRASH: KindInfo(
         Status.FAILED, True, "the harness died with no model error to explain it"
+    ),
+    FailureKind.AGENT_SELF_INFLICTED: KindInfo(
+        Status.FAILED,
+        False,
+        "after the model had acted in the sandbox, the harness was killed by a signal none of ours sent, "
+        "hit a bound of its sandbox, died, or reported a failure the gateway never saw: the agent's doing",
     ),
     FailureKind.AGENT_NO_RESULT: KindInfo(
         Status.FAILED, False, "the harness exited cleanly after model calls but produced no final answer"

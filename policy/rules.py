@@ -45,6 +45,8 @@ DEFAULT_RULES: dict[FailureKind, Rule] = {
     FailureKind.AGENT_TIMEOUT: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.MODEL_REQUEST_ERROR: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.AGENT_NO_RESULT: Rule(grade=True, final=FinalAs.ACCEPT),
+    # A failure the agent caused from inside its sandbox is its own: graded, never its way out of a 0.
+    FailureKind.AGENT_SELF_INFLICTED: Rule(grade=True, final=FinalAs.ACCEPT),
     FailureKind.AGENT_NO_MODEL_CALL: _infra(),
     FailureKind.MODEL_TIMEOUT: _infra(),
     FailureKind.RATE_LIMIT_EXCEEDED: _infra(),

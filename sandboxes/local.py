@@ -603,6 +603,11 @@ class LocalSandbox:
             return
         _write_json_atomic(self.descriptor_path, self.descriptor())
 
+    @property
+    def owner_ids(self) -> tuple[int, int] | None:
+        """The (uid, gid) its commands run as and its writable files belong to; None: the worker's."""
+        return (self._user.uid, self._user.gid) if self._user is not None else None
+
     # -- paths ------------------------------------------------------------------------------------------
 
     def _inside(self, path: str) -> Path:

@@ -1,14 +1,18 @@
 """Laying out a task's workspace in a sandbox, and reading back what the agent changed there.
 
-After ``lay_out`` the workspace's state right after lay-out is recorded (when the sandbox has git) as the
-commit ``refs/rollout/baseline``. ``workspace_diff`` compares the working tree against it, new files
-included, so the diff holds the agent's changes and nothing of the lay-out.
+The baseline, the workspace as the task gave it, is a commit ``refs/rollout/baseline`` in a bare git
+directory of ours beside the workspace (``baseline_git_dir``), never in the workspace: the agent sees
+the task as it was given (a copied repository keeps its own ``.git``, HEAD and index untouched), and
+nothing of the baseline is in its reach. ``workspace_diff`` compares the working tree against it, new
+files included, so the diff holds the agent's changes and nothing of the lay-out.
 
-A workspace that is no repository stays none: its baseline goes to a git directory of ours beside it
-(``baseline_git_dir``), so the agent sees the task as it was given, with no history or ``.git`` of ours,
-and a harness spends nothing on git (Codex reads a repository's state at start-up: ~6 ms a rollout). A
-copied repository keeps its HEAD, branch and index untouched (the baseline commit hangs off HEAD,
-unreferenced by any branch).
+The diff is the evidence of what the agent did, and the agent is an adversary: it is taken in a sandbox
+the agent never ran in (executor/grading.py lays the task out again there, baseline included, and
+carries the agent's final workspace over), and it reads nothing the agent wrote but the files
+themselves: no config, hooks, attributes, filters or ignore rules of the workspace's choosing, and
+every file is hashed (the agent can set a file's size and mtime back, so no stat data is trusted). A
+nested repository (a directory with a ``.git`` of its own) is staged file by file, as git would
+otherwise show it as one commit id; a name git cannot be handed that way is named in the diff.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ _GIT_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_CONFIG_GLOBAL": "/dev/null",
     "GIT_TERMINAL_PROMPT": "0",
+    "GIT_ATTR_NOSYSTEM": "1",
     "GIT_AUTHOR_NAME": "rollout",
     "GIT_AUTHOR_EMAIL": "rollout@localhost",
     "GIT_COMMITTER_NAME": "rollout",
@@ -46,7 +51,14 @@ _GIT_OPTIONS = [
     "-c", "gc.auto=0",
     "-c", "maintenance.auto=false",
     "-c", "safe.directory=*",
+    "-c", "core.excludesFile=/dev/null",
+    "-c", "core.attributesFile=/dev/null",
+    "-c", "core.autocrlf=false",
+    "-c", "core.quotePath=false",
 ]  # fmt: skip
+# Over any .gitattributes the workspace holds ($GIT_DIR/info/attributes outranks them): no filter, eol or
+# encoding conversion and no "binary" marking of the workspace's choosing; git judges text by content.
+NEUTRAL_ATTRIBUTES = "* !diff !filter !text !eol !crlf !ident !merge !working-tree-encoding !whitespace"
 
 
 class WorkspaceError(SandboxError):
@@ -76,10 +88,17 @@ def checked_relative_path(path: str) -> str:
     return str(pure)
 
 
-async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: WorkspaceTemplates | None = None) -> None:
-    """``copy_from`` first, then the inline ``files`` over it, then the git baseline. With ``prepared``,
-    a sandbox that can copy a directory in gets the workspace as this host laid it out once, baseline
-    included, and runs no git of its own."""
+async def lay_out(
+    sandbox: Sandbox,
+    spec: WorkspaceSpec,
+    prepared: WorkspaceTemplates | None = None,
+    *,
+    baseline: bool = True,
+) -> None:
+    """``copy_from`` first, then the inline ``files`` over it, then (with ``baseline``) the git
+    baseline. With ``prepared``, a sandbox that can copy a directory in gets the workspace as this host
+    laid it out once, baseline included, and runs no git of its own. The agent's sandbox gets no
+    baseline: its diff is taken in the verification sandbox (executor/grading.py)."""
     files = {checked_relative_path(rel): text for rel, text in spec.files.items()}
     if spec.copy_from and not Path(spec.copy_from).is_dir():
         raise WorkspaceError(f"workspace copy_from {spec.copy_from!r} is not a directory")
@@ -87,7 +106,7 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: WorkspaceTemp
         async with prepared.use(spec, files) as template:
             if template is not None:
                 await sandbox.copy_in(template)
-                if (git_dir := Path(baseline_git_dir(str(template)))).is_dir():
+                if baseline and (git_dir := Path(baseline_git_dir(str(template)))).is_dir():
                     await sandbox.copy_in(git_dir, baseline_git_dir(sandbox.workdir))
                 return
     if spec.copy_from:
@@ -96,7 +115,8 @@ async def lay_out(sandbox: Sandbox, spec: WorkspaceSpec, prepared: WorkspaceTemp
         await sandbox.copy_in(Path(spec.copy_from))
     for rel, text in files.items():
         await sandbox.write_file(rel, text.encode())
-    await record_baseline(sandbox)
+    if baseline:
+        await record_baseline(sandbox)
 
 
 _BASELINE_GIT_NAME = "baseline.git"
@@ -111,37 +131,46 @@ def baseline_git_dir(workdir: str) -> str:
 
 # One shell script per operation rather than one exec per git command: each exec costs a process
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
-_PRELUDE = "command -v git >/dev/null 2>&1 || exit 127\ng() { git " + shlex.join(_GIT_OPTIONS) + ' "$@"; }\n'
+# ``stage`` puts the working tree into the index in $GIT_INDEX_FILE: ignored files too (-f: an ignore
+# rule the agent planted must not hide a file), and a nested repository's files one by one (git would
+# record it as one gitlink, its content unseen; a nested .git itself is never staged).
+_PRELUDE = (
+    "command -v git >/dev/null 2>&1 || exit 127\n"
+    "g() { git "
+    + shlex.join(_GIT_OPTIONS)
+    + ' "$@"; }\n'
+    + r"""stage() {
+  nested=$(find . -name .git -prune -print 2>/dev/null | sed -e 's|/\.git$||' -e 's|^\./||' -e '/^\.$/d')
+  set --
+  old_ifs=$IFS; IFS='
+'
+  set -f
+  for d in $nested; do set -- "$@" ":(exclude,literal)$d"; done
+  set +f
+  IFS=$old_ifs
+  g add -A -f -- . "$@" >&2 || return 1
+  [ -z "$nested" ] && return 0
+  printf '%s\n' "$nested" | while IFS= read -r d; do
+    find "./$d" -name .git -prune -o \( -type f -o -type l \) -print | sed 's|^\./||'
+    g ls-files -- ":(literal)$d"
+  done | g update-index --add --remove --stdin >&2
+}
+"""
+)
 
-# The diff's private index starts as the baseline's, so that its `add -A` hashes only the files whose
-# size or mtime changed (a fresh index hashes every file: 0.16 s for 5,000 small files, seconds for a
-# large repository). checkStat=minimal compares size and whole-second mtime only, as a copied workspace
-# keeps those and nothing else; an edit within the baseline's second is caught by git's racy-entry check.
 _DIFF_INDEX = "rollout-diff.index"
 BASELINE_SCRIPT = f"""set -e
-if gd=$(g rev-parse --absolute-git-dir 2>/dev/null); then
-  # An existing repository: snapshot through a private index so HEAD and the real index stay as given.
-  export GIT_INDEX_FILE="$gd/rollout-baseline.index"
-  g add -A
-  tree=$(g write-tree)
-  if head=$(g rev-parse --verify -q 'HEAD^{{commit}}'); then
-    commit=$(g commit-tree "$tree" -p "$head" -m "workspace baseline")
-  else
-    commit=$(g commit-tree "$tree" -m "workspace baseline")
-  fi
-  g update-ref {BASELINE_REF} "$commit"
-  mv "$GIT_INDEX_FILE" "$gd/{_DIFF_INDEX}"
-else
-  export GIT_DIR="${_BASELINE_GIT_ENV}"
-  g init -q --template=  # bare: the work tree is named at each use, never recorded in its config
-  export GIT_WORK_TREE="$PWD"
-  g add -A
-  g commit -q --allow-empty --no-verify -m "workspace baseline"
-  g update-ref {BASELINE_REF} HEAD
-  # Only what the diff reads: every file here is copied into each sandbox of a prepared workspace.
-  if [ -f "$GIT_DIR/index" ]; then mv "$GIT_DIR/index" "$GIT_DIR/{_DIFF_INDEX}"; fi
-  rm -rf "$GIT_DIR/logs" "$GIT_DIR/COMMIT_EDITMSG"
-fi
+export GIT_DIR="${_BASELINE_GIT_ENV}"
+g init -q --bare --template=  # the work tree is named at each use, never recorded in its config
+export GIT_WORK_TREE="$PWD"
+mkdir -p "$GIT_DIR/info"
+echo '{NEUTRAL_ATTRIBUTES}' > "$GIT_DIR/info/attributes"
+export GIT_INDEX_FILE="$GIT_DIR/{_DIFF_INDEX}"
+stage
+g commit -q --allow-empty --no-verify -m "workspace baseline"
+g update-ref {BASELINE_REF} HEAD
+# Only what the diff reads: every file here is copied into each sandbox of a prepared workspace.
+rm -rf "$GIT_DIR/logs" "$GIT_DIR/COMMIT_EDITMSG" "$GIT_INDEX_FILE"
 """
 
 # For a baseline made once and copied into every sandbox (sandboxes/prepared.py): the fewest files and
@@ -160,21 +189,20 @@ fi
 
 _NOT_A_REPO = 3
 _DIFF_NAME = "workspace-diff"
-# Shell tests first and git only where they cannot tell: a git process costs milliseconds, a test none.
-# Our own baseline directory first: a `git init` of the agent's in the workspace must not hide it.
-_DIFF_SCRIPT = f"""if [ -f "${_BASELINE_GIT_ENV}/HEAD" ]; then
-  gd="${_BASELINE_GIT_ENV}"
-  export GIT_DIR="$gd" GIT_WORK_TREE="$PWD"
-elif [ -d .git ] && [ ! -L .git ]; then gd="$PWD/.git"
-else gd=$(g rev-parse --absolute-git-dir 2>/dev/null) || exit {_NOT_A_REPO}; fi
-# A private index, so that untracked files show up and the agent's own index is left alone.
-export GIT_INDEX_FILE="$gd/{_DIFF_INDEX}"
-g -c core.checkStat=minimal -c core.trustctime=false add -A >&2 || exit 4
-base=
-if [ -f "$gd/{BASELINE_REF}" ] || g rev-parse --verify -q '{BASELINE_REF}^{{commit}}' >/dev/null; then
-  base={BASELINE_REF}
-fi
-g diff --cached --no-color --no-ext-diff --no-textconv $base
+# Only our baseline: a workspace without one (a sandbox with no git at lay-out) has no diff. A fresh
+# index, so every file is hashed: no stat data the agent could have set is trusted. Gitlinks left in the
+# index (a nested repository git would not let us stage file by file) are named, not silently shown as
+# a commit id.
+_DIFF_SCRIPT = f"""gd="${_BASELINE_GIT_ENV}"
+[ -f "$gd/HEAD" ] || exit {_NOT_A_REPO}
+export GIT_DIR="$gd" GIT_WORK_TREE="$PWD" GIT_INDEX_FILE="$gd/{_DIFF_INDEX}"
+rm -f "$GIT_INDEX_FILE"
+stage || exit 4
+g diff --cached --no-color --no-ext-diff --no-textconv --no-renames {BASELINE_REF} || exit 4
+g ls-files -s | while read -r mode _ _ path; do
+  [ "$mode" = 160000 ] && echo "[nested repository $path: its files could not be listed one by one]"
+done
+exit 0
 """
 
 

@@ -14,12 +14,8 @@ from typing import Any
 import pytest
 
 from executor.driver import decide_row
-from executor.session import (
-    REWARD_FILE_VAR,
-    VERIFIER_CANNOT_GRADE,
-    SessionRequest,
-    run_session,
-)
+from executor.grading import REWARD_FILE_VAR, VERIFIER_CANNOT_GRADE
+from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.command import CommandHarness
 from tests.conftest import processes_under, session_context

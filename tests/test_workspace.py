@@ -274,8 +274,9 @@ def test_reap_prepared_removes_only_the_entries_of_gone_workers(tmp_path: Path) 
 
 
 @needs_git
-async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host(tmp_path: Path) -> None:
-    """A repository's config can make `git add` run a program (a clean filter); that runs in the sandbox."""
+async def test_a_task_repositorys_config_runs_nothing_of_its_own(tmp_path: Path) -> None:
+    """A repository's config can make `git add` run a program (a clean filter): the baseline is committed
+    to a git directory of ours, which reads no config of the task's, so it runs nowhere."""
     src, seen = tmp_path / "repo", tmp_path / "filter-ran-in.txt"
     src.mkdir()
     git(src, "init", "-q")
@@ -292,16 +293,15 @@ async def test_a_task_repository_is_committed_inside_the_sandbox_not_on_the_host
         await sb.stop()
         await provider.aclose()
     assert prepared.builds == 0
-    ran_in = seen.read_text().split()
-    assert ran_in and "host" not in ran_in
+    assert not seen.exists()
 
 
 @needs_git
-async def test_the_diff_starts_from_the_baselines_index(
+async def test_the_diff_trusts_no_stat_data(
     sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
 ) -> None:
-    """The diff rehashes only files whose size or mtime changed (a big repository is not rehashed on
-    every rollout): a same-size rewrite that puts the old mtime back is, as for `git status`, unseen."""
+    """Every file is hashed: a same-size rewrite that puts the old mtime back (an agent hiding an edit
+    from an index that trusts size and mtime) is in the diff."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("kept.py", "edited.py", "same_size.py"):
@@ -315,5 +315,5 @@ async def test_the_diff_starts_from_the_baselines_index(
     os.utime(work / "same_size.py", (1_600_000_000, 1_600_000_000))
     diff = await workspace_diff(sandbox)
     assert diff is not None
-    assert "+edited.py = 2" in diff
-    assert "same_size.py" not in diff and "kept.py" not in diff
+    assert "+edited.py = 2" in diff and "+same_size.py = 2" in diff
+    assert "kept.py" not in diff

@@ -1,0 +1,314 @@
+"""Reviewing an agent's work where the agent never was: the diff and the verifier, in a fresh sandbox.
+
+The agent is the policy under training, optimised against its reward: whatever it can reach that raises
+the reward without doing the task, it learns. So nothing that judges it runs where it ran. After the
+harness, a new sandbox of the same provider and image starts (its own identity, HOME, TMP, environment,
+PID namespace), the task's workspace is laid out there again with its git baseline (which the agent's
+sandbox never had), the agent's final workspace replaces the lay-out (partial work included: regular
+files, directories and links, never followed out of it: sandboxes/carry.py), the diff is taken against
+that baseline, the task's hidden checks (``verify.files``) are written in, and the verifier runs.
+
+The verifier's contract (README, "The verifier"; docs/configuration.md): exit 0 is reward 1.0 and any
+other exit 0.0, except the exits that say it could not grade. 125 is the one a verifier uses itself for
+"could not grade", as git bisect reserves it for "skip this commit"; 126 and 127 are the shell's "found
+but not executable" and "not found"; 129 up to 128 + SIGRTMAX are how a shell reports a command it ran
+killed by a signal (an OOM kill of the test runner is no grade of the agent's work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import shutil
+import signal
+from collections.abc import Awaitable
+from pathlib import Path
+
+from executor import harbor
+from executor.row import Row
+from executor.tasks import Task, Verifier
+from policy import FailureKind, Outcome, bound_text
+from sandboxes.base import (
+    ExecResult,
+    RunsBefore,
+    Sandbox,
+    SandboxError,
+    SandboxLostError,
+    SandboxProvider,
+    SandboxSpec,
+)
+from sandboxes.carry import Carried, copy_untrusted_tree
+from sandboxes.local import LocalSandbox
+from sandboxes.prepared import PreparedWorkspaces
+from sandboxes.workspace import checked_relative_path, diff_step, lay_out, read_diff, workspace_diff
+
+log = logging.getLogger(__name__)
+
+VERIFIER_CANNOT_GRADE = 125
+VERIFIER_COULD_NOT_RUN = (126, 127)
+_SHELL_SIGNAL_EXITS = range(129, 129 + int(signal.SIGRTMAX))
+# The optional reward file: the verifier may write one number in [0, 1] to the path this variable
+# names (in the sandbox, outside the workspace, fresh for each run); when present it is the reward.
+REWARD_FILE_VAR = "ROLLOUT_REWARD_FILE"
+REWARD_FILE_LIMIT = 4096  # bytes read of it; a number needs a few dozen
+MAX_DIFF_CHARS = 200_000
+# The grading sandbox's session id: the agent's plus this, so its directory and labels say whose it is.
+REVIEW_SUFFIX = ".review"
+# A workspace carried between sandboxes that share no host directory goes as a tar through the worker.
+CARRY_TAR_LIMIT_BYTES = 1024**3
+CARRY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+async def review(
+    provider: SandboxProvider,
+    spec: SandboxSpec,
+    agent: Sandbox,
+    task: Task,
+    outcome: Outcome,
+    row: Row,
+    *,
+    grade: bool,
+    workspaces: PreparedWorkspaces | None,
+) -> Outcome:
+    """The diff of the agent's final workspace, and with ``grade`` its reward, both taken in a fresh
+    sandbox; the outcome, changed only where grading could not be done. A failure of the grading
+    sandbox's own is the infrastructure's (verifier_error, retried then masked), never a 0."""
+    spec = spec.model_copy(update={"session_id": spec.session_id + REVIEW_SUFFIX})
+    try:
+        checker = await provider.start(spec)
+    except Exception as exc:
+        return _not_reviewed(row, outcome, grade, f"the grading sandbox did not start: {describe(exc)}")
+    row.review_sandbox_id = checker.id
+    try:
+        try:
+            await _take_over(agent, checker, task, row, workspaces)
+        except SandboxLostError as exc:
+            return Outcome.of(
+                FailureKind.SANDBOX_LOST, f"sandbox lost while carrying the workspace: {describe(exc)}"
+            )
+        except Exception as exc:
+            return _not_reviewed(
+                row, outcome, grade, f"the workspace could not be carried over: {describe(exc)}"
+            )
+        if grade and task.verify is not None:
+            return await _diff_and_grade(checker, task.verify, outcome, row)
+        await record_diff(row, workspace_diff(checker))
+        return outcome
+    finally:
+        ok = await stop_sandbox(checker)
+        row.cleanup_ok = ok if row.cleanup_ok is None else row.cleanup_ok and ok
+
+
+def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
+    row.evidence_gaps.append(f"workspace_diff_unavailable: {why[:200]}")
+    if not grade:
+        return outcome
+    return outcome.model_copy(update={"failure_kind": FailureKind.VERIFIER_ERROR, "error_message": why})
+
+
+async def _take_over(
+    agent: Sandbox, checker: Sandbox, task: Task, row: Row, workspaces: PreparedWorkspaces | None
+) -> None:
+    """The task's workspace laid out in ``checker`` with its baseline, then replaced by the agent's."""
+    await lay_out(checker, task.workspace, workspaces)
+    carried = await asyncio.wait_for(carry_workspace(agent, checker), CARRY_TIMEOUT_S)
+    if (gap := carried.gap()) is not None:
+        row.evidence_gaps.append(gap)
+
+
+async def carry_workspace(src: Sandbox, dst: Sandbox) -> Carried:
+    """Replace ``dst``'s workspace by ``src``'s, as sandboxes/carry.py says. Two sandboxes of this host
+    (the local provider) copy directory to directory; any other pair goes through a tar made in ``src``
+    and unpacked in ``dst`` by their own users, so neither side's files are handled as root."""
+    if isinstance(src, LocalSandbox) and isinstance(dst, LocalSandbox):
+        return await asyncio.to_thread(_carry_locally, src, dst)
+    return await _carry_by_tar(src, dst)
+
+
+def _carry_locally(src: LocalSandbox, dst: LocalSandbox) -> Carried:
+    work = Path(dst.workdir)
+    for entry in list(work.iterdir()):  # the lay-out, made by us in a sandbox the agent never saw
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return copy_untrusted_tree(src.workdir, dst.workdir, dst.owner_ids)
+
+
+_TAR_OUT = 't="$TMPDIR/.carry-{tag}.tar"; tar -C "$1" -cf "$t" .; rc=$?; echo "$t"; exit $rc'
+_TAR_IN = (
+    'find "$1" -mindepth 1 -maxdepth 1 -exec rm -rf {} + && tar -C "$1" -xf "$2"; rc=$?; rm -f "$2"; exit $rc'
+)
+
+
+async def _carry_by_tar(src: Sandbox, dst: Sandbox) -> Carried:
+    done = Carried()
+    made = await src.exec(
+        ["sh", "-c", _TAR_OUT.format(tag=secrets.token_hex(6)), "sh", src.workdir],
+        timeout=CARRY_TIMEOUT_S,
+        name="carry-out",
+    )
+    # tar exits 1 when a file changed as it read it: the agent's processes may still write; what it
+    # read is the workspace's final state as far as anyone can tell.
+    if made.exit_code not in (0, 1) or not made.stdout_tail.strip():
+        raise SandboxError(
+            f"tar in the agent's sandbox failed (exit {made.exit_code}): {made.stderr_tail[-500:]}"
+        )
+    data = await src.read_file(made.stdout_tail.strip().splitlines()[-1], CARRY_TAR_LIMIT_BYTES)
+    if len(data) >= CARRY_TAR_LIMIT_BYTES:
+        done.stopped = f"{CARRY_TAR_LIMIT_BYTES} bytes of tar"
+    inbox = f"{dst.home.rstrip('/')}/.carry-{secrets.token_hex(6)}.tar"
+    await dst.write_file(inbox, data, 0o600)
+    unpacked = await dst.exec(
+        ["sh", "-c", _TAR_IN, "sh", dst.workdir, inbox], timeout=CARRY_TIMEOUT_S, name="carry-in"
+    )
+    if unpacked.exit_code != 0:
+        done.skip("(tar)", f"unpacked with errors: {unpacked.stderr_tail[-300:]}")
+    done.bytes = len(data)
+    return done
+
+
+async def record_diff(row: Row, diff: Awaitable[str | None]) -> None:
+    try:
+        row.workspace_diff = bound_text(await diff, MAX_DIFF_CHARS)
+    except Exception as exc:
+        row.evidence_gaps.append(f"workspace_diff_unavailable: {describe(exc)[:200]}")
+
+
+async def _diff_and_grade(sandbox: Sandbox, verify: Verifier, outcome: Outcome, row: Row) -> Outcome:
+    """The diff, then the verifier, re-run in the same sandbox while it could not grade, at most
+    ``retries`` more times. The diff is taken once, before the task's checks are written in and before
+    the first run: it holds the agent's changes and nothing of the checks' or the verifier's. A sandbox
+    lost meanwhile is SANDBOX_LOST (the agent runs again); a verifier that never graded is
+    VERIFIER_ERROR / VERIFIER_TIMEOUT (the session's status kept)."""
+    # One exec for the diff and the first run, where the sandbox can, unless checks go in between.
+    one_exec = isinstance(sandbox, RunsBefore) and not verify.files
+    if not one_exec:
+        await record_diff(row, workspace_diff(sandbox))
+    failure: tuple[FailureKind, str] = (FailureKind.VERIFIER_ERROR, "the verifier did not run")
+    for run in range(1, verify.retries + 2):
+        row.verifier_runs = run
+        first_with_diff = one_exec and run == 1
+        try:
+            if run == 1 and verify.files:
+                await _write_checks(sandbox, verify)
+            reward, failure_now = await _verify_once(sandbox, verify, row, with_diff=first_with_diff)
+        except SandboxLostError as exc:
+            return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
+        except Exception as exc:
+            if first_with_diff:  # the diff step's result went with the exec; later runs never take it
+                row.evidence_gaps.append(f"workspace_diff_unavailable: {describe(exc)[:200]}")
+            reward, failure_now = None, (FailureKind.VERIFIER_ERROR, describe(exc))
+        if failure_now is None:
+            row.verified, row.reward = True, reward
+            return outcome
+        failure = failure_now
+    kind, message = failure
+    runs = verify.retries + 1
+    message = bound_text(f"{message} ({runs} verifier run{'s' if runs > 1 else ''})", 4000)
+    return outcome.model_copy(update={"failure_kind": kind, "error_message": message})
+
+
+async def _write_checks(sandbox: Sandbox, verify: Verifier) -> None:
+    """The task's hidden checks, over whatever the agent left at their paths."""
+    for rel, text in verify.files.items():
+        path = checked_relative_path(rel)
+        await sandbox.exec(["rm", "-rf", "--", path], timeout=60, cwd=sandbox.workdir, name="checks")
+        await sandbox.write_file(path, text.encode())
+
+
+async def _verify_once(
+    sandbox: Sandbox, verify: Verifier, row: Row, *, with_diff: bool
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """One run of the verifier: its reward, or why it could not grade. ``with_diff``: the workspace's
+    diff is taken in the same exec, just before the verifier starts, and recorded on the row."""
+    if verify.tests_dir is not None:
+        return await _verify_harbor(sandbox, verify, row)
+    argv = ["bash", "-c", verify.command]
+    # A fresh name per run, outside the workspace: an earlier run's file is never read as this run's.
+    reward_path = f"{sandbox.home.rstrip('/')}/.rollout-reward-{secrets.token_hex(8)}"
+    env = {REWARD_FILE_VAR: reward_path}
+    if with_diff:
+        before = diff_step(sandbox.workdir)
+        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify", before=before)  # type: ignore[call-arg]
+        await record_diff(row, read_diff(sandbox, res.before))
+    else:
+        res = await sandbox.exec(argv, timeout=verify.timeout_s, env=env, name="verify")
+    row.verifier_exit_code = res.exit_code
+    cannot = _cannot_grade(res, verify)
+    if cannot is not None:
+        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
+    return await _reward_of(sandbox, res, reward_path)
+
+
+async def _verify_harbor(
+    sandbox: Sandbox, verify: Verifier, row: Row
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """One run of a Harbor task's tests: the reward is what they wrote in /logs/verifier, whatever their
+    exit code."""
+    if (why := await harbor.prepare_verifier(sandbox, verify)) is not None:
+        return None, (FailureKind.VERIFIER_ERROR, why)
+    res = await sandbox.exec(["bash", "-c", verify.command], timeout=verify.timeout_s, name="verify")
+    row.verifier_exit_code = res.exit_code
+    if res.timed_out or res.exit_code is None:
+        cannot = _cannot_grade(res, verify) or "verifier did not finish"
+        return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
+    return await harbor.read_reward(sandbox)
+
+
+def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:
+    """Why this run of the verifier is no grade at all, or None when its exit code is one."""
+    stderr = res.stderr_tail.strip()[-500:]
+    said = f"; stderr: {stderr}" if stderr else ""
+    if res.timed_out:
+        return f"verifier ran past {verify.timeout_s}s"
+    if res.exit_code is None or res.signal:
+        return f"verifier killed by signal {res.signal}{said}"
+    if res.exit_code in _SHELL_SIGNAL_EXITS:
+        return f"verifier's command killed by signal {res.exit_code - 128} (exit {res.exit_code}){said}"
+    if res.exit_code in VERIFIER_COULD_NOT_RUN:
+        return f"verifier could not run (exit {res.exit_code}){said}"
+    if res.exit_code == VERIFIER_CANNOT_GRADE:
+        return f"verifier could not grade (exit {VERIFIER_CANNOT_GRADE}){said}"
+    return None
+
+
+async def _reward_of(
+    sandbox: Sandbox, res: ExecResult, reward_path: str
+) -> tuple[float | None, tuple[FailureKind, str] | None]:
+    """The reward file's number when the verifier wrote one, else 1.0 for exit 0 and 0.0 otherwise."""
+    try:
+        data = await sandbox.read_file(reward_path, REWARD_FILE_LIMIT)
+    except FileNotFoundError:
+        return (1.0 if res.exit_code == 0 else 0.0), None
+    except SandboxLostError:
+        raise
+    except SandboxError as exc:
+        return None, (FailureKind.VERIFIER_ERROR, f"reward file unreadable: {describe(exc)[:500]}")
+    text = data.decode("utf-8", errors="replace").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        shown = repr(text[:100]) + ("..." if len(text) > 100 else "")
+        return None, (FailureKind.VERIFIER_ERROR, f"reward file holds {shown}, not a number in [0, 1]")
+    return value, None
+
+
+async def stop_sandbox(sandbox: Sandbox) -> bool:
+    try:
+        await asyncio.wait_for(sandbox.stop(), timeout=STOP_TIMEOUT_S)
+        return True
+    except Exception as exc:
+        log.warning("sandbox %s: cleanup failed: %s", sandbox.id, describe(exc))
+        return False
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one bounded line for a row: its type and its text."""
+    text = str(exc) or type(exc).__name__
+    return bound_text(f"{type(exc).__name__}: {text}", 4000) or ""

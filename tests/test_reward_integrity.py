@@ -1,0 +1,178 @@
+"""The reward cannot be forged, hidden or escaped by the agent: attacks of a policy under training,
+played through the real harness path (Codex's shell tool, driven by the scripted model) and the
+`command` harness, against the default local sandbox.
+
+Every task here leaves a broken solution (``calc.add`` subtracts) that the agent does not fix: each
+attack must end with the reward that broken workspace deserves (0.0, accepted), a diff that shows every
+change the agent made, and the run unharmed."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor.config import RunConfig
+from executor.driver import decide_row
+from executor.session import SessionRequest, run_session
+from executor.tasks import Task
+from harnesses.command import CommandHarness
+from tests.conftest import processes_under, session_context
+
+BROKEN = "def add(a, b):\n    return a - b\n"
+TEST = "import calc\nassert calc.add(2, 2) == 4, 'add is wrong'\n"
+
+
+def _task(steps: list[dict[str, Any]] | None = None, *, hidden: bool = True, **extra: Any) -> Task:
+    verify: dict[str, Any] = {"command": "python3 tests/test_calc.py", "retries": 0}
+    if hidden:
+        verify["files"] = {"tests/test_calc.py": TEST}
+    spec: dict[str, Any] = {
+        "id": "calc",
+        "prompt": "fix calc.add",
+        "workspace": {"files": {"calc.py": BROKEN, "tests/test_calc.py": TEST}},
+        "verify": verify,
+        **extra,
+    }
+    if steps is not None:
+        spec["model_script"] = steps
+    return Task.model_validate(spec)
+
+
+def _decision(row: dict[str, Any]) -> str:
+    cfg = RunConfig.model_validate({"run_id": "t", "tasks": "none.jsonl"})
+    verdict, _ = decide_row(row, 1, cfg.policy, budget_left=10, rng=random.Random(0))
+    return verdict.decision.value
+
+
+async def _session(tmp_path: Path, task: Task, harness: Any = None) -> dict[str, Any]:
+    async with session_context(tmp_path, harness=harness) as ctx:
+        row = await run_session(SessionRequest("attack", task, 0, 1), ctx)
+    assert not processes_under(str(tmp_path / "sandboxes"))
+    assert row["review_sandbox_id"] and row["review_sandbox_id"] != row["sandbox_id"]
+    assert row["cleanup_ok"] is True
+    return row
+
+
+def _zero_and_accepted(row: dict[str, Any]) -> None:
+    assert (row["verified"], row["reward"]) == (True, 0.0), (row["failure_kind"], row["error_message"])
+    assert _decision(row) == "accept"
+
+
+# --- the verifier's environment ------------------------------------------------------------------
+
+
+# Files that Python runs at start-up, wherever the agent can reach: its user site (under HOME) and TMP.
+PLANT = (
+    "d=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$d\" && "
+    "printf 'import os\\nos._exit(0)\\n' > \"$d/usercustomize.py\" && "
+    "printf 'import os\\nos._exit(0)\\n' > \"$TMPDIR/sitecustomize.py\" && "
+    # Proof the plant is live where the agent runs: a Python that should exit 7 exits 0 here.
+    "(python3 -c 'import sys; sys.exit(7)'; echo \"python exits $?\" > probe.txt)"
+)
+
+
+async def test_a_file_planted_for_the_verifiers_interpreter_grades_nothing(tmp_path):
+    task = _task([{"type": "shell", "command": PLANT}, {"type": "text", "text": "done"}])
+    row = await _session(tmp_path, task)
+    assert row["failure_kind"] == "none", row["error_message"]
+    assert "+python exits 0" in row["workspace_diff"]  # the plant works in the agent's own sandbox
+    _zero_and_accepted(row)  # ... and not where it is graded
+
+
+# --- the diff -------------------------------------------------------------------------------------
+
+HIDE = textwrap.dedent(
+    """\
+    printf 'assert True\\n' > tests/test_calc.py
+    touch -r calc.py tests/test_calc.py
+    echo 'conftest = "planted"' > tests/conftest.py
+    echo '*' > tests/.gitignore
+    echo '* -diff' > .gitattributes
+    mkdir -p lib && (cd lib && git init -q && echo 'hidden = 1' > inner.py)
+    b="$(dirname "$PWD")/baseline.git"
+    (mkdir -p "$b" && git init -q --bare "$b" && GIT_DIR="$b" GIT_WORK_TREE="$PWD" git add -A \\
+      && GIT_DIR="$b" git -c user.name=a -c user.email=a@a commit -qm fake \\
+      && GIT_DIR="$b" git update-ref refs/rollout/baseline HEAD) || true
+    git init -q && git add -A && git -c user.name=a -c user.email=a@a commit -qm mine
+    git update-ref refs/rollout/baseline HEAD
+    git config filter.hide.clean 'cat /dev/null'
+    echo '* filter=hide' >> .git/info/attributes
+    """
+)
+
+
+async def test_the_diff_shows_every_change_whatever_the_agent_does_to_git(tmp_path):
+    task = _task([{"type": "shell", "command": HIDE}, {"type": "text", "text": "done"}])
+    row = await _session(tmp_path, task)
+    diff = row["workspace_diff"] or ""
+    assert "-assert calc.add(2, 2) == 4, 'add is wrong'" in diff and "+assert True" in diff, diff[-3000:]
+    for planted in ("+++ b/tests/conftest.py", "+++ b/tests/.gitignore", "+++ b/.gitattributes"):
+        assert planted in diff, planted
+    assert "+++ b/lib/inner.py" in diff and "+hidden = 1" in diff  # a nested repository, file by file
+    assert ".git/" not in diff  # nothing of any git directory
+    _zero_and_accepted(row)  # the hidden check came back over the edited test
+
+
+async def test_without_hidden_checks_the_edited_test_passes_but_shows(tmp_path):
+    """The control: the task's checks in the agent's reach are the agent's to edit; the diff says so."""
+    task = _task([{"type": "shell", "command": HIDE}, {"type": "text", "text": "done"}], hidden=False)
+    row = await _session(tmp_path, task)
+    assert row["reward"] == 1.0
+    assert "+assert True" in (row["workspace_diff"] or "")
+
+
+# --- choosing to be masked ------------------------------------------------------------------------
+
+
+async def test_killing_its_own_harness_is_graded_not_masked(tmp_path):
+    task = _task([{"type": "shell", "command": "pkill -KILL -x codex; sleep 5"}])
+    row = await _session(tmp_path, task)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert "signal 9" in row["error_message"]
+    _zero_and_accepted(row)
+
+
+# The agent's own script: one model call (the policy speaks), then what the attack does.
+ASK_THEN = textwrap.dedent(
+    """\
+    import json, os, sys, urllib.request
+    req = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={
+            "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+            "Content-Type": "application/json",
+        },
+    )
+    urllib.request.urlopen(req, timeout=60).read()
+    """
+)
+ATTACKS = {
+    "sigkill": "import signal; os.kill(os.getppid(), signal.SIGKILL)",
+    "sigterm": "import signal; os.kill(os.getppid(), signal.SIGTERM)",
+    "exit 3": "sys.exit(3)",
+    "transport error": "print('error: stream disconnected before completion', file=sys.stderr); sys.exit(1)",
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=list(ATTACKS))
+async def test_a_command_agent_that_brings_its_harness_down_is_graded(tmp_path, attack):
+    script = ASK_THEN + ATTACKS[attack] + "\n"
+    # The shell is the harness here, and the Python its tool: the attack kills or fails its parent.
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{script}EOF\nexit $?")
+    row = await _session(tmp_path, _task(), harness)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert len(row["model_calls"]) == 1
+    _zero_and_accepted(row)
+
+
+async def test_a_harness_down_before_the_model_spoke_stays_the_infrastructures(tmp_path):
+    """No model answer yet: nothing of the policy's has run, so the doubt stays (retried, then masked)."""
+    harness = CommandHarness(command="kill -KILL $$")
+    row = await _session(tmp_path, _task(), harness)
+    assert row["failure_kind"] == "agent_crash", row["error_message"]
+    assert row["reward"] is None and _decision(row) == "retry"
