@@ -162,10 +162,10 @@ def test_a_killed_worker_leaves_nothing_and_its_rows_say_where_its_sessions_ran(
     thread = threading.Thread(target=lambda: result.setdefault("summary", driver.run()), daemon=True)
     thread.start()
     try:
-        # The driver has heard from the worker about both sessions, with their sandboxes started.
+        # The driver has heard from the worker about both sessions, set up and running their harness.
         def both_placed() -> bool:
             running = driver.placements.running()
-            return len(running) == 2 and all(s.get("sandbox_id") for s in running.values())
+            return len(running) == 2 and all(s.get("t_setup_s") is not None for s in running.values())
 
         _wait("the worker's word on both sessions", lambda: both_placed() or not thread.is_alive())
         running = driver.placements.running()
