@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def test_a_signal_stops_the_run_in_order_and_a_resume_finishes_it(tmp_path, gate
     assert processes_under(str(tmp_path / "sb")) == []
     assert _sessions_left(tmp_path / "sb") == []
     _wait("the run's own cluster to end", lambda: not processes_under(str(ray_tmp)), 30)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
     gate.touch()
     resumed = _resume(config)
