@@ -161,7 +161,7 @@ def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
     that fails stops the cluster started for it and leaves nothing behind."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from executor import phases
+    from executor import capacity, phases
     from executor.driver import connect_ray, leave_ray
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rollout-check") as pool:
@@ -173,6 +173,10 @@ def _start(cfg: RunConfig, preflight_timeout_s: float | None) -> None:
         own = connect_ray(cfg)  # in this thread: Ray sets its signal handlers from the main thread only
         phases.mark("ray_up")
         try:
+            try:
+                capacity.check(cfg.concurrency.worker_resources, cfg.concurrency.workers)
+            except InputError as exc:
+                _fail_input(str(exc))
             if checked is not None:
                 checked.result()
             phases.mark("preflight")
@@ -573,10 +577,16 @@ def gc(
     everything: Annotated[
         bool, typer.Option("--all", help="With --run: end all of them, owners alive or not.")
     ] = False,
+    address: Annotated[
+        str | None,
+        typer.Option(help="A Ray cluster (HOST:PORT, auto): reap on every node of it, not only here."),
+    ] = None,
 ) -> None:
-    """Reap: end the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left."""
+    """Reap: end the sandboxes (processes, Slurm jobs, ECS tasks) that dead workers or a crashed run left,
+    and remove what they left on disk (sandbox directories, laid-out workspaces, evidence scratch, gateway
+    sockets, run directories left empty)."""
     from executor.config import load_config
-    from executor.reaper import reap
+    from executor.reaper import reap, reap_everywhere
 
     if everything and not run:
         _fail_input("--all needs --run RUN: it ends every sandbox of that run")
@@ -585,10 +595,26 @@ def gc(
     except InputError as exc:
         _fail_input(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    reaped = reap(cfg.sandbox, run, everything=everything)
+    failed: list[str] = []
+    if address:
+        import ray
+
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            reaped, failed = reap_everywhere(cfg.sandbox, run, everything=everything)
+        finally:
+            ray.shutdown()
+    else:
+        reaped = reap(cfg.sandbox, run, everything=everything)
     for sandbox_id in reaped:
         console.print(f"ended {sandbox_id}", highlight=False)
     console.print(f"{cfg.sandbox.provider}: {len(reaped)} sandboxes ended", highlight=False)
+    from rich.markup import escape
+
+    for line in failed:
+        Console(stderr=True).print(f"[bold red]not reaped:[/] {escape(line)}", highlight=False)
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

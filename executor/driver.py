@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +27,12 @@ from ray.exceptions import (
     TaskCancelledError,
 )
 
-from executor import phases, warm
+from executor import capacity, orphans, phases, stopping, warm
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
 from executor.local_ray import start_local_ray
+from executor.placement import Placements
 from executor.progress import Progress
 from executor.reaper import reap_quietly
 from executor.runs import run_lock
@@ -90,7 +92,8 @@ class RunSummary:
     by_failure_kind: dict[str, int]
     stopped: str | None
     exit_code: int
-    stopped_by: str | None = None  # "policy" (e.g. provider_auth_error), "breaker", "store", "interrupted"
+    # "policy" (e.g. provider_auth_error), "breaker", "store", "signal" (SIGTERM, SIGINT: exit 128 + signum)
+    stopped_by: str | None = None
     masked: int = 0
     # Training-facing statistics: final accepted rows with a reward only; masked rows never count.
     reward: dict[str, float | int | None] = field(default_factory=dict)
@@ -115,7 +118,16 @@ def connect_ray(cfg: RunConfig) -> bool:
     joined or attached (``leave_ray`` lets go of either)."""
     global _own_gcs, _warm_lease
     if ray.is_initialized():
+        stopping.take()
         return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
+    try:
+        return _connect(cfg)
+    finally:
+        stopping.take()  # after ray.init, which sets its own handlers (executor/stopping.py)
+
+
+def _connect(cfg: RunConfig) -> bool:
+    global _own_gcs, _warm_lease
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cluster_address(cfg.ray_address)
     if address:
@@ -275,6 +287,9 @@ class Driver:
         self._submitted_at: dict[ray.ObjectRef, float] = {}
         self._worker_died_at: dict[int, float] = {}
         self._resends: dict[tuple[str, int], int] = {}
+        self._signal: int | None = None  # the signal that stopped the run
+        self._cancelled: list[ray.ObjectRef] = []  # sessions cancelled at a stop, their rows written
+        self.placements = Placements()
         self.breaker = CircuitBreaker(cfg.policy.breaker)
         self.admission = Admission(cfg.in_flight_cap, cfg.concurrency.admission)
         # (request, batch, verdict) of final rows waiting for the rest of their group; see policy/groups.py
@@ -287,7 +302,11 @@ class Driver:
                 return self._run_locked()
             finally:
                 # Under the lock still: the next driver of this run starts once our sandboxes are gone.
+                self._await_cancelled()
+                if self._worker_died_at:  # what dead workers left, on whichever node they ran
+                    reap_quietly(self.cfg.sandbox, everywhere=True)
                 leave_ray(self._own_ray, self._workers, exiting=self.exiting)
+                stopping.release()
 
     def _run_locked(self) -> RunSummary:
         cfg = self.cfg
@@ -298,6 +317,7 @@ class Driver:
             planned = pool.submit(self._plan)
             self._own_ray = connect_ray(cfg)
             phases.mark("ray_up")
+            capacity.check(cfg.concurrency.worker_resources, cfg.concurrency.workers)
             self._workers = workers = self._start_workers()
             phases.mark("workers_created")
             plan = planned.result()
@@ -309,10 +329,16 @@ class Driver:
         budget = max(cfg.policy.retry_budget - state.retries_used, 0)
         source = self._requests(state)
         progress = Progress(cfg.run_id or "", total)
+        watch = capacity.Watch(cfg.concurrency.worker_resources, len(workers))
         self._load = [0] * len(workers)
         exhausted = False
         try:
             while True:
+                if (signum := stopping.requested()) is not None and not self._stopped:
+                    self._signal = signum
+                    self._stop(f"stopped by {signal.Signals(signum).name}", "signal")
+                if self._stopped:
+                    break  # what is in flight is cancelled and written below
                 while len(self._inflight) < self.admission.cap and not self._stopped:
                     now = time.monotonic()
                     if self._retries and self._retries[0].ready_at <= now:
@@ -343,14 +369,17 @@ class Driver:
                     ready = list(dict.fromkeys(ready + more))
                 for ref in ready:
                     budget = self._settle(ref, budget, progress)
+                self.placements.poll(workers, self._load)
                 self.store.maybe_flush()
+                watch.tick()
+                progress.cluster = watch.note
                 progress.tick()
         except KeyboardInterrupt:
-            self._stopped, self._stopped_by = "interrupted", "interrupted"
+            self._stop("interrupted", "interrupted")
         except StoreError as exc:
             self._stop(f"output: {exc}", "store")
         finally:
-            self._drain_cancelled()
+            self._cancel_in_flight(budget, progress)
             try:
                 self.store.flush()
             except StoreError as exc:
@@ -370,6 +399,8 @@ class Driver:
         if state.rows and self._restore_breaker():
             return None
         self._write_config()
+        # What a driver killed outright left (before its first row, too): launches no row names.
+        orphans.adopt(self.run_dir, state, cfg, self._append_cancelled)
         total = self._count_pending(state)
         # Install once here so the first sessions don't all queue on the install lock.
         make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
@@ -437,6 +468,7 @@ class Driver:
             req.task.model_dump_json(), req.sample_index, req.attempt, *self._binding
         )
         self._inflight[ref] = (req, index)
+        self.placements.dispatched(ref, req.rollout_id, index)
         self._submitted_at[ref] = time.monotonic()
         self._load[index] += 1
 
@@ -445,6 +477,7 @@ class Driver:
         phases.mark("first_row")
         self._load[index] -= 1
         submitted_at = self._submitted_at.pop(ref, 0.0)
+        known = self.placements.known(ref)
         try:
             batch = batch_from_wire(ray.get(ref))
         except ActorUnavailableError as exc:
@@ -465,19 +498,21 @@ class Driver:
                 )
                 return budget
             self._note_death(index, submitted_at)
-            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
+            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}", known)
         except TaskCancelledError as exc:
             if self._stopped:
-                return budget  # cancelled by our stop: nothing ran to an end, the sample reruns on resume
-            batch = self._lost(req, f"session cancelled: {str(exc)[:500]}")
+                self._write_cancelled(req, known, progress)
+                return budget
+            batch = self._lost(req, f"session cancelled: {str(exc)[:500]}", known)
         except RayActorError as exc:
             self._note_death(index, submitted_at)
-            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}")
-            reap_quietly(self.cfg.sandbox)  # its sandboxes (jobs, tasks, process trees) must not outlive it
+            batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}", known)
+            # Its sandboxes (jobs, tasks, process trees, directories) must not outlive it, on its node.
+            reap_quietly(self.cfg.sandbox, everywhere=True)
         except RayTaskError as exc:
-            batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}")
+            batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}", known)
         except RayError as exc:
-            batch = self._lost(req, f"ray error: {str(exc)[:1000]}")
+            batch = self._lost(req, f"ray error: {str(exc)[:1000]}", known)
         row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
         self.admission.observe(model_call_fields(batch, OBSERVED_FIELDS))
         kind = FailureKind(row["failure_kind"])
@@ -561,9 +596,9 @@ class Driver:
             return
         self._stopped, self._stopped_by = reason, by
         # info, not error: the CLI prints the reason once, as the run's one message about it.
+        # The loop ends at its next turn; the sessions in flight are cancelled then (``_cancel_in_flight``),
+        # once their workers have said what they did so far.
         log.info("stopping the run: %s", reason)
-        for pending in self._inflight:
-            ray.cancel(pending)
 
     def _note_death(self, index: int, submitted_at: float) -> None:
         """Record a worker's death once per burst: sessions sent before it died do not move the mark."""
@@ -571,17 +606,65 @@ class Driver:
         if died_at is None or submitted_at > died_at:
             self._worker_died_at[index] = time.monotonic()
 
-    def _lost(self, req: SessionRequest, message: str) -> pa.RecordBatch:
-        return rows_to_batch([lost_row(req, self.cfg.harness.name, self.cfg.sandbox.provider, message)])
+    def _lost(self, req: SessionRequest, message: str, known: dict[str, Any]) -> pa.RecordBatch:
+        cfg = self.cfg
+        return rows_to_batch([lost_row(req, cfg.harness.name, cfg.sandbox.provider, message, known)])
 
-    def _drain_cancelled(self) -> None:
-        """Cancelled sessions clean up their sandboxes; wait for that, bounded, and write nothing."""
+    def _cancel_in_flight(self, budget: int, progress: Progress) -> None:
+        """At a stop: the sessions that ended meanwhile are settled as usual; the rest are cancelled (their
+        sandboxes stop as they end, ``_await_cancelled``) and written at once as ``cancelled`` rows, which
+        a resume runs again, so that a stop with a short grace (``ray job stop`` kills after 3 s) keeps
+        what it knew of them."""
         if not self._inflight:
             return
-        for ref in self._inflight:
+        self.placements.refresh(self._workers, [i for i, n in enumerate(self._load) if n])
+        ready, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
+        for ref in ready:
+            try:
+                budget = self._settle(ref, budget, progress)
+            except StoreError as exc:
+                self._stop(f"output: {exc}", "store")
+        for ref, (req, _index) in list(self._inflight.items()):
             ray.cancel(ref)
-        ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=CANCEL_GRACE_S)
+            self._write_cancelled(req, self.placements.known(ref), progress)
+            self._cancelled.append(ref)
         self._inflight.clear()
+
+    def _write_cancelled(self, req: SessionRequest, known: dict[str, Any], progress: Progress) -> None:
+        """The row of a session the run's stop cancelled: retried on resume, outside the policy, the retry
+        budget and the breaker (the stop was nobody's failure)."""
+        cfg = self.cfg
+        message = f"the run was stopped: {self._stopped or 'cancelled'}"[:500]
+        row = lost_row(req, cfg.harness.name, cfg.sandbox.provider, message, known, FailureKind.CANCELLED)
+        progress.record(
+            Decision.RETRY.value,
+            FailureKind.CANCELLED.value,
+            False,
+            harness=cfg.harness.name,
+            provider=cfg.sandbox.provider,
+        )
+        try:
+            self._append_cancelled([row], flush=False)
+        except StoreError as exc:
+            self._stop(f"output: {exc}", "store")
+
+    def _append_cancelled(self, rows: list[dict[str, Any]], *, flush: bool = True) -> None:
+        """Append ``cancelled`` rows (a stop's, or those a killed driver's launches get on resume),
+        each retried on resume, decided here outside the policy: a stop is nobody's failure."""
+        if not rows:
+            return
+        verdict = Verdict(Decision.RETRY, "the run was stopped; resubmitted on resume")
+        columns = {name: values * len(rows) for name, values in decision_columns(verdict).items()}
+        self.store.append(with_decisions(rows_to_batch(rows), columns))
+        if flush:
+            self.store.flush()
+
+    def _await_cancelled(self) -> None:
+        """Wait, bounded, for the cancelled sessions to stop their sandboxes, before the workers (and
+        the cluster we started) go."""
+        if self._cancelled:
+            ray.wait(self._cancelled, num_returns=len(self._cancelled), timeout=CANCEL_GRACE_S)
+            self._cancelled.clear()
 
     def _write_config(self) -> None:
         self.run_dir.mkdir()
@@ -615,6 +698,8 @@ class Driver:
             return out
 
         exit_code = 0 if not self._stopped and pending == 0 else 1
+        if self._signal is not None:
+            exit_code = stopping.exit_code(self._signal)
         summary = RunSummary(
             run_id=self.cfg.run_id or "",
             run_dir=str(self.run_dir),

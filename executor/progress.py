@@ -61,6 +61,8 @@ class Progress:
         self.groups: dict[tuple[str, str], Counter[str]] = {}  # (harness, provider) -> decision counts
         self.in_flight = 0
         self.waiting_retry = 0
+        # What keeps the run's workers from running, when something does (executor/capacity.py).
+        self.cluster: str | None = None
         self._t0 = time.monotonic()
         self._last = float("-inf")  # the first tick always renders
         self._live: Live | None = None
@@ -117,6 +119,7 @@ class Progress:
             "in_flight": self.in_flight,
             "waiting_retry": self.waiting_retry,
             "queued": queued,
+            "cluster": self.cluster,
             "elapsed_s": round(elapsed, 1),
             "per_s": round(rate, 3),
             "eta_s": round(eta, 1) if eta is not None else None,
@@ -164,6 +167,8 @@ def render(snap: dict[str, Any]) -> Group:
         "rate",
         f"{snap['per_s']:.3f}/s   ETA {_duration(snap['eta_s'])}   elapsed {_duration(snap['elapsed_s'])}",
     )
+    if snap.get("cluster"):
+        head.add_row("cluster", Text(snap["cluster"], style="bold red"))
     mask = Text(f"{snap['mask_rate']:.1%}", style="bold red" if snap["masked"] else "")
     head.add_row("mask rate", Text.assemble(mask, f"   ({snap['masked']} of {snap['final']} final rows)"))
     head.add_row("status", _counts(Counter(snap["statuses"])))

@@ -109,6 +109,9 @@ class SessionContext:
     # Workspaces laid out once per worker and copied in; None lays each out inside its sandbox.
     workspaces: PreparedWorkspaces | None = None
     install_dir: Path | None = None  # the harness's, once a session has found it installed
+    # Each running session's row and phase marks by rollout id, as far as they are filled: what the
+    # worker tells the driver, which writes it on a row the session never returns (executor/placement.py).
+    live: dict[str, tuple[Row, dict[str, float]]] | None = None
 
     async def ensure_installed(self) -> Path:
         """The harness's install directory, installing it the first time (in a thread: it may take
@@ -135,7 +138,11 @@ class _Timer:
 async def run_session(req: SessionRequest, ctx: SessionContext) -> dict[str, Any]:
     """Run one attempt to the end and return its row's columns (decision columns left for the driver)."""
     launch_id = launch_dir(ctx.evidence_root, req.rollout_id)
-    row = await _run(req, ctx, launch_id)
+    try:
+        row = await _run(req, ctx, launch_id)
+    finally:
+        if ctx.live is not None:
+            ctx.live.pop(req.rollout_id, None)
     if ctx.evidence_store is not None:
         await ship_evidence(row, ctx.evidence_root / launch_id, ctx.evidence_store / launch_id)
     return row.to_dict()
@@ -190,6 +197,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         evidence_dir=str(ctx.evidence_store / launch_id if ctx.evidence_store else evidence_dir),
         started_at=started,
     )
+    if ctx.live is not None:
+        ctx.live[req.rollout_id] = (row, timer.marks)
     spec = SandboxSpec(
         run_id=req.run_id,
         # Unique per launch, not per attempt: a resume reruns an attempt whose driver was killed before
@@ -410,10 +419,21 @@ def _finish(row: Row, outcome: Outcome, timer: _Timer) -> Row:
     return row
 
 
-def lost_row(req: SessionRequest, harness: str, provider: str, message: str) -> dict[str, Any]:
-    """The row of an attempt whose worker or node died: nothing of its evidence came back."""
-    outcome = Outcome.of(FailureKind.SANDBOX_LOST, message)
-    return Row(
+def lost_row(
+    req: SessionRequest,
+    harness: str,
+    provider: str,
+    message: str,
+    known: dict[str, Any] | None = None,
+    kind: FailureKind = FailureKind.SANDBOX_LOST,
+) -> dict[str, Any]:
+    """The row of an attempt that never returned its own: its worker or node died (``sandbox_lost``), or
+    the run was stopped (``cancelled``). ``known``: what was known of it as row columns (placement, start
+    as epoch seconds, phase times so far; executor/placement.py); its start is else now."""
+    outcome = Outcome.of(kind, message)
+    known = dict(known or {})
+    started = known.pop("started_at", None)
+    row = Row(
         run_id=req.run_id,
         rollout_id=req.rollout_id,
         task_id=req.task.id,
@@ -424,6 +444,9 @@ def lost_row(req: SessionRequest, harness: str, provider: str, message: str) -> 
         status=outcome.status.value,
         failure_kind=outcome.failure_kind.value,
         error_message=outcome.error_message,
-        evidence_gaps=["worker_lost"],
-        started_at=datetime.now(UTC),
-    ).to_dict()
+        evidence_gaps=["worker_lost" if kind is FailureKind.SANDBOX_LOST else "run_stopped"],
+        started_at=datetime.fromtimestamp(started, UTC) if started is not None else datetime.now(UTC),
+    )
+    for name, value in known.items():
+        setattr(row, name, value)
+    return row.to_dict()

@@ -189,6 +189,14 @@ class Location:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path)
 
+    def remove_tree(self) -> None:
+        """Remove this directory and all under it; one already gone is no error."""
+        if self.local is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_dir(self.path)
+
     def read_identified(self, limit: int) -> tuple[bytes, object] | None:
         """The content and an identity of this very file (None when there is none): a file put anew
         under the same name has another identity, so ``remove_if`` never removes it."""

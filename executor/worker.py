@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import ray
 
 from executor.config import RunConfig
-from executor.reaper import new_evidence_scratch, reap_quietly
+from executor.placement import snapshot
+from executor.reaper import GATEWAY_SOCKET_PREFIX, new_evidence_scratch, reap_quietly
 from executor.schema import batch_to_wire, refuse_pandas, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, locate
@@ -61,6 +62,8 @@ class SandboxWorker:
         self._running: dict[int, int] = {}
         self._idle = asyncio.Condition()
         self._retiring: set[asyncio.Task[None]] = set()
+        # The running sessions' rows as they fill, whatever context they run in (executor/placement.py).
+        self._live: dict[str, tuple[Any, dict[str, float]]] = {}
 
     def _bind(self, config_json: str, run_dir: str) -> None:
         self._binding = (config_json, run_dir)
@@ -113,6 +116,7 @@ class SandboxWorker:
                 cache_root=default_cache_root(),
                 node_id=ray.get_runtime_context().get_node_id(),
                 worker_id=self.worker_id,
+                live=self._live,
                 **self._run_parts(),
             )
             warm_up()
@@ -198,6 +202,12 @@ class SandboxWorker:
         """The provider this worker's sessions run on; None until the first session has set it up."""
         return self._ctx.provider if self._ctx is not None else None
 
+    async def sessions(self) -> dict[str, Any]:
+        """Where this worker runs and what is known of each session running in it, for the driver to
+        write on a row a session never returns (executor/placement.py)."""
+        node_id = ray.get_runtime_context().get_node_id()
+        return {"node_id": node_id, "worker_id": self.worker_id, "sessions": snapshot(self._live)}
+
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "worker_id": self.worker_id, "ready_monotonic": self._ready_monotonic}
 
@@ -253,10 +263,13 @@ async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:
 
 def gateway_socket(cfg: RunConfig) -> str | None:
     """A Unix socket for the gateway when sandboxes run in network namespaces of their own; short,
-    since a socket path must fit in 108 bytes."""
+    since a socket path must fit in 108 bytes. One a killed worker left is removed by the next reaper on
+    this node (``executor.reaper.reap_gateway_sockets``)."""
     if not cfg.sandbox.needs_gateway_socket:
         return None
-    return os.path.join(tempfile.gettempdir(), f"rollout-gw-{os.getpid()}-{secrets.token_hex(4)}.sock")
+    return os.path.join(
+        tempfile.gettempdir(), f"{GATEWAY_SOCKET_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.sock"
+    )
 
 
 def _hide_run(provider: SandboxProvider, run_dir: Location) -> None:

@@ -678,6 +678,8 @@ class LocalSandbox:
             "memory_cgroup": self.memory_cgroup,
             "disk_fs": self._provider.disk_fs,
             "uid": self._user.uid if self._user is not None else None,
+            # Whether the directory outlives the sandbox: a reaper removes a dead owner's unless kept.
+            "keep": self._keep,
             # Live in memory only: on disk the server is the root, and every supervisor is its child.
             "supervisor_pids": sorted(self._running),
         }
@@ -1181,8 +1183,9 @@ def reap_stale(
     root: Path, run_id: str | None = None, *, now: float | None = None, grace_s: float = DEFAULT_KILL_GRACE_S
 ) -> list[str]:
     """Kill the processes of local sandboxes under ``root`` whose owner is dead or whose TTL has passed,
-    and remove their descriptors. Returns the ids reaped; idempotent. Blocking: call it in a thread from
-    async code. Sandboxes of other machines are left to their own.
+    and remove their descriptors; a dead owner's sandbox directory goes too, unless its provider kept
+    directories (``keep``). Returns the ids reaped; idempotent. Blocking: call it in a thread from async
+    code. Sandboxes of other machines are left to their own.
 
     An owner is dead when its record's lock is free (sandboxes/owner.py): a pid would not do, since the
     reaper may see another PID namespace than the owner did. Processes are found by the sandbox's marker
@@ -1219,7 +1222,12 @@ def reap_stale(
                     diskfs.unmount(str(path.parent), [str(path.parent / sub) for sub in _DISK_DIRS])
         elif desc.get("host") != host:
             continue  # another machine's
+        else:
+            owner_dead = True  # this host before its last boot: its owner died with it
         path.unlink(missing_ok=True)
+        # A live owner whose TTL passed still collects from the directory, and removes it at its stop.
+        if owner_dead and not desc.get("keep"):
+            shutil.rmtree(path.parent, ignore_errors=True)
         reaped.append(sandbox_id)
     # Directories whose deletion a worker began but did not live to finish; nothing runs in them.
     for aside in root.glob(f"{run_id or '*'}/*{_REMOVING_SUFFIX}"):

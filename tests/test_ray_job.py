@@ -266,18 +266,23 @@ def test_without_an_address_the_run_starts_its_own_ray_beside_a_running_cluster(
 def test_the_address_flag_wins_over_the_config_and_the_joined_cluster_stays_up(tmp_path, head):
     before = head.sessions()
     config = _config(tmp_path, "ray_address: local\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "executor.cli", "run", str(config), "--address", head.gcs_address],
+    proc = _rollout("run", str(config), "--address", head.gcs_address)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_table(tmp_path / "out" / "r").num_rows == 1
+    assert head.sessions() == before, "started a cluster instead of joining the one --address names"
+    assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the run stopped a cluster it joined"
+
+
+def _rollout(*args: str) -> subprocess.CompletedProcess[str]:
+    """`rollout ARGS` in a fresh process, with no RAY_ADDRESS: only what ARGS name is joined."""
+    return subprocess.run(
+        [sys.executable, "-m", "executor.cli", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_table(tmp_path / "out" / "r").num_rows == 1
-    assert head.sessions() == before, "started a cluster instead of joining the one --address names"
-    assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the run stopped a cluster it joined"
 
 
 def _submit(head: Head, job_dir: Path, submission_id: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -319,3 +324,91 @@ def test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one(tmp_pa
     assert proc.returncode == 0
     assert read_table(shared / "demo-job").column("reward").to_pylist() == [1.0]
     assert not processes_under(str(tmp_path / "sandboxes"))
+
+
+@pytest.mark.integration
+def test_ray_job_stop_is_an_orderly_stop(tmp_path, head, gate_dir):
+    """`ray job stop` sends the driver SIGTERM (and SIGKILL RAY_JOB_STOP_WAIT_TIME_S later): the
+    sessions are cancelled and written, their sandboxes stopped, the summary says stopped."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    gate = gate_dir / "gate"
+    agent = f"while [ ! -e {gate} ]; do sleep 0.1; done; touch done.txt; echo done"
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "tasks.jsonl").write_text("".join(TASK.replace("t0", f"t{i}") + "\n" for i in range(2)))
+    (job_dir / "cfg.yaml").write_text(
+        f"tasks: tasks.jsonl\nout: {tmp_path / 'shared'}\nrun_id: stopped-job\n"
+        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+        f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
+        "concurrency: {workers: 1, sessions_per_worker: 2}\n"
+    )
+    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
+    submit = subprocess.run(
+        [
+            *(
+                str(RAY),
+                "job",
+                "submit",
+                "--address",
+                head.dashboard,
+                "--submission-id",
+                "to-stop",
+                "--no-wait",
+            ),
+            *("--working-dir", str(job_dir), "--runtime-env-json", runtime_env),
+            *("--", sys.executable, "-m", "executor.cli", "run", "cfg.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert submit.returncode == 0, submit.stderr[-3000:]
+    client = JobSubmissionClient(head.dashboard)
+    sandboxes = str(tmp_path / "sandboxes")
+    deadline = time.monotonic() + 240
+    while sum("while" in p for p in processes_under(sandboxes)) < 2:
+        status = client.get_job_status("to-stop")
+        assert status == JobStatus.RUNNING or status == JobStatus.PENDING, client.get_job_logs("to-stop")[
+            -3000:
+        ]
+        assert time.monotonic() < deadline, "the job's sessions did not start"
+        time.sleep(0.2)  # waiting for a condition, bounded
+    stop = subprocess.run(
+        [str(RAY), "job", "stop", "--address", head.dashboard, "to-stop"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    assert client.get_job_status("to-stop") == JobStatus.STOPPED
+    logs = client.get_job_logs("to-stop")
+    assert "run stopped: stopped by SIGTERM" in logs and "SIGTERM received" not in logs, logs[-3000:]
+    run_dir = tmp_path / "shared" / "stopped-job"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["stopped_by"], summary["exit_code"]) == ("signal", 143)
+    rows = read_table(run_dir).to_pylist()
+    assert sorted((r["task_id"], r["failure_kind"], r["decision"]) for r in rows) == [
+        ("t0", "cancelled", "retry"),
+        ("t1", "cancelled", "retry"),
+    ]
+    assert all(r["node_id"] and r["sandbox_id"] for r in rows), rows
+    assert not processes_under(sandboxes)
+    assert head.proc.poll() is None and _dashboard_up(head.dashboard), "the stop touched the cluster"
+
+
+@pytest.mark.integration
+def test_gc_with_an_address_reaps_on_every_node_of_the_cluster(tmp_path, head):
+    from tests.test_gc import _killed_owner_sandbox
+
+    root = tmp_path / "sb"
+    _killed_owner_sandbox(root, "s1", keep=False)
+    config = tmp_path / "gc.yaml"
+    config.write_text(f"tasks: {tmp_path / 'tasks.jsonl'}\nsandbox: {{root: {root}}}\n")
+    gc = _rollout("gc", str(config), "--address", head.gcs_address)
+    assert gc.returncode == 0, gc.stderr[-3000:]
+    assert "ended local-s1" in gc.stdout and "local: 1 sandboxes ended" in gc.stdout, gc.stdout
+    assert not (root / "crashed" / "s1").exists() and not processes_under(str(root))
+    assert head.proc.poll() is None

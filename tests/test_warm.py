@@ -280,18 +280,18 @@ def test_a_run_is_handed_to_the_pre_imported_driver_and_behaves_as_in_its_own_pr
         f"tasks: {hang}\nout: {tmp_path / 'out'}\nrun_id: interrupted\n"
         f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
     )
-    assert _signalled(env, interrupted, signal.SIGINT) == 1
+    assert _signalled(env, interrupted, signal.SIGINT) == 130  # 128 + SIGINT, as a shell says it
     summary = json.loads((tmp_path / "out" / "interrupted" / "summary.json").read_text())
-    assert summary["stopped"] == "interrupted" and summary["pending"] == 1
-    assert _served(log, interrupted)[-1].endswith("exited 1")
+    assert summary["stopped"] == "stopped by SIGINT" and summary["pending"] == 1
+    assert _served(log, interrupted)[-1].endswith("exited 130")
 
     # A command killed outright: its driver is interrupted as by a Ctrl-C, and stops as cleanly.
     (tmp_path / "out" / "interrupted" / "summary.json").unlink()
     assert _signalled(env, interrupted, signal.SIGKILL) == -signal.SIGKILL
-    assert _waited(lambda: _served(log, interrupted)[-1].endswith("exited 1"), 120), log.read_text()[-2000:]
+    assert _waited(lambda: _served(log, interrupted)[-1].endswith("exited 130"), 120), log.read_text()[-2000:]
     assert "went; interrupted it" in _served(log, interrupted)[-2]
     summary = json.loads((tmp_path / "out" / "interrupted" / "summary.json").read_text())
-    assert summary["stopped"] == "interrupted" and summary["pending"] == 1
+    assert summary["stopped"] == "stopped by SIGINT" and summary["pending"] == 1
 
     # Source edited since the server's imports: refused, the run made in its own process, and a fresh
     # server (the executor starts one) serves the next.
