@@ -46,6 +46,7 @@ from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
+from sandboxes.runtime import RT_IN, Runtime, RuntimeUnavailable, host_runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class ContainerSandboxConfig(ProviderConfig):
     provider: Literal["container"] = "container"
     engine: Literal["podman", "docker"] = "podman"
     image: str | None = None  # the run's default image; a task's own image or build wins
-    python: str = "python3"  # in the image, >= 3.11: runs the agent and the supervisor
+    # The python that runs the agent and the supervisor: None (the default) carries the worker's own in,
+    # with its loader and libraries (sandboxes/runtime.py), so the image needs none; a name or path is
+    # the image's own (>= 3.11).
+    python: str | None = None
     # The OCI runtime (podman --runtime): "runc" where crun refuses (cgroups in hybrid mode).
     runtime: str | None = None
     # Passed to run as --ulimit each: where raising limits is not allowed (no CAP_SYS_RESOURCE), the
@@ -191,11 +195,21 @@ class ContainerSandbox(RemoteSandbox):
 
     shares_host_userland = False  # harnesses run their own binaries, not the worker's node or python
 
-    def __init__(self, *, workdir: str | None, image: str, runs: set[tuple[str, str]], **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        workdir: str | None,
+        image: str,
+        runs: set[tuple[str, str]],
+        python_argv: list[str],
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         if workdir:
             self.workdir = workdir
         self.image = image
+        # A python >= 3.11 in this container for our own helper scripts, whatever the image holds.
+        self.python_argv = python_argv
         self._runs = runs  # (image, program) pairs seen to run, shared by the provider's sandboxes
 
     async def check_runs(self, program: str, what: str) -> None:
@@ -249,7 +263,13 @@ class ContainerSandboxProvider:
         return [arg for path in paths for arg in ("-v", f"{path}:{path}:ro")]
 
     def _run_argv(
-        self, spec: SandboxSpec, image: ImageInfo, name: str, session_dir: Path, owner_name: str
+        self,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        name: str,
+        session_dir: Path,
+        owner_name: str,
+        runtime: Runtime | None,
     ) -> list[str]:
         cfg = self.cfg
         ttl_deadline = time.time() + spec.ttl_s
@@ -279,7 +299,13 @@ class ContainerSandboxProvider:
         for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
             argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
         argv += self._harness_mounts()
-        argv += [*cfg.run_args, "--entrypoint", cfg.python, image.ref]
+        if runtime is not None:
+            argv += runtime.mount_args()
+            python, *python_args = runtime.argv
+            python_args += ["-E", "-s", "-S"]  # nothing of the image's environment or site steers it
+        else:
+            python, python_args = cfg.python, []
+        argv += [*cfg.run_args, "--entrypoint", python, image.ref, *python_args]
         argv += [
             f"{CODE_DIR}/{ENTRY_PATH.name}",
             "--forward", f"{self.port}:{GATEWAY_SOCKET_IN}",
@@ -290,6 +316,8 @@ class ContainerSandboxProvider:
             "--rendezvous", f"{ROOT_IN}/control/ready.json",
             "--ttl-s", f"{spec.ttl_s:.0f}",
         ]  # fmt: skip
+        if runtime is not None and runtime.argv[0] != f"{RT_IN}/bin/python3":
+            argv += ["--loader", runtime.argv[0], "--library-path", runtime.argv[2]]
         return argv
 
     def _prepare(self, session_dir: Path) -> str:
@@ -306,6 +334,12 @@ class ContainerSandboxProvider:
         check_session_names(spec)
         default = None if spec.build_context else self.cfg.image
         image = await self.images.resolve(spec.image or default, spec.build_context)
+        runtime = None
+        if self.cfg.python is None:
+            try:
+                runtime = await asyncio.to_thread(host_runtime, self.cache_root)
+            except (RuntimeUnavailable, OSError) as exc:
+                raise SandboxStartError(f"cannot carry the worker's python into a container: {exc}") from exc
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             owner_name = await asyncio.to_thread(hold, self.root)
@@ -315,7 +349,7 @@ class ContainerSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         name = f"rollout-{uuid.uuid4().hex[:16]}"
-        argv = self._run_argv(spec, image, name, session_dir, owner_name)
+        argv = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
 
         async def build() -> ContainerSandbox:
@@ -329,6 +363,7 @@ class ContainerSandboxProvider:
                 workdir=image.workdir if image.workdir not in ("", "/") else None,
                 image=image.ref,
                 runs=self._runs,
+                python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
                 sandbox_id=name,
                 provider_name=self.name,
                 # The engine's cgroup enforces the memory limit; an address-space one too would break
@@ -350,8 +385,9 @@ class ContainerSandboxProvider:
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)
-        if ("executable file" in said and self.cfg.python in said) or "no such file" in said.lower():
-            return f"image {image!r} cannot host the sandbox: no {self.cfg.python} (>= 3.11) in it ({said})"
+        python = self.cfg.python
+        if python and (("executable file" in said and python in said) or "no such file" in said.lower()):
+            return f"image {image!r} cannot host the sandbox: no {python} (>= 3.11) in it ({said})"
         return f"{self.engine} run of image {image!r} failed: {said}"
 
     async def _wait_ready(self, name: str, control: Path) -> None:

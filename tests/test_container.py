@@ -238,11 +238,8 @@ async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, 
     assert not exists(mine)
 
 
-async def test_missing_image_and_image_without_python(tmp_path, provider):
-    with pytest.raises(SandboxStartError) as missing:
-        await provider.start(spec(image="localhost/rollout-no-such-image:1"))
-    assert "localhost/rollout-no-such-image:1" in str(missing.value) and "\n" not in str(missing.value)
-
+def _empty_image(tmp_path: Path) -> str:
+    """An image of one empty directory: no shell, no C library, no loader."""
     empty = tmp_path / "empty.tar"
     with tarfile.open(empty, "w") as tar:
         info = tarfile.TarInfo("etc")
@@ -253,10 +250,43 @@ async def test_missing_image_and_image_without_python(tmp_path, provider):
         subprocess.run(
             ["podman", "import", "-q", str(empty), tag], capture_output=True, timeout=60, check=True
         )
+    return tag
+
+
+async def test_missing_image_and_the_image_python_option(tmp_path, provider, gateway_socket):
+    with pytest.raises(SandboxStartError) as missing:
+        await provider.start(spec(image="localhost/rollout-no-such-image:1"))
+    assert "localhost/rollout-no-such-image:1" in str(missing.value) and "\n" not in str(missing.value)
+
+    # Asked to use the image's own python, an image without one fails at start in one line.
+    tag = _empty_image(tmp_path)
+    own = config(tmp_path, tag, python="python3").build(tmp_path / "root", (4999, gateway_socket))
     with pytest.raises(SandboxStartError) as nopython:
-        await provider.start(spec(image=tag))
+        await own.start(spec(image=tag))
     assert f"image {tag!r} cannot host the sandbox: no python3" in str(nopython.value)
     assert not [c for c, labels in list_containers("podman", "ctr-test")]
+
+
+@pytest.mark.parametrize("which", ["bare", "busybox", "empty"])
+async def test_images_without_python_host_the_agent(tmp_path, provider, test_images, which):
+    """The worker's python, its loader and libraries carried in: the agent runs in a Debian minbase
+    without python3, in a static busybox alone, and in an image of one empty directory."""
+    image = _empty_image(tmp_path) if which == "empty" else getattr(test_images, which)
+    sb = await provider.start(spec(image=image))
+    try:
+        assert (await sb.exec(["python3", "-V"], timeout=30)).exit_code == 127  # the image has none
+        res = await sb.exec([*sb.python_argv, "-c", "import sys; print(sys.version_info[:2])"], timeout=30)
+        assert res.exit_code == 0 and res.stdout_tail.strip() == str(sys.version_info[:2]), res.stderr_tail
+        await sb.write_file("a/b.txt", b"xyz")
+        assert await sb.read_file(f"{sb.workdir}/a/b.txt", 10) == b"xyz"
+        if which != "empty":
+            # A command's environment holds nothing of the carried runtime: its own libraries win.
+            res = await sb.exec(["sh", "-c", "cat a/b.txt; echo; env | grep -c LD_ || true"], timeout=30)
+            assert res.stdout_tail.split() == ["xyz", "0"], res.stderr_tail
+            res = await sb.exec(["sh", "-c", "sleep 300 & sleep 300"], timeout=1)
+            assert res.timed_out
+    finally:
+        await sb.stop()
 
 
 async def test_dockerfile_built_once_for_concurrent_starts(tmp_path, provider, test_images):
