@@ -214,10 +214,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         session_id=launch_id,
         ttl_s=cfg.limits.setup_timeout_s + wall + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
-        image=req.task.image,
-        build_context=req.task.build,
-        cpus=req.task.cpus,
-        memory_limit_mb=req.task.memory_mb,
+        **req.task.sandbox_request(),
     )
     sandbox: Sandbox | None = None
     gw: GatewaySession | None = None
@@ -225,12 +222,17 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
     try:
         if req.task.invalid is not None:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, req.task.invalid), timer)
+            return _finish(row, Outcome.of(FailureKind.TASK_INVALID, req.task.invalid), timer)
         try:
             sandbox = await ctx.provider.start(spec)
         except Exception as exc:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, _err(exc)), timer)
+            kind = (
+                FailureKind.TASK_INVALID
+                if getattr(exc, "task_fault", False)
+                else FailureKind.SANDBOX_START_FAILED
+            )
+            return _finish(row, Outcome.of(kind, _err(exc)), timer)
         row.sandbox_id = sandbox.id
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
         row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
@@ -261,9 +263,10 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
 
         try:
             # The harness's config goes to HOME while the workspace is laid out: neither reads the other.
-            _, launch = await _gather_or_cancel(
-                lay_out(sandbox, req.task.workspace, ctx.workspaces), install_and_prepare(gw)
-            )
+            steps = [lay_out(sandbox, req.task.workspace, ctx.workspaces), install_and_prepare(gw)]
+            if harbor.is_harbor(req.task):
+                steps.append(harbor.prepare_agent(sandbox))
+            _, launch, *_ = await _gather_or_cancel(*steps)
         except (InstallError, Exception) as exc:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, _err(exc)), timer)
@@ -288,9 +291,12 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:
             if cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None:
-                outcome = await _diff_and_grade(sandbox, req.task, outcome, row)
+                task = harbor.with_reward_key(req.task, cfg.reward_key)
+                outcome = await _diff_and_grade(sandbox, task, outcome, row)
             else:
                 await _record_diff(row, workspace_diff(sandbox))
+            if harbor.is_harbor(req.task) and (gap := await harbor.keep_logs(sandbox, evidence_dir)):
+                row.evidence_gaps.append(gap)
             await evidence
         finally:
             evidence.cancel()  # only when the grading raised, or the session was cancelled
@@ -435,12 +441,15 @@ async def _verify_harbor(
     exit code."""
     if (why := await harbor.prepare_verifier(sandbox, verify)) is not None:
         return None, (FailureKind.VERIFIER_ERROR, why)
-    res = await sandbox.exec(["bash", "-c", verify.command], timeout=verify.timeout_s, name="verify")
+    argv = ["bash", "-c", verify.command]
+    res = await sandbox.exec(argv, timeout=verify.timeout_s, env=verify.env, name="verify")
     row.verifier_exit_code = res.exit_code
+    row.verifier_stdout_tail, row.verifier_stderr_tail = res.stdout_tail, res.stderr_tail
     if res.timed_out or res.exit_code is None:
         cannot = _cannot_grade(res, verify) or "verifier did not finish"
         return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
-    return await harbor.read_reward(sandbox)
+    reward, row.rewards, failure = await harbor.read_reward(sandbox, verify.reward_key)
+    return reward, failure
 
 
 def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:

@@ -45,6 +45,7 @@ class FailureKind(StrEnum):
     AGENT_NO_RESULT = "agent_no_result"
     AGENT_NO_MODEL_CALL = "agent_no_model_call"
     SETUP_FAILED = "setup_failed"
+    TASK_INVALID = "task_invalid"
     SANDBOX_START_FAILED = "sandbox_start_failed"
     SANDBOX_LOST = "sandbox_lost"
     VERIFIER_ERROR = "verifier_error"
@@ -103,6 +104,12 @@ KIND_INFO: dict[FailureKind, KindInfo] = {
         Status.FAILED, True, "the harness exited without a single model request: a launch problem"
     ),
     FailureKind.SETUP_FAILED: KindInfo(Status.FAILED, True, "workspace setup or harness install failed"),
+    FailureKind.TASK_INVALID: KindInfo(
+        Status.FAILED,
+        True,
+        "the task itself cannot run or be graded, the same for every attempt: a file missing or a field "
+        "refused, its image's build failed, its tests wrote no reward",
+    ),
     FailureKind.SANDBOX_START_FAILED: KindInfo(Status.FAILED, True, "the sandbox never became ready"),
     FailureKind.SANDBOX_LOST: KindInfo(
         Status.FAILED, True, "the sandbox, its worker or its node died mid-session"

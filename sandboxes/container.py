@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -41,7 +43,13 @@ from pydantic import Field
 
 from harnesses.install import default_cache_root
 from sandboxes import netns
-from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
+from sandboxes.base import (
+    SandboxError,
+    SandboxSpec,
+    SandboxStartError,
+    TaskEnvironmentError,
+    check_session_names,
+)
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
@@ -82,7 +90,10 @@ class ContainerSandboxConfig(ProviderConfig):
     cpus: float | None = Field(default=None, gt=0)  # per container, unless the task sets its own
     memory_mb: int | None = Field(default=None, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
-    build_timeout_s: float = Field(default=1800.0, gt=0)
+    build_timeout_s: float = Field(default=1800.0, gt=0)  # a task's own bound wins
+    # A task's storage_mb as --storage-opt size=: only overlay on xfs with pquota can enforce it, so off
+    # by default (a task's quota is then not enforced, and the worker says so once).
+    storage_limits: bool = False
 
     @property
     def needs_gateway_socket(self) -> bool:
@@ -282,12 +293,15 @@ class ContainerSandboxProvider:
             "rollout.root": str(self.root),
             "rollout.dir": str(session_dir),
         }
-        argv = ["run", "-d", "--name", name, "--network", "none", "--pull", "never"]
+        # No network but the loopback (where the gateway is relayed), unless the task allows the internet:
+        # then the engine's default network too. The gateway is reached the same way in both.
+        network = "bridge" if spec.allow_internet else "none"
+        argv = ["run", "-d", "--name", name, "--network", network, "--pull", "never"]
         if cfg.runtime and cfg.engine == "podman":
             argv += ["--runtime", cfg.runtime]
         for key, value in labels.items():
             argv += ["--label", f"{key}={value}"]
-        for ulimit in cfg.ulimits:
+        for ulimit in cfg.ulimits or _host_ulimits():
             argv += ["--ulimit", ulimit]
         cpus = spec.cpus or cfg.cpus
         memory = spec.memory_limit_mb or cfg.memory_mb
@@ -295,6 +309,12 @@ class ContainerSandboxProvider:
             argv += ["--cpus", f"{cpus:g}"]
         if memory:
             argv += ["--memory", f"{memory}m"]
+        if spec.storage_mb and cfg.storage_limits:
+            argv += ["--storage-opt", f"size={spec.storage_mb}m"]
+        if spec.gpus:
+            argv += ["--device", "nvidia.com/gpu=all"]  # CDI: the host's NVIDIA toolkit names them
+        if spec.workdir:
+            argv += ["--workdir", spec.workdir]  # made by the engine when the image lacks it
         argv += ["-v", f"{session_dir}:{ROOT_IN}", "-v", f"{self.gateway_socket}:{GATEWAY_SOCKET_IN}"]
         for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
             argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
@@ -316,6 +336,8 @@ class ContainerSandboxProvider:
             "--rendezvous", f"{ROOT_IN}/control/ready.json",
             "--ttl-s", f"{spec.ttl_s:.0f}",
         ]  # fmt: skip
+        if spec.user and spec.user not in ("root", "0"):
+            argv += ["--run-as", spec.user]  # the image's user: the agent, as root, runs commands as it
         if runtime is not None and runtime.argv[0] != f"{RT_IN}/bin/python3":
             argv += ["--loader", runtime.argv[0], "--library-path", runtime.argv[2]]
         return argv
@@ -333,7 +355,14 @@ class ContainerSandboxProvider:
     async def start(self, spec: SandboxSpec) -> ContainerSandbox:
         check_session_names(spec)
         default = None if spec.build_context else self.cfg.image
-        image = await self.images.resolve(spec.image or default, spec.build_context)
+        if spec.gpus and not _host_gpus():
+            raise TaskEnvironmentError(
+                f"the task asks for {spec.gpus} GPU(s) ([environment] gpus); "
+                "this host has none (no /dev/nvidia0)"
+            )
+        if spec.storage_mb and not self.cfg.storage_limits:
+            _storage_unenforced(spec.storage_mb)
+        image = await self.images.resolve(spec.image or default, spec.build_context, spec.build_timeout_s)
         runtime = None
         if self.cfg.python is None:
             try:
@@ -359,8 +388,9 @@ class ContainerSandboxProvider:
             if proc.returncode != 0:
                 raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
             await self._wait_ready(name, session_dir / "control")
+            workdir = spec.workdir or image.workdir
             return ContainerSandbox(
-                workdir=image.workdir if image.workdir not in ("", "/") else None,
+                workdir=workdir if workdir not in ("", "/") else None,
                 image=image.ref,
                 runs=self._runs,
                 python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
@@ -424,6 +454,32 @@ class ContainerSandboxProvider:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
             raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+
+
+def _host_ulimits() -> list[str]:
+    """The worker's own open-files and processes limits, for an engine told none: as root, podman asks for
+    more than the host's hard limits and runc cannot raise them without CAP_SYS_RESOURCE (every start
+    fails with an "rlimit" error); at the worker's own limits it always can."""
+    out = []
+    for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+        soft, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            soft = hard if soft == resource.RLIM_INFINITY else soft
+            out.append(f"{name}={soft}:{hard}")
+    return out
+
+
+def _host_gpus() -> bool:
+    return Path("/dev/nvidia0").exists()
+
+
+@functools.cache
+def _storage_unenforced(storage_mb: int) -> None:
+    log.warning(
+        "container: a task's storage_mb (%d) is not enforced; sandbox.storage_limits: true passes it as "
+        "--storage-opt size= (needs overlay on xfs with pquota)",
+        storage_mb,
+    )
 
 
 def _venv_interpreters(venvs: Path) -> list[Path]:
