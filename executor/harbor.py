@@ -50,10 +50,16 @@ for entry in os.listdir("/proc"):
         except OSError:
             pass
 for path in sys.argv[1:]:
-    if os.path.lexists(path) and not os.path.isdir(path) or os.path.islink(path):
+    if os.path.islink(path) or os.path.lexists(path) and not os.path.isdir(path):
         os.unlink(path)
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
+    os.makedirs(path, exist_ok=True)
+    # Emptied, not replaced: a command user may own the directory and not its parent.
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.unlink(full)
 """
 
 
@@ -292,16 +298,18 @@ with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
 
 
 async def prepare_agent(sandbox: Sandbox) -> None:
-    """/logs/agent, /logs/verifier and /logs/artifacts, empty and the command user's, before the agent
-    starts: Harbor's agents and solutions write there."""
+    """/logs/agent, /logs/verifier and /logs/artifacts, empty and the command user's (the agent gives
+    what it unpacks to the user), before the agent starts: Harbor's agents and solutions write there."""
     copy_in = getattr(sandbox, "copy_in", None)
     if copy_in is None:
         raise SandboxError(f"sandbox {sandbox.id} cannot lay out Harbor's /logs")
     with tempfile.TemporaryDirectory(prefix="rollout-harbor-logs-") as tmp:
         for name in LOG_DIRS:
             Path(tmp, name).mkdir()
-            Path(tmp, name).chmod(0o777)
         await copy_in(Path(tmp), "/logs")
+        # Empty, and emptied again before the tests come in: made now, while the agent (root) can, for a
+        # verifier that runs as the command user.
+        await copy_in(Path(tmp, "agent"), TESTS_IN)
 
 
 async def keep_logs(sandbox: Sandbox, evidence_dir: Path) -> str | None:
