@@ -103,7 +103,6 @@ def test_harbor_tasks_as_they_are(tmp_path):
             "rules": {
                 "agent_crash": QUICK,
                 "sandbox_start_failed": QUICK,
-                "setup_failed": {"retry": False},
                 # The agent here is a shell line: no model call is its normal way.
                 "agent_no_model_call": {"retry": False, "grade": True, "final": "accept"},
             },
@@ -140,8 +139,11 @@ def test_harbor_tasks_as_they_are(tmp_path):
             assert "\n" not in r["error_message"]
         assert by_task[task][-1]["decision"] == "mask"
 
-    one_line("missing-tests", "setup_failed", "Harbor task missing-tests: missing tests/test.sh")
-    one_line("broken-dockerfile", "sandbox_start_failed", f"build of {tasks / 'broken-dockerfile'}")
+    one_line("missing-tests", "task_invalid", "Harbor task missing-tests: missing tests/test.sh")
+    one_line("broken-dockerfile", "task_invalid", f"build of {tasks / 'broken-dockerfile'}")
+    # The task's own failures, the same every time: one attempt per sample, never retried.
+    for task in ("missing-tests", "broken-dockerfile"):
+        assert sorted((r["sample_index"], r["attempt"]) for r in by_task[task]) == [(i, 1) for i in range(4)]
     one_line("missing-image", "sandbox_start_failed", "image 'localhost/rollout-no-such-image:1'")
     assert list_containers("podman", "harbor") == []
 
