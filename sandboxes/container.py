@@ -255,6 +255,8 @@ class ContainerSandboxProvider:
         self.cache_root = default_cache_root().resolve()
         runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
         self._runs: set[tuple[str, str]] = set()
+        # The --ulimit sets to try when the config names none, the first one known to work or untried.
+        self._ulimits = _ulimit_choices()
         self.images = Images(
             config.engine,
             self.cache_root / "images",
@@ -301,7 +303,7 @@ class ContainerSandboxProvider:
             argv += ["--runtime", cfg.runtime]
         for key, value in labels.items():
             argv += ["--label", f"{key}={value}"]
-        for ulimit in cfg.ulimits or _host_ulimits():
+        for ulimit in cfg.ulimits or self._ulimits[0]:
             argv += ["--ulimit", ulimit]
         cpus = spec.cpus or cfg.cpus
         memory = spec.memory_limit_mb or cfg.memory_mb
@@ -384,7 +386,22 @@ class ContainerSandboxProvider:
         async def build() -> ContainerSandbox:
             from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
 
+            tried = self._ulimits[0]
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+            # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
+            # every later one (the error names no limit an operator could act on).
+            while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
+                if len(self._ulimits) == 1:
+                    break
+                log.info(
+                    "container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0]
+                )
+                await asyncio.to_thread(remove, self.engine, name)
+                if self._ulimits[0] is tried:  # a concurrent start may have moved on already
+                    self._ulimits.pop(0)
+                tried = self._ulimits[0]
+                argv[:] = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
+                proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
             if proc.returncode != 0:
                 raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
             await self._wait_ready(name, session_dir / "control")
@@ -418,6 +435,15 @@ class ContainerSandboxProvider:
         python = self.cfg.python
         if python and (("executable file" in said and python in said) or "no such file" in said.lower()):
             return f"image {image!r} cannot host the sandbox: no {python} (>= 3.11) in it ({said})"
+        if "rlimit" in said.lower():
+            return (
+                f"{self.engine} cannot apply its resource limits here: set sandbox.ulimits at or under this "
+                f"host's hard limits (ulimit -Hn, -Hu), e.g. [nofile=1024:1024, nproc=1024:1024] ({said})"
+            )
+        if "hybrid mode" in said:
+            return (
+                f"{self.engine}'s OCI runtime refuses this host's cgroups: set sandbox.runtime: runc ({said})"
+            )
         return f"{self.engine} run of image {image!r} failed: {said}"
 
     async def _wait_ready(self, name: str, control: Path) -> None:
@@ -456,17 +482,26 @@ class ContainerSandboxProvider:
             raise SandboxError(f"container {name} still there after {self.engine} rm -f")
 
 
-def _host_ulimits() -> list[str]:
-    """The worker's own open-files and processes limits, for an engine told none: as root, podman asks for
-    more than the host's hard limits and runc cannot raise them without CAP_SYS_RESOURCE (every start
-    fails with an "rlimit" error); at the worker's own limits it always can."""
-    out = []
-    for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
-        soft, hard = resource.getrlimit(which)
-        if hard != resource.RLIM_INFINITY:
-            soft = hard if soft == resource.RLIM_INFINITY else soft
-            out.append(f"{name}={soft}:{hard}")
-    return out
+def _ulimit_choices() -> list[list[str]]:
+    """Open-files and processes limits for an engine told none, highest first: as root, podman asks for
+    more than this host allows and runc cannot raise them without CAP_SYS_RESOURCE (every start fails
+    with an "rlimit" error). The worker's own limits, then those capped at 65536 / 32768, then 1024
+    each; the provider keeps the first that starts a container."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    infinite = resource.RLIM_INFINITY
+    choices = []
+    for cap_files, cap_procs in ((None, None), (65_536, 32_768), (1024, 1024)):
+        files = nofile if cap_files is None or (nofile != infinite and nofile < cap_files) else cap_files
+        procs = nproc if cap_procs is None or (nproc != infinite and nproc < cap_procs) else cap_procs
+        limits = [
+            f"nofile={files}:{files}" if files != infinite else "",
+            f"nproc={procs}:{procs}" if procs != infinite else "",
+        ]
+        choice = [limit for limit in limits if limit]
+        if choice not in choices:
+            choices.append(choice)
+    return choices
 
 
 def _host_gpus() -> bool:

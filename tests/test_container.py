@@ -353,3 +353,25 @@ async def test_an_image_that_cannot_host_the_harness_fails_in_one_line(
         await sb.check_runs(node, "the pi harness")  # the base image has it
     finally:
         await sb.stop()
+
+
+async def test_engine_limits_picked_or_named_in_one_line(tmp_path, test_images, gateway_socket):
+    """No ulimits configured: the provider finds limits the engine can apply (as root here, podman's own
+    ask more than runc may set). Ones it cannot apply: one line naming the setting and the fix."""
+    picked = ContainerSandboxConfig(image=test_images.busybox, root=str(tmp_path / "root"), runtime="runc")
+    sb = await picked.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    try:
+        assert (await sb.exec(["sh", "-c", "ulimit -n"], timeout=30)).exit_code == 0
+    finally:
+        await sb.stop()
+    too_high = ContainerSandboxConfig(
+        image=test_images.busybox,
+        root=str(tmp_path / "root"),
+        runtime="runc",
+        ulimits=["nproc=4000000:4000000"],
+    )
+    with pytest.raises(SandboxStartError) as failed:
+        await too_high.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    message = str(failed.value)
+    assert message.startswith("podman cannot apply its resource limits here: set sandbox.ulimits")
+    assert "\n" not in message
