@@ -677,7 +677,14 @@ def down() -> None:
 def model_serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8700,
-    script: Annotated[Path | None, typer.Option(help="JSON list of steps played to every session.")] = None,
+    script: Annotated[
+        Path | None,
+        typer.Option(
+            help="JSON list of steps, played from its start to each session: a /s/<key>/v1 base URL or an "
+            "x-rollout-session header names one; requests with neither (a run's gateway sends neither) "
+            "share one session, and so one position in the script."
+        ),
+    ] = None,
 ) -> None:
     """Serve the scripted OpenAI-compatible model (Chat Completions and Responses)."""
     from harnesses.testing.scripted_model import serve

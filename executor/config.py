@@ -140,6 +140,8 @@ class RunConfig(BaseModel):
     tasks: str
     out: str = "runs"
     samples: int = Field(default=1, ge=1, le=10_000)
+    # Which metric of a Harbor task's reward.json is the row's reward (all go to the rewards column).
+    reward_key: str = Field(default="reward", min_length=1, max_length=200)
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sandbox: SandboxConfig = Field(default_factory=LocalSandboxConfig)

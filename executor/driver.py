@@ -697,7 +697,12 @@ class Driver:
                 out[cols[name][i]] = out.get(cols[name][i], 0) + 1
             return out
 
-        exit_code = 0 if not self._stopped and pending == 0 else 1
+        stopped = self._stopped
+        kinds = count("failure_kind")
+        if finals and set(kinds) == {FailureKind.SANDBOX_START_FAILED.value} and stopped is None:
+            # Nothing ran at all: a configuration the engine cannot start (see the rows' one line).
+            stopped = "no sandbox ever started: every final row is sandbox_start_failed"
+        exit_code = 0 if not stopped and pending == 0 else 1
         if self._signal is not None:
             exit_code = stopping.exit_code(self._signal)
         summary = RunSummary(
@@ -708,8 +713,8 @@ class Driver:
             pending=pending,
             by_decision=count("decision"),
             by_status=count("status"),
-            by_failure_kind=count("failure_kind"),
-            stopped=self._stopped,
+            by_failure_kind=kinds,
+            stopped=stopped,
             exit_code=exit_code,
             stopped_by=self._stopped_by,
             masked=sum(cols["decision"][i] == Decision.MASK.value for i in finals),

@@ -71,11 +71,14 @@ async def review(
     *,
     grade: bool,
     workspaces: PreparedWorkspaces | None,
+    evidence_dir: Path,
 ) -> Outcome:
     """The diff of the agent's final workspace, and with ``grade`` its reward, both taken in a fresh
     sandbox; the outcome, changed only where grading could not be done. A failure of the grading
     sandbox's own is the infrastructure's (verifier_error, retried then masked), never a 0."""
-    spec = spec.model_copy(update={"session_id": spec.session_id + REVIEW_SUFFIX})
+    # A Harbor task's tests run as its [verifier] user (root unless it says), not as its agent's.
+    user = task.verify.user if task.verify is not None else None
+    spec = spec.model_copy(update={"session_id": spec.session_id + REVIEW_SUFFIX, "user": user})
     try:
         checker = await provider.start(spec)
     except Exception as exc:
@@ -93,8 +96,11 @@ async def review(
                 row, outcome, grade, f"the workspace could not be carried over: {describe(exc)}"
             )
         if grade and task.verify is not None:
-            return await _diff_and_grade(checker, task.verify, outcome, row)
-        await record_diff(row, workspace_diff(checker))
+            outcome = await _diff_and_grade(checker, task.verify, outcome, row)
+        else:
+            await record_diff(row, workspace_diff(checker))
+        if harbor.is_harbor(task) and (gap := await harbor.keep_logs(checker, evidence_dir)):
+            row.evidence_gaps.append(gap)
         return outcome
     finally:
         ok = await stop_sandbox(checker)
@@ -111,11 +117,19 @@ def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
 async def _take_over(
     agent: Sandbox, checker: Sandbox, task: Task, row: Row, workspaces: PreparedWorkspaces | None
 ) -> None:
-    """The task's workspace laid out in ``checker`` with its baseline, then replaced by the agent's."""
+    """The task's workspace laid out in ``checker`` with its baseline, then replaced by the agent's; a
+    Harbor task's /logs/agent and /logs/artifacts too, which its tests may read as the agent left them."""
     await lay_out(checker, task.workspace, workspaces)
     carried = await asyncio.wait_for(carry_workspace(agent, checker), CARRY_TIMEOUT_S)
     if (gap := carried.gap()) is not None:
         row.evidence_gaps.append(gap)
+    if harbor.is_harbor(task):
+        await harbor.prepare_agent(checker)
+        for name in harbor.AGENT_LOG_DIRS:
+            logs = f"/logs/{name}"
+            carried = await asyncio.wait_for(_carry_by_tar(agent, checker, logs, logs), CARRY_TIMEOUT_S)
+            if (gap := carried.gap()) is not None:
+                row.evidence_gaps.append(gap)
 
 
 async def carry_workspace(src: Sandbox, dst: Sandbox) -> Carried:
@@ -124,7 +138,7 @@ async def carry_workspace(src: Sandbox, dst: Sandbox) -> Carried:
     and unpacked in ``dst`` by their own users, so neither side's files are handled as root."""
     if isinstance(src, LocalSandbox) and isinstance(dst, LocalSandbox):
         return await asyncio.to_thread(_carry_locally, src, dst)
-    return await _carry_by_tar(src, dst)
+    return await _carry_by_tar(src, dst, src.workdir, dst.workdir)
 
 
 def _carry_locally(src: LocalSandbox, dst: LocalSandbox) -> Carried:
@@ -143,10 +157,10 @@ _TAR_IN = (
 )
 
 
-async def _carry_by_tar(src: Sandbox, dst: Sandbox) -> Carried:
+async def _carry_by_tar(src: Sandbox, dst: Sandbox, src_dir: str, dst_dir: str) -> Carried:
     done = Carried()
     made = await src.exec(
-        ["sh", "-c", _TAR_OUT.format(tag=secrets.token_hex(6)), "sh", src.workdir],
+        ["sh", "-c", _TAR_OUT.format(tag=secrets.token_hex(6)), "sh", src_dir],
         timeout=CARRY_TIMEOUT_S,
         name="carry-out",
     )
@@ -162,7 +176,7 @@ async def _carry_by_tar(src: Sandbox, dst: Sandbox) -> Carried:
     inbox = f"{dst.home.rstrip('/')}/.carry-{secrets.token_hex(6)}.tar"
     await dst.write_file(inbox, data, 0o600)
     unpacked = await dst.exec(
-        ["sh", "-c", _TAR_IN, "sh", dst.workdir, inbox], timeout=CARRY_TIMEOUT_S, name="carry-in"
+        ["sh", "-c", _TAR_IN, "sh", dst_dir, inbox], timeout=CARRY_TIMEOUT_S, name="carry-in"
     )
     if unpacked.exit_code != 0:
         done.skip("(tar)", f"unpacked with errors: {unpacked.stderr_tail[-300:]}")
@@ -250,12 +264,15 @@ async def _verify_harbor(
     exit code."""
     if (why := await harbor.prepare_verifier(sandbox, verify)) is not None:
         return None, (FailureKind.VERIFIER_ERROR, why)
-    res = await sandbox.exec(["bash", "-c", verify.command], timeout=verify.timeout_s, name="verify")
+    argv = ["bash", "-c", verify.command]
+    res = await sandbox.exec(argv, timeout=verify.timeout_s, env=verify.env, name="verify")
     row.verifier_exit_code = res.exit_code
+    row.verifier_stdout_tail, row.verifier_stderr_tail = res.stdout_tail, res.stderr_tail
     if res.timed_out or res.exit_code is None:
         cannot = _cannot_grade(res, verify) or "verifier did not finish"
         return None, (FailureKind.VERIFIER_TIMEOUT if res.timed_out else FailureKind.VERIFIER_ERROR, cannot)
-    return await harbor.read_reward(sandbox)
+    reward, row.rewards, failure = await harbor.read_reward(sandbox, verify.reward_key)
+    return reward, failure
 
 
 def _cannot_grade(res: ExecResult, verify: Verifier) -> str | None:

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 # 2: token ids and logprobs in the model calls; 3: verifier_runs, t_model_wait_s; 4: model_attempts
 # renamed model_calls (the export's name) and the columns ordered as the export lists them; 5:
-# sandbox_isolation; 6: review_sandbox_id. An older part file reads as this version (schema.upgrade).
+# sandbox_isolation; 6: review_sandbox_id, rewards, verifier_stdout_tail, verifier_stderr_tail. An
+# older part file reads as this version (schema.upgrade).
 SCHEMA_VERSION = "6"
 
 # Who reads a column besides the dataset itself: the training export (``train``: always, ``all``: only
@@ -208,11 +209,23 @@ class Row:
     stderr_tail: str | None = col("large_string", "the end of the harness's stderr")
     # grading
     reward: float | None = col(
-        "double", "the verifier's reward in [0, 1]; null when ungraded or masked", "train", "status", "report"
+        "double",
+        "the verifier's reward: in [0, 1] for a command's, a Harbor task's main metric as its tests gave it; "
+        "null when ungraded or masked",
+        "train",
+        "status",
+        "report",
+    )
+    rewards: dict[str, float] | None = col(
+        "map<string, double>",
+        "every metric the verifier reported (a Harbor reward.json's, or reward.txt's as 'reward')",
+        "train",
     )
     verified: bool | None = col("bool", "a verifier graded the attempt", "train")
     verifier_exit_code: int | None = col("int32", "the verifier's exit code, of its last run")
     verifier_runs: int | None = col("int32", "how many times the verifier ran (re-runs after an error)")
+    verifier_stdout_tail: str | None = col("large_string", "the end of the verifier's stdout (last run)")
+    verifier_stderr_tail: str | None = col("large_string", "the end of the verifier's stderr (last run)")
     # cleanup
     cleanup_ok: bool | None = col("bool", "the sandbox was confirmed stopped")
     # decision (the driver's)

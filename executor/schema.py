@@ -28,12 +28,15 @@ _SCALARS = {
 
 
 def _arrow(column: Column) -> pa.DataType:
-    """The Arrow type ``column`` declares: a scalar by pyarrow's name for it, a ``list<scalar>``, or a
-    list of a nested record (a struct of that record's columns)."""
+    """The Arrow type ``column`` declares: a scalar by pyarrow's name for it, a ``list<scalar>``, a
+    ``map<scalar, scalar>``, or a list of a nested record (a struct of that record's columns)."""
     if column.record is not None:
         return pa.list_(pa.struct([(c.name, _arrow(c)) for c in columns_of(column.record)]))
     if column.arrow.startswith("list<"):
         return pa.list_(_SCALARS[column.arrow[len("list<") : -1]])
+    if column.arrow.startswith("map<"):  # map<key, value>; reads back as a list of (key, value) pairs
+        key, value = column.arrow[len("map<") : -1].split(", ")
+        return pa.map_(_SCALARS[key], _SCALARS[value])
     return _SCALARS[column.arrow]
 
 

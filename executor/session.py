@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from executor import grading
+from executor import grading, harbor
 from executor.config import RunConfig
 from executor.grading import describe
 from executor.row import Message, ModelCall, Row, ToolCall
@@ -206,10 +206,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         session_id=launch_id,
         ttl_s=cfg.limits.setup_timeout_s + wall + verify_timeout + 2 * cfg.limits.grace_s,
         workspace=req.task.workspace,
-        image=req.task.image,
-        build_context=req.task.build,
-        cpus=req.task.cpus,
-        memory_limit_mb=req.task.memory_mb,
+        **req.task.sandbox_request(),
     )
     sandbox: Sandbox | None = None
     gw: GatewaySession | None = None
@@ -217,12 +214,17 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
     try:
         if req.task.invalid is not None:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, req.task.invalid), timer)
+            return _finish(row, Outcome.of(FailureKind.TASK_INVALID, req.task.invalid), timer)
         try:
             sandbox = await ctx.provider.start(spec)
         except Exception as exc:
             timer.lap("setup")
-            return _finish(row, Outcome.of(FailureKind.SANDBOX_START_FAILED, describe(exc)), timer)
+            kind = (
+                FailureKind.TASK_INVALID
+                if getattr(exc, "task_fault", False)
+                else FailureKind.SANDBOX_START_FAILED
+            )
+            return _finish(row, Outcome.of(kind, describe(exc)), timer)
         row.sandbox_id = sandbox.id
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
         row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
@@ -253,9 +255,13 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
 
         try:
             # The harness's config goes to HOME while the workspace is laid out: neither reads the other.
-            _, launch = await _gather_or_cancel(
-                lay_out(sandbox, req.task.workspace, ctx.workspaces, baseline=False), install_and_prepare(gw)
-            )
+            steps = [
+                lay_out(sandbox, req.task.workspace, ctx.workspaces, baseline=False),
+                install_and_prepare(gw),
+            ]
+            if harbor.is_harbor(req.task):
+                steps.append(harbor.prepare_agent(sandbox))
+            _, launch, *_ = await _gather_or_cancel(*steps)
         except (InstallError, Exception) as exc:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, describe(exc)), timer)
@@ -280,8 +286,17 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:
             grade = cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None
+            task = harbor.with_reward_key(req.task, cfg.reward_key)
             outcome = await grading.review(
-                ctx.provider, spec, sandbox, req.task, outcome, row, grade=grade, workspaces=ctx.workspaces
+                ctx.provider,
+                spec,
+                sandbox,
+                task,
+                outcome,
+                row,
+                grade=grade,
+                workspaces=ctx.workspaces,
+                evidence_dir=evidence_dir,
             )
             await evidence
         finally:

@@ -31,6 +31,10 @@ class Verifier(BaseModel):
     # Harbor's contract (executor/harbor.py): this directory is uploaded to /tests after the agent's
     # session, and the reward is read from /logs/verifier, not from the exit code.
     tests_dir: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # added to the verifier's environment
+    user: str | None = None  # the user the tests run as, where the provider runs images (else root)
+    # Which metric of a Harbor reward.json is the row's reward; every metric goes to ``rewards``.
+    reward_key: str = "reward"
     # The task's hidden checks (relative path -> text): written into the workspace only in the grading
     # sandbox, after the diff and over whatever the agent left at those paths; the agent never sees them.
     files: dict[str, str] = Field(default_factory=dict)
@@ -63,9 +67,35 @@ class Task(BaseModel):
     build: str | None = Field(default=None, min_length=1)
     cpus: float | None = Field(default=None, gt=0, le=1024)
     memory_mb: int | None = Field(default=None, gt=0)
+    # More of the environment, on providers that run images: the workspace's path in the image (else its
+    # WORKDIR), the user the agent's commands run as, a network with egress (else none but the gateway),
+    # environment variables for every command, the image build's bound, a disk quota, GPUs.
+    workdir: str | None = Field(default=None, pattern=r"^/")
+    user: str | None = Field(default=None, min_length=1, max_length=64)
+    allow_internet: bool = False
+    env: dict[str, str] = Field(default_factory=dict)
+    build_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    storage_mb: int | None = Field(default=None, gt=0)
+    gpus: int = Field(default=0, ge=0, le=64)
     # Set by a loader for a task it could read only in part (a Harbor task missing a file): why it
     # cannot run. Its attempt fails at set-up with this line, and the other tasks go on.
     invalid: str | None = None
+
+    def sandbox_request(self) -> dict[str, Any]:
+        """What of this task a ``SandboxSpec`` carries: its environment."""
+        return {
+            "image": self.image,
+            "build_context": self.build,
+            "cpus": self.cpus,
+            "memory_limit_mb": self.memory_mb,
+            "workdir": self.workdir,
+            "user": self.user,
+            "allow_internet": self.allow_internet,
+            "env": dict(self.env),
+            "build_timeout_s": self.build_timeout_s,
+            "storage_mb": self.storage_mb,
+            "gpus": self.gpus,
+        }
 
     @field_validator("verify", mode="before")
     @classmethod

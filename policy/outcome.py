@@ -47,6 +47,7 @@ class FailureKind(StrEnum):
     AGENT_NO_MODEL_CALL = "agent_no_model_call"
     AGENT_REQUEST_LIMIT = "agent_request_limit"
     SETUP_FAILED = "setup_failed"
+    TASK_INVALID = "task_invalid"
     SANDBOX_START_FAILED = "sandbox_start_failed"
     SANDBOX_LOST = "sandbox_lost"
     VERIFIER_ERROR = "verifier_error"
@@ -116,6 +117,12 @@ KIND_INFO: dict[FailureKind, KindInfo] = {
         "the session passed the gateway's bound on its model calls (count or request body size)",
     ),
     FailureKind.SETUP_FAILED: KindInfo(Status.FAILED, True, "workspace setup or harness install failed"),
+    FailureKind.TASK_INVALID: KindInfo(
+        Status.FAILED,
+        True,
+        "the task itself cannot run or be graded, the same for every attempt: a file missing or a field "
+        "refused, its image's build failed, its tests wrote no reward",
+    ),
     FailureKind.SANDBOX_START_FAILED: KindInfo(Status.FAILED, True, "the sandbox never became ready"),
     FailureKind.SANDBOX_LOST: KindInfo(
         Status.FAILED, True, "the sandbox, its worker or its node died mid-session"

@@ -56,6 +56,8 @@ DEFAULT_RULES: dict[FailureKind, Rule] = {
     FailureKind.SANDBOX_START_FAILED: _infra(),
     FailureKind.SANDBOX_LOST: _infra(),
     FailureKind.SETUP_FAILED: _infra(),
+    # Another attempt would fail the same way: masked at once, never the agent's rerun.
+    FailureKind.TASK_INVALID: Rule(retry=False, final=FinalAs.MASK),
     FailureKind.AGENT_CRASH: _infra(),
     FailureKind.VERIFIER_ERROR: _infra(),
     FailureKind.VERIFIER_TIMEOUT: _infra(),

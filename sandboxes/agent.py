@@ -10,6 +10,7 @@ supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
                      [--ttl-s N] [--rendezvous FILE] [--max-connections N]
                      [--idle-timeout-s S] [--header-timeout-s S] [--run-as USER]
                      [--isolation off|auto|strict] [--hide PATH]... [--readonly PATH]...
+                     [--loader LD.SO --library-path DIR]
 
 ``--isolation`` (default off) gives the commands the layers of agent_layers.py that the node allows: as
 root, the ``--run-as`` user, a PID namespace, a loopback-only network reaching only the worker's gateway,
@@ -67,6 +68,9 @@ except ImportError:  # copied beside supervisor.py and proctree.py into a sandbo
     import uidpool  # type: ignore[no-redef]
 
 SUPERVISOR_PATH = os.path.abspath(sup.__file__)
+# How a supervisor's python is started: this interpreter, or (``--loader``) this interpreter through a
+# loader and libraries of its own, carried into an image that has none that fit (sandboxes/runtime.py).
+PYTHON = [sys.executable]
 TOKEN_ENV = "ROLLOUT_AGENT_TOKEN"
 TAIL_BYTES = 16_000
 DEFAULT_MAX_UPLOAD = 256 * 1024 * 1024
@@ -311,7 +315,7 @@ class Agent:
             with open(os.path.join(run, stem + ".supervisor.log"), "wb") as sup_log:
                 # The command's environment is exactly what the client sent: nothing of ours leaks in.
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", SUPERVISOR_PATH, params_path],
+                    [*PYTHON, "-I", "-S", SUPERVISOR_PATH, params_path],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=sup_log,
@@ -777,7 +781,11 @@ def main(argv: list | None = None) -> int:
     )
     parser.add_argument("--hide", action="append", default=[], help="a path no command may see")
     parser.add_argument("--readonly", action="append", default=[], help="a path commands see read-only")
+    parser.add_argument("--loader", help="start the supervisor's python through this dynamic loader")
+    parser.add_argument("--library-path", help="the loader's --library-path (with --loader)")
     args = parser.parse_args(argv)
+    if args.loader:
+        PYTHON[:] = [args.loader, "--library-path", args.library_path or "", sys.executable]
     try:
         token = _read_token(args)
     except OSError as exc:

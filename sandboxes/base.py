@@ -17,6 +17,15 @@ class SandboxError(Exception):
 class SandboxStartError(SandboxError):
     """The sandbox never became ready."""
 
+    task_fault = False  # True: the task's own (its image will not build, it asks what the host lacks)
+
+
+class TaskEnvironmentError(SandboxStartError):
+    """The task's environment cannot be had, the same way for every attempt: its image's build failed
+    or ran past the task's bound, or it asks for what this host has not (GPUs)."""
+
+    task_fault = True
+
 
 class SandboxLostError(SandboxError):
     """The sandbox died or became unreachable mid-session."""
@@ -51,6 +60,14 @@ class SandboxSpec(BaseModel):
     image: str | None = None
     build_context: str | None = None
     cpus: float | None = None
+    # More of a task's environment where the provider runs images (executor/tasks.py's Task says what
+    # each is); providers without images ignore them.
+    workdir: str | None = None
+    user: str | None = None
+    allow_internet: bool = False
+    build_timeout_s: float | None = None
+    storage_mb: int | None = None
+    gpus: int = 0
 
 
 def check_directory_name(label: str, value: str) -> None:

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -41,11 +43,18 @@ from pydantic import Field
 
 from harnesses.install import default_cache_root
 from sandboxes import netns
-from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
+from sandboxes.base import (
+    SandboxError,
+    SandboxSpec,
+    SandboxStartError,
+    TaskEnvironmentError,
+    check_session_names,
+)
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
 from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
+from sandboxes.runtime import RT_IN, Runtime, RuntimeUnavailable, host_runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,10 @@ class ContainerSandboxConfig(ProviderConfig):
     provider: Literal["container"] = "container"
     engine: Literal["podman", "docker"] = "podman"
     image: str | None = None  # the run's default image; a task's own image or build wins
-    python: str = "python3"  # in the image, >= 3.11: runs the agent and the supervisor
+    # The python that runs the agent and the supervisor: None (the default) carries the worker's own in,
+    # with its loader and libraries (sandboxes/runtime.py), so the image needs none; a name or path is
+    # the image's own (>= 3.11).
+    python: str | None = None
     # The OCI runtime (podman --runtime): "runc" where crun refuses (cgroups in hybrid mode).
     runtime: str | None = None
     # Passed to run as --ulimit each: where raising limits is not allowed (no CAP_SYS_RESOURCE), the
@@ -78,7 +90,10 @@ class ContainerSandboxConfig(ProviderConfig):
     cpus: float | None = Field(default=None, gt=0)  # per container, unless the task sets its own
     memory_mb: int | None = Field(default=None, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
-    build_timeout_s: float = Field(default=1800.0, gt=0)
+    build_timeout_s: float = Field(default=1800.0, gt=0)  # a task's own bound wins
+    # A task's storage_mb as --storage-opt size=: only overlay on xfs with pquota can enforce it, so off
+    # by default (a task's quota is then not enforced, and the worker says so once).
+    storage_limits: bool = False
 
     @property
     def needs_gateway_socket(self) -> bool:
@@ -191,11 +206,21 @@ class ContainerSandbox(RemoteSandbox):
 
     shares_host_userland = False  # harnesses run their own binaries, not the worker's node or python
 
-    def __init__(self, *, workdir: str | None, image: str, runs: set[tuple[str, str]], **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        workdir: str | None,
+        image: str,
+        runs: set[tuple[str, str]],
+        python_argv: list[str],
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         if workdir:
             self.workdir = workdir
         self.image = image
+        # A python >= 3.11 in this container for our own helper scripts, whatever the image holds.
+        self.python_argv = python_argv
         self._runs = runs  # (image, program) pairs seen to run, shared by the provider's sandboxes
 
     async def check_runs(self, program: str, what: str) -> None:
@@ -230,6 +255,8 @@ class ContainerSandboxProvider:
         self.cache_root = default_cache_root().resolve()
         runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
         self._runs: set[tuple[str, str]] = set()
+        # The --ulimit sets to try when the config names none, the first one known to work or untried.
+        self._ulimits = _ulimit_choices()
         self.images = Images(
             config.engine,
             self.cache_root / "images",
@@ -249,7 +276,13 @@ class ContainerSandboxProvider:
         return [arg for path in paths for arg in ("-v", f"{path}:{path}:ro")]
 
     def _run_argv(
-        self, spec: SandboxSpec, image: ImageInfo, name: str, session_dir: Path, owner_name: str
+        self,
+        spec: SandboxSpec,
+        image: ImageInfo,
+        name: str,
+        session_dir: Path,
+        owner_name: str,
+        runtime: Runtime | None,
     ) -> list[str]:
         cfg = self.cfg
         ttl_deadline = time.time() + spec.ttl_s
@@ -262,12 +295,15 @@ class ContainerSandboxProvider:
             "rollout.root": str(self.root),
             "rollout.dir": str(session_dir),
         }
-        argv = ["run", "-d", "--name", name, "--network", "none", "--pull", "never"]
+        # No network but the loopback (where the gateway is relayed), unless the task allows the internet:
+        # then the engine's default network too. The gateway is reached the same way in both.
+        network = "bridge" if spec.allow_internet else "none"
+        argv = ["run", "-d", "--name", name, "--network", network, "--pull", "never"]
         if cfg.runtime and cfg.engine == "podman":
             argv += ["--runtime", cfg.runtime]
         for key, value in labels.items():
             argv += ["--label", f"{key}={value}"]
-        for ulimit in cfg.ulimits:
+        for ulimit in cfg.ulimits or self._ulimits[0]:
             argv += ["--ulimit", ulimit]
         cpus = spec.cpus or cfg.cpus
         memory = spec.memory_limit_mb or cfg.memory_mb
@@ -275,11 +311,23 @@ class ContainerSandboxProvider:
             argv += ["--cpus", f"{cpus:g}"]
         if memory:
             argv += ["--memory", f"{memory}m"]
+        if spec.storage_mb and cfg.storage_limits:
+            argv += ["--storage-opt", f"size={spec.storage_mb}m"]
+        if spec.gpus:
+            argv += ["--device", "nvidia.com/gpu=all"]  # CDI: the host's NVIDIA toolkit names them
+        if spec.workdir:
+            argv += ["--workdir", spec.workdir]  # made by the engine when the image lacks it
         argv += ["-v", f"{session_dir}:{ROOT_IN}", "-v", f"{self.gateway_socket}:{GATEWAY_SOCKET_IN}"]
         for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
             argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
         argv += self._harness_mounts()
-        argv += [*cfg.run_args, "--entrypoint", cfg.python, image.ref]
+        if runtime is not None:
+            argv += runtime.mount_args()
+            python, *python_args = runtime.argv
+            python_args += ["-E", "-s", "-S"]  # nothing of the image's environment or site steers it
+        else:
+            python, python_args = cfg.python, []
+        argv += [*cfg.run_args, "--entrypoint", python, image.ref, *python_args]
         argv += [
             f"{CODE_DIR}/{ENTRY_PATH.name}",
             "--forward", f"{self.port}:{GATEWAY_SOCKET_IN}",
@@ -290,6 +338,10 @@ class ContainerSandboxProvider:
             "--rendezvous", f"{ROOT_IN}/control/ready.json",
             "--ttl-s", f"{spec.ttl_s:.0f}",
         ]  # fmt: skip
+        if spec.user and spec.user not in ("root", "0"):
+            argv += ["--run-as", spec.user]  # the image's user: the agent, as root, runs commands as it
+        if runtime is not None and runtime.argv[0] != f"{RT_IN}/bin/python3":
+            argv += ["--loader", runtime.argv[0], "--library-path", runtime.argv[2]]
         return argv
 
     def _prepare(self, session_dir: Path) -> str:
@@ -305,7 +357,20 @@ class ContainerSandboxProvider:
     async def start(self, spec: SandboxSpec) -> ContainerSandbox:
         check_session_names(spec)
         default = None if spec.build_context else self.cfg.image
-        image = await self.images.resolve(spec.image or default, spec.build_context)
+        if spec.gpus and not _host_gpus():
+            raise TaskEnvironmentError(
+                f"the task asks for {spec.gpus} GPU(s) ([environment] gpus); "
+                "this host has none (no /dev/nvidia0)"
+            )
+        if spec.storage_mb and not self.cfg.storage_limits:
+            _storage_unenforced(spec.storage_mb)
+        image = await self.images.resolve(spec.image or default, spec.build_context, spec.build_timeout_s)
+        runtime = None
+        if self.cfg.python is None:
+            try:
+                runtime = await asyncio.to_thread(host_runtime, self.cache_root)
+            except (RuntimeUnavailable, OSError) as exc:
+                raise SandboxStartError(f"cannot carry the worker's python into a container: {exc}") from exc
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             owner_name = await asyncio.to_thread(hold, self.root)
@@ -315,20 +380,37 @@ class ContainerSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         name = f"rollout-{uuid.uuid4().hex[:16]}"
-        argv = self._run_argv(spec, image, name, session_dir, owner_name)
+        argv = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
 
         async def build() -> ContainerSandbox:
             from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
 
+            tried = self._ulimits[0]
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+            # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
+            # every later one (the error names no limit an operator could act on).
+            while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
+                if len(self._ulimits) == 1:
+                    break
+                log.info(
+                    "container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0]
+                )
+                await asyncio.to_thread(remove, self.engine, name)
+                if self._ulimits[0] is tried:  # a concurrent start may have moved on already
+                    self._ulimits.pop(0)
+                tried = self._ulimits[0]
+                argv[:] = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
+                proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
             if proc.returncode != 0:
                 raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
             await self._wait_ready(name, session_dir / "control")
+            workdir = spec.workdir or image.workdir
             return ContainerSandbox(
-                workdir=image.workdir if image.workdir not in ("", "/") else None,
+                workdir=workdir if workdir not in ("", "/") else None,
                 image=image.ref,
                 runs=self._runs,
+                python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
                 sandbox_id=name,
                 provider_name=self.name,
                 # The engine's cgroup enforces the memory limit; an address-space one too would break
@@ -350,8 +432,18 @@ class ContainerSandboxProvider:
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)
-        if ("executable file" in said and self.cfg.python in said) or "no such file" in said.lower():
-            return f"image {image!r} cannot host the sandbox: no {self.cfg.python} (>= 3.11) in it ({said})"
+        python = self.cfg.python
+        if python and (("executable file" in said and python in said) or "no such file" in said.lower()):
+            return f"image {image!r} cannot host the sandbox: no {python} (>= 3.11) in it ({said})"
+        if "rlimit" in said.lower():
+            return (
+                f"{self.engine} cannot apply its resource limits here: set sandbox.ulimits at or under this "
+                f"host's hard limits (ulimit -Hn, -Hu), e.g. [nofile=1024:1024, nproc=1024:1024] ({said})"
+            )
+        if "hybrid mode" in said:
+            return (
+                f"{self.engine}'s OCI runtime refuses this host's cgroups: set sandbox.runtime: runc ({said})"
+            )
         return f"{self.engine} run of image {image!r} failed: {said}"
 
     async def _wait_ready(self, name: str, control: Path) -> None:
@@ -388,6 +480,41 @@ class ContainerSandboxProvider:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
             raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+
+
+def _ulimit_choices() -> list[list[str]]:
+    """Open-files and processes limits for an engine told none, highest first: as root, podman asks for
+    more than this host allows and runc cannot raise them without CAP_SYS_RESOURCE (every start fails
+    with an "rlimit" error). The worker's own limits, then those capped at 65536 / 32768, then 1024
+    each; the provider keeps the first that starts a container."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    infinite = resource.RLIM_INFINITY
+    choices = []
+    for cap_files, cap_procs in ((None, None), (65_536, 32_768), (1024, 1024)):
+        files = nofile if cap_files is None or (nofile != infinite and nofile < cap_files) else cap_files
+        procs = nproc if cap_procs is None or (nproc != infinite and nproc < cap_procs) else cap_procs
+        limits = [
+            f"nofile={files}:{files}" if files != infinite else "",
+            f"nproc={procs}:{procs}" if procs != infinite else "",
+        ]
+        choice = [limit for limit in limits if limit]
+        if choice not in choices:
+            choices.append(choice)
+    return choices
+
+
+def _host_gpus() -> bool:
+    return Path("/dev/nvidia0").exists()
+
+
+@functools.cache
+def _storage_unenforced(storage_mb: int) -> None:
+    log.warning(
+        "container: a task's storage_mb (%d) is not enforced; sandbox.storage_limits: true passes it as "
+        "--storage-opt size= (needs overlay on xfs with pquota)",
+        storage_mb,
+    )
 
 
 def _venv_interpreters(venvs: Path) -> list[Path]:

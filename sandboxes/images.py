@@ -11,10 +11,12 @@ answer for every later sample of the task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
+import signal
 import stat
 import subprocess
 import time
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandboxes.base import SandboxStartError
+from sandboxes.base import SandboxStartError, TaskEnvironmentError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,12 @@ _HASH_CHUNK = 1024 * 1024
 
 
 class ImageError(SandboxStartError):
-    """A task's image is missing, cannot be pulled, or its build failed."""
+    """A task's image is missing or cannot be pulled."""
+
+
+class BuildError(ImageError, TaskEnvironmentError):
+    """A task's image cannot be built from its context: the Dockerfile fails, or the build runs past
+    its bound. The task's own: another attempt would fail the same way."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,11 @@ def context_digest(context: Path) -> str:
     return h.hexdigest()
 
 
+def _again(exc: ImageError) -> ImageError:
+    """A fresh exception of the same kind and text, for a later ask answered from a failure."""
+    return type(exc)(str(exc))
+
+
 def _last_lines(text: str, n: int = 3, limit: int = 600) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return " | ".join(lines[-n:])[-limit:] or "(no output)"
@@ -95,30 +107,33 @@ class Images:
         self.build_timeout_s = build_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self._info: dict[str, ImageInfo] = {}
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, ImageError] = {}  # what could not be had: the answer for every later ask
         self._built: dict[str, str] = {}  # a context's path -> its tag: hashed once per process
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def resolve(self, image: str | None, build_context: str | None) -> ImageInfo:
-        """The image a sandbox runs: ``build_context`` built (once), else ``image``. ImageError if it
-        cannot be had."""
+    async def resolve(
+        self, image: str | None, build_context: str | None, build_timeout_s: float | None = None
+    ) -> ImageInfo:
+        """The image a sandbox runs: ``build_context`` built (once, within ``build_timeout_s``, else the
+        provider's bound), else ``image``. ImageError if it cannot be had; BuildError if it cannot be
+        built."""
         if build_context is not None:
-            ref = await self._build(Path(build_context))
+            ref = await self._build(Path(build_context), build_timeout_s or self.build_timeout_s)
         elif image:
             ref = image
         else:
             raise ImageError("no image: the task gives none and the run sets no sandbox.image")
         if ref in self._failed:
-            raise ImageError(self._failed[ref])
+            raise _again(self._failed[ref])
         if ref not in self._info:
             async with self._locks.setdefault(f"ref:{ref}", asyncio.Lock()):
                 if ref not in self._info and ref not in self._failed:
                     try:
                         self._info[ref] = await asyncio.to_thread(self._inspect_or_pull, ref)
                     except ImageError as exc:
-                        self._failed[ref] = str(exc)
+                        self._failed[ref] = exc
             if ref in self._failed:
-                raise ImageError(self._failed[ref])
+                raise _again(self._failed[ref])
         return self._info[ref]
 
     def _engine(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -148,26 +163,48 @@ class Images:
             raise ImageError(f"image {ref!r} is not on this host and cannot be pulled: {why}")
         return info
 
-    async def _build(self, context: Path) -> str:
+    async def _build(self, context: Path, timeout_s: float) -> str:
         if not (context / "Dockerfile").is_file():
-            raise ImageError(f"build context {context}: no Dockerfile in it")
+            raise BuildError(f"build context {context}: no Dockerfile in it")
         key = str(context.resolve())
         if key in self._failed:
-            raise ImageError(self._failed[key])
+            raise _again(self._failed[key])
         if key in self._built:
             return self._built[key]
         async with self._locks.setdefault(key, asyncio.Lock()):
             if key in self._failed:
-                raise ImageError(self._failed[key])
+                raise _again(self._failed[key])
             if key not in self._built:
                 try:
-                    self._built[key] = await asyncio.to_thread(self._build_once, context)
+                    self._built[key] = await asyncio.to_thread(self._build_once, context, timeout_s)
                 except ImageError as exc:
-                    self._failed[key] = str(exc)
-                    raise
+                    self._failed[key] = exc if isinstance(exc, BuildError) else BuildError(str(exc))
+                    raise _again(self._failed[key]) from None
             return self._built[key]
 
-    def _build_once(self, context: Path) -> str:
+    def _run_build(self, argv: list[str], timeout_s: float) -> tuple[int, str]:
+        """``engine build``, its whole process group killed past ``timeout_s`` (a build's steps run in
+        processes of their own, which a kill of the engine alone would leave running)."""
+        try:
+            proc = subprocess.Popen(
+                [self.engine, *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise BuildError(f"{self.engine}: {exc}") from None
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=INSPECT_TIMEOUT_S)
+            raise BuildError(f"{self.engine} build ran past its bound of {timeout_s:g}s") from None
+        return proc.returncode, output
+
+    def _build_once(self, context: Path, timeout_s: float) -> str:
         digest = context_digest(context)
         tag = f"{TASK_IMAGE_REPO}:{digest[:32]}"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -177,14 +214,13 @@ class Images:
             if self._inspect(tag) is not None:
                 return tag
             started = time.monotonic()
-            proc = self._engine(
+            code, output = self._run_build(
                 ["build", *self.build_args, "-t", tag, "-f", str(context / "Dockerfile"), str(context)],
-                self.build_timeout_s,
+                timeout_s,
             )
-            output = proc.stdout + proc.stderr
             (self.cache_dir / f"{digest[:32]}.build.log").write_text(output, encoding="utf-8")
-            if proc.returncode != 0:
-                raise ImageError(f"build of {context} failed (exit {proc.returncode}): {_last_lines(output)}")
+            if code != 0:
+                raise BuildError(f"build of {context} failed (exit {code}): {_last_lines(output)}")
             took = time.monotonic() - started
             with open(self.cache_dir / "builds.log", "a", encoding="utf-8") as f:
                 f.write(f"{time.time():.0f} {digest} {tag} {context} {took:.1f}s\n")

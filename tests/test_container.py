@@ -238,11 +238,8 @@ async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, 
     assert not exists(mine)
 
 
-async def test_missing_image_and_image_without_python(tmp_path, provider):
-    with pytest.raises(SandboxStartError) as missing:
-        await provider.start(spec(image="localhost/rollout-no-such-image:1"))
-    assert "localhost/rollout-no-such-image:1" in str(missing.value) and "\n" not in str(missing.value)
-
+def _empty_image(tmp_path: Path) -> str:
+    """An image of one empty directory: no shell, no C library, no loader."""
     empty = tmp_path / "empty.tar"
     with tarfile.open(empty, "w") as tar:
         info = tarfile.TarInfo("etc")
@@ -253,10 +250,43 @@ async def test_missing_image_and_image_without_python(tmp_path, provider):
         subprocess.run(
             ["podman", "import", "-q", str(empty), tag], capture_output=True, timeout=60, check=True
         )
+    return tag
+
+
+async def test_missing_image_and_the_image_python_option(tmp_path, provider, gateway_socket):
+    with pytest.raises(SandboxStartError) as missing:
+        await provider.start(spec(image="localhost/rollout-no-such-image:1"))
+    assert "localhost/rollout-no-such-image:1" in str(missing.value) and "\n" not in str(missing.value)
+
+    # Asked to use the image's own python, an image without one fails at start in one line.
+    tag = _empty_image(tmp_path)
+    own = config(tmp_path, tag, python="python3").build(tmp_path / "root", (4999, gateway_socket))
     with pytest.raises(SandboxStartError) as nopython:
-        await provider.start(spec(image=tag))
+        await own.start(spec(image=tag))
     assert f"image {tag!r} cannot host the sandbox: no python3" in str(nopython.value)
     assert not [c for c, labels in list_containers("podman", "ctr-test")]
+
+
+@pytest.mark.parametrize("which", ["bare", "busybox", "empty"])
+async def test_images_without_python_host_the_agent(tmp_path, provider, test_images, which):
+    """The worker's python, its loader and libraries carried in: the agent runs in a Debian minbase
+    without python3, in a static busybox alone, and in an image of one empty directory."""
+    image = _empty_image(tmp_path) if which == "empty" else getattr(test_images, which)
+    sb = await provider.start(spec(image=image))
+    try:
+        assert (await sb.exec(["python3", "-V"], timeout=30)).exit_code == 127  # the image has none
+        res = await sb.exec([*sb.python_argv, "-c", "import sys; print(sys.version_info[:2])"], timeout=30)
+        assert res.exit_code == 0 and res.stdout_tail.strip() == str(sys.version_info[:2]), res.stderr_tail
+        await sb.write_file("a/b.txt", b"xyz")
+        assert await sb.read_file(f"{sb.workdir}/a/b.txt", 10) == b"xyz"
+        if which != "empty":
+            # A command's environment holds nothing of the carried runtime: its own libraries win.
+            res = await sb.exec(["sh", "-c", "cat a/b.txt; echo; env | grep -c LD_ || true"], timeout=30)
+            assert res.stdout_tail.split() == ["xyz", "0"], res.stderr_tail
+            res = await sb.exec(["sh", "-c", "sleep 300 & sleep 300"], timeout=1)
+            assert res.timed_out
+    finally:
+        await sb.stop()
 
 
 async def test_dockerfile_built_once_for_concurrent_starts(tmp_path, provider, test_images):
@@ -323,3 +353,25 @@ async def test_an_image_that_cannot_host_the_harness_fails_in_one_line(
         await sb.check_runs(node, "the pi harness")  # the base image has it
     finally:
         await sb.stop()
+
+
+async def test_engine_limits_picked_or_named_in_one_line(tmp_path, test_images, gateway_socket):
+    """No ulimits configured: the provider finds limits the engine can apply (as root here, podman's own
+    ask more than runc may set). Ones it cannot apply: one line naming the setting and the fix."""
+    picked = ContainerSandboxConfig(image=test_images.busybox, root=str(tmp_path / "root"), runtime="runc")
+    sb = await picked.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    try:
+        assert (await sb.exec(["sh", "-c", "ulimit -n"], timeout=30)).exit_code == 0
+    finally:
+        await sb.stop()
+    too_high = ContainerSandboxConfig(
+        image=test_images.busybox,
+        root=str(tmp_path / "root"),
+        runtime="runc",
+        ulimits=["nproc=4000000:4000000"],
+    )
+    with pytest.raises(SandboxStartError) as failed:
+        await too_high.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    message = str(failed.value)
+    assert message.startswith("podman cannot apply its resource limits here: set sandbox.ulimits")
+    assert "\n" not in message

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
 from pathlib import Path
@@ -102,7 +103,6 @@ def test_harbor_tasks_as_they_are(tmp_path):
             "rules": {
                 "agent_crash": QUICK,
                 "sandbox_start_failed": QUICK,
-                "setup_failed": {"retry": False},
                 # The agent here is a shell line: no model call is its normal way.
                 "agent_no_model_call": {"retry": False, "grade": True, "final": "accept"},
             },
@@ -139,8 +139,11 @@ def test_harbor_tasks_as_they_are(tmp_path):
             assert "\n" not in r["error_message"]
         assert by_task[task][-1]["decision"] == "mask"
 
-    one_line("missing-tests", "setup_failed", "Harbor task missing-tests: missing tests/test.sh")
-    one_line("broken-dockerfile", "sandbox_start_failed", f"build of {tasks / 'broken-dockerfile'}")
+    one_line("missing-tests", "task_invalid", "Harbor task missing-tests: missing tests/test.sh")
+    one_line("broken-dockerfile", "task_invalid", f"build of {tasks / 'broken-dockerfile'}")
+    # The task's own failures, the same every time: one attempt per sample, never retried.
+    for task in ("missing-tests", "broken-dockerfile"):
+        assert sorted((r["sample_index"], r["attempt"]) for r in by_task[task]) == [(i, 1) for i in range(4)]
     one_line("missing-image", "sandbox_start_failed", "image 'localhost/rollout-no-such-image:1'")
     assert list_containers("podman", "harbor") == []
 
@@ -212,3 +215,62 @@ async def test_conformance_in_containers_for_codex_and_pi(tmp_path, test_images)
     failed = [f"{c.harness} {c.scenario}: {c.first_failure}" for c in matrix.cells if not c.passed]
     assert len(matrix.cells) == 6 and not failed, failed
     assert "container (podman" in (out / "conformance.md").read_text()
+
+
+CONFORMANCE = REPO / "tests" / "fixtures" / "harbor-conformance"
+# Harbor's own example tasks this set stands for, and why those are not run here as they are.
+NEEDS_WHAT_THIS_MACHINE_LACKS = {
+    "hello-world": "FROM ubuntu:24.04 (a public registry pull), and its tests install uv and pytest "
+    "from the network (allow_internet = true)",
+    "hello-workdir": "FROM ubuntu:24.04 (a public registry pull)",
+    "hello-user": "FROM ubuntu:24.04 (a public registry pull)",
+    "shared-default": "FROM ubuntu:24.04 (a public registry pull)",
+}
+
+
+def with_solution_as_agent(tasks: Path) -> None:
+    """Each task's solution/ baked into its image at /oracle, for the command harness to run as the
+    agent: the agent never sees a solution in a real run."""
+    for task in tasks.iterdir():
+        shutil.copytree(task / "solution", task / "environment" / "oracle")
+        with open(task / "environment" / "Dockerfile", "a") as f:
+            f.write("\nCOPY oracle /oracle\n")
+
+
+def test_harbor_conformance_set_with_solutions_as_agent(tmp_path):
+    """Tasks after Harbor's own examples (hello-world, hello-workdir, hello-user, shared-default), in an
+    image without python or git, their solutions as the agent: Harbor's reward for each."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(CONFORMANCE, tasks)
+    with_solution_as_agent(tasks)
+    cfg = write_config(
+        tmp_path,
+        "harbor-conf",
+        tasks,
+        harness={"name": "command", "command": "bash /oracle/solve.sh"},
+        policy={"rules": {"agent_no_model_call": {"retry": False, "grade": True, "final": "accept"}}},
+    )
+    proc = rollout("run", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["task_id"]: r for r in read_table(tmp_path / "out" / "harbor-conf").to_pylist()}
+    assert sorted(rows) == sorted(p.name for p in CONFORMANCE.iterdir())
+    for task in ("hello-world", "hello-workdir", "hello-user", "shared-default"):
+        r = rows[task]
+        assert (r["reward"], r["verified"], r["decision"]) == (1.0, True, "accept"), (
+            task,
+            r["error_message"],
+            r["verifier_stdout_tail"],
+        )
+        assert dict(r["rewards"]) == {"reward": 1.0}
+    metrics = rows["many-metrics"]
+    assert metrics["reward"] == 7.0 and dict(metrics["rewards"]) == {
+        "reward": 7.0,
+        "lines": 1.0,
+        "penalty": -0.5,
+    }
+    assert metrics["verifier_stdout_tail"] == "counted 7\n"
+    # /logs/agent kept as evidence: what the agent wrote there, as the task's user.
+    with tarfile.open(Path(rows["hello-user"]["evidence_dir"]) / "harbor-logs.tar.gz") as tar:
+        notes = tar.extractfile("logs/agent/notes.log")
+        assert notes is not None and notes.read() == b"written by agent\n"
+    assert list_containers("podman", "harbor-conf") == []
