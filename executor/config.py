@@ -44,16 +44,32 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     provider: Literal["scripted", "openai"] = "scripted"
-    base_url: str | None = None  # required for openai; ends in /v1
+    # Required for openai; ends in /v1. Several: replicas of one model server, each session kept on one
+    # (harnesses/gateway/upstreams.py).
+    base_url: str | list[str] | None = None
     api_key_env: str | None = None  # the variable holding the key; the key itself never enters config
     name: str = "scripted-model"
     max_output_tokens: int | None = None
+    # Sent upstream with the session's id on each of its requests, for a router that keeps a session on
+    # one replica by a header (e.g. x-session-affinity); None sends none.
+    affinity_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    replica_failures: int = Field(default=3, ge=1, le=1000)  # failed attempts in a row take a replica out
+    replica_cooldown_s: float = Field(default=30.0, ge=0, le=86_400)  # ... for this long
 
     @model_validator(mode="after")
     def _endpoint(self) -> ModelConfig:
         if self.provider == "openai" and not self.base_url:
             raise ValueError("model.base_url is required when model.provider is 'openai'")
+        if self.provider == "scripted" and isinstance(self.base_url, list):
+            raise ValueError("model.base_url: the scripted model runs in each worker; it takes no URLs")
         return self
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The replicas' base URLs, in the order given."""
+        if self.base_url is None:
+            return []
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
 
     def api_key(self) -> str | None:
         if not self.api_key_env:

@@ -106,7 +106,7 @@ async def replay_context(
         await scripted.start()
         upstream, key = scripted.base_url, None
     else:
-        upstream, key = cfg.model.base_url or "", cfg.model.api_key()
+        upstream, key = cfg.model.base_urls[0], cfg.model.api_key()
     # Here, in a local sandbox isolated as the run's was (the run's own section when it was local): a
     # harness sees the same filesystem, user and network, so what it does compares.
     if not isinstance(cfg.sandbox, LocalSandboxConfig):

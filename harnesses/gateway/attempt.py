@@ -106,6 +106,9 @@ class Attempt:
         self.record: AttemptRecord | None = None
         # The answer's final event reached the harness: nothing that ends the attempt later undoes it.
         self.answer_delivered = False
+        # Where it went (upstreams.py), set by the relay before sending.
+        self.policy_version: int | None = None
+        self.replica: str | None = None
         req.session.attempt_started(self)
 
     def received(self, chunk: bytes) -> None:
@@ -165,6 +168,8 @@ class Attempt:
             completion_token_ids=ids,
             completion_logprobs=logprobs,
             tokens_truncated=bool(self.tokens and self.tokens.truncated),
+            policy_version=self.policy_version,
+            replica=self.replica,
         )
         session.attempt_finished(self, self.record)
         return self.record

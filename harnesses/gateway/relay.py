@@ -37,6 +37,7 @@ from harnesses.gateway.limits import (
     no_listing,
 )
 from harnesses.gateway.session import AttemptRecord, GatewaySession
+from harnesses.gateway.upstreams import Upstreams
 from policy import (
     FailureKind,
     Rule,
@@ -50,12 +51,12 @@ from sandboxes.inline import small_inline
 
 
 class Relay:
-    """Carries requests to ``upstream_base_url`` with ``api_key``, within ``config``'s bounds. ``start``
-    before the first request, ``stop`` after the last; both on the gateway's event loop."""
+    """Carries requests to ``upstreams`` (each session's replica) with ``api_key``, within ``config``'s
+    bounds. ``start`` before the first request, ``stop`` after the last; both on the gateway's event loop."""
 
-    def __init__(self, upstream_base_url: str, api_key: str | None, config: GatewayConfig) -> None:
+    def __init__(self, upstreams: Upstreams, api_key: str | None, config: GatewayConfig) -> None:
         self.config = config
-        self._upstream = upstream_base_url.rstrip("/")
+        self._upstreams = upstreams
         self._api_key = api_key or None
         self._backoff = Rule(backoff_base_s=config.backoff_base_s, backoff_cap_s=config.backoff_cap_s)
         self._rng = random.Random()
@@ -112,7 +113,7 @@ class Relay:
             index=index,
             method=request.method,
             path=api_path,
-            url=f"{self._upstream}/{rest}" + (f"?{query}" if query else ""),
+            url=rest + (f"?{query}" if query else ""),  # under the replica's base URL, at each attempt
             headers=self._upstream_headers(request, session),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
@@ -132,6 +133,7 @@ class Relay:
         ]
         # Identity, so the usage sniffer reads plain bytes and what is relayed is what was recorded.
         headers += [("accept-encoding", "identity"), (SESSION_HEADER, session.session_id)]
+        headers += self._upstreams.headers(session.session_id)
         if self._api_key:
             headers.append(("authorization", f"Bearer {self._api_key}"))
         return headers
@@ -145,7 +147,9 @@ class Relay:
         for number in range(1, cfg.max_attempts_per_request + 1):
             if session.closed_kind is not None:  # another request of this session gave up meanwhile
                 return closed()
-            outcome = await self._attempt(Attempt(req, number, cfg), request)
+            att = Attempt(req, number, cfg)
+            outcome = await self._attempt(att, request)
+            self._note_replica(att, outcome)
             if isinstance(outcome, web.StreamResponse):
                 return outcome
             last = outcome
@@ -163,6 +167,15 @@ class Relay:
         )
         session.close(last.kind, message)
         return closed()
+
+    def _note_replica(self, att: Attempt, outcome: web.StreamResponse | AttemptRecord) -> None:
+        """A replica that gave no usable answer counts towards its removal; one that answered is well."""
+        if att.replica is None:
+            return
+        if isinstance(outcome, web.StreamResponse):
+            self._upstreams.succeeded(att.replica)
+        elif outcome.kind in _REPLICA_FAILURES and not outcome.client_aborted:
+            self._upstreams.failed(att.replica)
 
     def _why_not_retry(self, number: int, last: AttemptRecord, retrying_for_s: float) -> str | None:
         cfg = self.config
@@ -183,7 +196,7 @@ class Relay:
         try:
             try:
                 async with asyncio.timeout(att.timer.wait_s()):
-                    upstream = await self._send(req)
+                    upstream = await self._send(req, att)
             except aiohttp.ClientError as exc:
                 await req.saved()
                 return att.finish(FailureKind.TRANSPORT_ERROR, describe(exc))
@@ -202,11 +215,20 @@ class Relay:
             att.finish(FailureKind.TRANSPORT_ERROR, "client disconnected", client_aborted=True)
             raise
 
-    async def _send(self, req: Request) -> aiohttp.ClientResponse:
+    def _target(self, req: Request, att: Attempt | None = None) -> str:
+        """The URL of this attempt: the session's replica (another, once its own is out of service)."""
+        route = req.session.route
+        replica = self._upstreams.replica_for(route) if route is not None else self._upstreams.base_url()
+        if att is not None:
+            att.replica = replica
+            att.policy_version = self._upstreams.answering(route) if route is not None else None
+        return f"{replica}/{req.url}"
+
+    async def _send(self, req: Request, att: Attempt | None = None) -> aiohttp.ClientResponse:
         assert self._client is not None
         return await self._client.request(
             req.method,
-            URL(req.url, encoded=True),  # sent as the harness wrote it, not re-quoted
+            URL(self._target(req, att), encoded=True),  # sent as the harness wrote it, not re-quoted
             headers=req.headers,
             data=req.body or None,
             allow_redirects=False,
@@ -336,6 +358,12 @@ class Relay:
             return upstream.status, _relayed(upstream.headers), bytes(body)
         finally:
             upstream.release()
+
+
+# What says a replica is down rather than busy (a 429 is an answer: the replica is up and pushing back).
+_REPLICA_FAILURES = frozenset(
+    {FailureKind.TRANSPORT_ERROR, FailureKind.PROVIDER_UNAVAILABLE, FailureKind.MODEL_TIMEOUT}
+)
 
 
 def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:

@@ -22,22 +22,25 @@ from harnesses.gateway.attempt import Request
 from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, not_served, route
 from harnesses.gateway.relay import Relay
 from harnesses.gateway.session import GatewaySession, OnAttempt
+from harnesses.gateway.upstreams import Upstreams
 
 
 class Gateway:
-    """One per worker process. ``on_attempt`` is called with each record as it is made (live progress,
-    tests); it runs on the event loop and must neither block nor raise."""
+    """One per worker process. ``upstream``: the endpoint's base URL, or the versions and replicas a
+    trainer's run has (``upstreams.py``). ``on_attempt`` is called with each record as it is made (live
+    progress, tests); it runs on the event loop and must neither block nor raise."""
 
     def __init__(
         self,
-        upstream_base_url: str,
+        upstream: str | Upstreams,
         api_key: str | None,
         config: GatewayConfig | None = None,
         *,
         on_attempt: OnAttempt | None = None,
     ) -> None:
         self.config = config or GatewayConfig()
-        self._relay = Relay(upstream_base_url, api_key, self.config)
+        self.upstreams = upstream if isinstance(upstream, Upstreams) else Upstreams(upstream)
+        self._relay = Relay(self.upstreams, api_key, self.config)
         self._on_attempt = on_attempt
         self._sessions: dict[str, GatewaySession] = {}
         self._runner: web.AppRunner | None = None
@@ -88,7 +91,11 @@ class Gateway:
                 os.unlink(self.unix_path)
             self.unix_path = None
 
-    def open_session(self, session_id: str, evidence_dir: Path) -> GatewaySession:
+    def open_session(
+        self, session_id: str, evidence_dir: Path, *, version: int | None = None
+    ) -> GatewaySession:
+        """A session pinned to the endpoint of policy ``version`` (the current one when None) and to one
+        replica of it."""
         token = secrets.token_urlsafe(32)
         evidence_dir.mkdir(parents=True, exist_ok=True)
         session = GatewaySession(
@@ -98,6 +105,7 @@ class Gateway:
             evidence_dir,
             config=self.config,
             on_attempt=self._on_attempt,
+            route=self.upstreams.pin(version),
         )
         self._sessions[token] = session
         return session
@@ -109,7 +117,8 @@ class Gateway:
         closing a session is not the endpoint failing. ``stall_bound_s``: a tighter bound than the
         gateway's own for ``stalled_at_close`` (the owner's share of a short deadline).
         """
-        self._sessions.pop(session.token, None)
+        if self._sessions.pop(session.token, None) is not None and session.route is not None:
+            self.upstreams.unpin(session.route)
         session.end(stall_bound_s)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
