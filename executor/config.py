@@ -133,7 +133,8 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str | None = None  # default: the config file's stem, so the same command resumes
-    tasks: str
+    # The task file `rollout run` runs; a trainer's run may have none and submit tasks (executor/api.py).
+    tasks: str | None = None
     out: str = "runs"
     samples: int = Field(default=1, ge=1, le=10_000)
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
@@ -200,12 +201,18 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
             raw[key] = local_path(raw[key], f"{path}: {key}", objects_ok=key == "out")
             if not is_object_uri(raw[key]) and not Path(raw[key]).is_absolute():
                 raw[key] = str((path.parent / raw[key]).resolve())
+    return config_from(raw, str(path), overrides)
+
+
+def config_from(raw: dict[str, Any], where: str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Validate a config's keys (``overrides``: dotted keys set first); one line naming ``where`` and
+    the key when they are wrong."""
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise InputError(f"{path}: {_describe(exc)}") from None
+        raise InputError(f"{where}: {_describe(exc)}") from None
 
 
 _URI_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")

@@ -27,7 +27,9 @@ from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
 
-TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls
+TRAIN_SCHEMA_VERSION = "3"  # 2: token ids and logprobs in model_calls; 3: policy versions
+# A trainer's submissions (executor/api.py), each kept as a file in this folder of the run directory.
+SUBMITTED_TASKS = "tasks"
 Format = Literal["parquet", "jsonl"]
 
 _TRAIN_COLUMNS = columns("train")
@@ -65,21 +67,26 @@ def trainable(batch: pa.RecordBatch) -> pa.Array:
 
 
 def task_index(run_dir: Where) -> dict[str, tuple[str, str]]:
-    """task id -> (prompt, metadata JSON), from the run's task snapshot, else the config's task file."""
-    found = task_file(run_dir)
-    if found is None:
-        return {}
-    with local_copy(found) as path:
-        return {t.id: (t.prompt, json.dumps(t.metadata, sort_keys=True)) for t in load_tasks(path)}
+    """task id -> (prompt, metadata JSON), from the run's task snapshots, else the config's task file."""
+    index: dict[str, tuple[str, str]] = {}
+    for found in task_files(run_dir):
+        with local_copy(found) as path:
+            index.update((t.id, (t.prompt, json.dumps(t.metadata, sort_keys=True))) for t in load_tasks(path))
+    return index
 
 
-def task_file(where: Where) -> Location | None:
+def task_files(where: Where) -> list[Location]:
+    """The run's task snapshots: the config's (beside it) and a trainer's submissions (``tasks/``, in
+    the order made); without any, the config's task file where it still is."""
     run_dir = locate(where)
-    for name in ("tasks.jsonl", "tasks.parquet"):
-        if (run_dir / name).is_file():
-            return run_dir / name
+    found = [run_dir / name for name in ("tasks.jsonl", "tasks.parquet") if (run_dir / name).is_file()]
+    submitted = run_dir / SUBMITTED_TASKS
+    if submitted.is_dir():
+        found += sorted(submitted.children(), key=lambda p: p.name)
+    if found:
+        return found
     configured = run_config(run_dir).get("tasks")
-    return locate(configured) if configured and Path(configured).is_file() else None
+    return [locate(configured)] if configured and Path(configured).is_file() else []
 
 
 def run_config(run_dir: Where) -> dict[str, Any]:
