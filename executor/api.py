@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from executor.config import RunConfig, config_from, load_config
 from executor.driver import WAIT_S, Driver, RunSummary, Submission
-from executor.tasks import InputError, Task
+from executor.tasks import InputError, Task, task_at
 from executor.worker import RemoteSandboxWorker
 from policy import GroupMode
 
@@ -140,7 +140,13 @@ class Executor:
                 raise InputError(f"{path}: no such task file")
             source: Path | list[Task] = path
         else:
-            source = [t if isinstance(t, Task) else _task(t, i) for i, t in enumerate(tasks)]
+            seen: set[str] = set()
+            source = [
+                task_at(
+                    t.model_dump(exclude_none=True) if isinstance(t, Task) else dict(t), f"task {i}", seen
+                )
+                for i, t in enumerate(tasks)
+            ]
         self._command("submit", Submission(source, count, mode))
 
     def update_policy(
@@ -194,11 +200,13 @@ class Executor:
                 waited += WAIT_S
 
     def stats(self) -> dict[str, Any]:
-        """Counts for a trainer's log: rows waiting for it, rows handed on, the policy version."""
+        """Counts for a trainer's log: rows waiting for it, rows handed on, sessions in flight (read as
+        the loop leaves them; a turn may be under way), the policy version."""
         with self._lock:
             return {
                 "buffered_rows": self._buffered,
                 "delivered_rows": self._delivered,
+                **self.driver.counts(),
                 "policy_version": self._version,
                 "stopped": self.driver.stopped,
             }
@@ -294,8 +302,5 @@ def _config(
     return cfg
 
 
-def _task(data: Mapping[str, Any], index: int) -> Task:
-    try:
-        return Task.model_validate(dict(data))
-    except ValueError as exc:
-        raise InputError(f"task {index}: {str(exc).splitlines()[-1][:300]}") from None
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value

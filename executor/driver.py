@@ -477,7 +477,8 @@ class Driver:
         progress.waiting_retry = len(self._retries)
         if not self._inflight:
             if self._stopped or (not self._sources and not self._retries):
-                self.store.maybe_flush()
+                # Nothing left: every decided row is written (and so handed on) before the run says so.
+                self.store.flush()
                 progress.tick()
                 return False
             # Waiting for a retry's backoff, for the endpoint's Retry-After hold to pass, or for the
@@ -495,6 +496,14 @@ class Driver:
         self.store.maybe_flush()
         progress.tick()
         return True
+
+    def counts(self) -> dict[str, int]:
+        """Sessions in flight, samples waiting for a retry, and whether submitted tasks wait to start."""
+        return {
+            "in_flight": len(self._inflight),
+            "waiting_retry": len(self._retries),
+            "submitted_waiting": int(bool(self._sources)),
+        }
 
     def idle(self) -> bool:
         """Nothing in flight, waiting for a retry or submitted and not yet started."""
