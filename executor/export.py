@@ -27,7 +27,7 @@ from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
 
-TRAIN_SCHEMA_VERSION = "3"  # 2: token ids and logprobs in model_calls; 3: policy versions
+TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls (a column added since: no bump)
 # A trainer's submissions (executor/api.py), each kept as a file in this folder of the run directory.
 SUBMITTED_TASKS = "tasks"
 Format = Literal["parquet", "jsonl"]
