@@ -21,7 +21,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -41,7 +41,10 @@ class Executor:
     relative to the file; its stem the default run id). ``run_id`` and ``overrides`` (dotted keys, as
     ``rollout run``'s options) change it. ``policy_version``: the trainer's first version (None: the
     run has no versions). ``max_buffered_rows``: final rows waiting for the trainer past which no session
-    starts (default: the run's in-flight cap). ``progress``: the live progress display on stderr."""
+    starts (default: the run's in-flight cap). ``progress``: the live progress display on stderr.
+    ``form``: the batches hold the rows as the run directory stores them (``rows``), or as
+    ``rollout export --all`` writes them (``export``: with the task's prompt and metadata and the model
+    name asked; token ids and logprobs in ``model_calls`` either way, with ``gateway.capture_tokens``)."""
 
     def __init__(
         self,
@@ -52,10 +55,13 @@ class Executor:
         policy_version: int | None = None,
         max_buffered_rows: int | None = None,
         progress: bool = False,
+        form: Literal["rows", "export"] = "rows",
         worker_class: Any = RemoteSandboxWorker,
         exiting: bool = False,
     ) -> None:
         self.config = _config(config, run_id, overrides or {})
+        if form not in ("rows", "export"):
+            raise InputError(f"form: {form!r} is not one of rows, export")
         cap = max_buffered_rows if max_buffered_rows is not None else self.config.in_flight_cap
         if cap < 1:
             raise InputError(f"max_buffered_rows: {cap} must be at least 1")
@@ -80,6 +86,7 @@ class Executor:
             held=lambda: self._buffered >= self._max_buffered,
             policy_version=policy_version,
             progress=progress,
+            export_form=form == "export",
         )
 
     # -- the command's way: the config's task file, to its end -----------------------------------------

@@ -34,7 +34,7 @@ from executor import phases, warm
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
-from executor.export import SUBMITTED_TASKS
+from executor.export import SUBMITTED_TASKS, as_export
 from executor.local_ray import start_local_ray
 from executor.progress import Progress
 from executor.reaper import reap_quietly
@@ -325,7 +325,9 @@ class Driver:
 
     ``sink``: called with every part file's final rows, once that part is written (a trainer's stream;
     a group never spans two part files). ``held``: while it says so, no session is admitted (the
-    trainer's backpressure). ``policy_version``: the trainer's first version (None: no versions)."""
+    trainer's backpressure). ``policy_version``: the trainer's first version (None: no versions).
+    ``export_form``: what the sink gets is in ``rollout export --all``'s schema (the task's prompt and
+    metadata, the model asked, the train and decision columns), else the stored row."""
 
     def __init__(
         self,
@@ -337,6 +339,7 @@ class Driver:
         held: Callable[[], bool] | None = None,
         policy_version: int | None = None,
         progress: bool = True,
+        export_form: bool = False,
     ) -> None:
         """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one).
         ``exiting``: the process ends once the run is closed (``rollout run``; see ``leave_ray``)."""
@@ -348,6 +351,10 @@ class Driver:
         self.store = RunStore(self.run_dir, on_written=self._delivered)
         self.rng = random.Random()
         self.sink = sink
+        self._export_form = export_form
+        # For the export form: each open task's (prompt, metadata JSON), and each version's model name.
+        self._task_info: dict[str, tuple[str, str]] = {}
+        self._models: dict[int | None, str] = {policy_version: cfg.model.name}
         self._held = held or (lambda: False)
         self._show_progress = progress
         self._seq = itertools.count()
@@ -555,6 +562,7 @@ class Driver:
             model or (before.model if before else None),
         )
         message = self._policy.to_json()
+        self._models[version] = self._policy.model or self.cfg.model.name
         for worker in self._workers:
             announce = getattr(worker, "announce", None)
             if announce is not None:
@@ -639,6 +647,8 @@ class Driver:
                 self._duplicates += sub.samples
                 continue
             self._open_tasks[task.id] = len(pending)
+            if self._export_form:
+                self._task_info[task.id] = (task.prompt, json.dumps(task.metadata, sort_keys=True))
             if sub.group is not GroupMode.NONE:
                 self.groups.expect(task.id, len(pending))
                 self._group_mode[task.id] = sub.group
@@ -843,8 +853,17 @@ class Driver:
         if self.sink is None:
             return
         finals = written.filter(pc.fill_null(written.column("final"), False))
-        if finals.num_rows:
-            self.sink(finals.combine_chunks().to_batches()[0])
+        if not finals.num_rows:
+            return
+        batch = finals.combine_chunks().to_batches()[0]
+        if self._export_form:
+            versions = batch.column("policy_version").to_pylist()
+            names = [self._models.get(v, self.cfg.model.name) for v in versions]
+            batch = as_export(batch, True, self._task_info, names)
+            for task_id in set(batch.column("task_id").to_pylist()):
+                if task_id not in self._open_tasks:
+                    self._task_info.pop(task_id, None)
+        self.sink(batch)
 
     def _schedule(self, req: SessionRequest, delay_s: float) -> None:
         heapq.heappush(

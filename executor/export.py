@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,25 +98,31 @@ def run_config(run_dir: Where) -> dict[str, Any]:
 
 
 def export_batches(run_dir: Where, include_all: bool = False) -> Iterator[pa.RecordBatch]:
-    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
     tasks = task_index(run_dir)
     model = (run_config(run_dir).get("model") or {}).get("name")
     for batch in iter_batches(locate(run_dir) / "rows", [*_TRAIN_COLUMNS, *_ALL_COLUMNS]):
         batch = upgrade(batch)  # a run resumed across a schema change has older part files too
         if not include_all:
             batch = batch.filter(trainable(batch))
-        if batch.num_rows == 0:
-            continue
-        ids = batch.column("task_id").to_pylist()
-        known = [tasks.get(i) for i in ids]
-        extra = {
-            "schema_version": pa.array([TRAIN_SCHEMA_VERSION] * batch.num_rows, pa.string()),
-            "model": pa.array([model] * batch.num_rows, pa.string()),
-            "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
-            "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
-        }
-        arrays = [extra[f.name] if f.name in extra else batch.column(f.name) for f in schema]
-        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+        if batch.num_rows:
+            yield as_export(batch, include_all, tasks, [model] * batch.num_rows)
+
+
+def as_export(
+    batch: pa.RecordBatch, include_all: bool, tasks: Mapping[str, tuple[str, str]], models: list[str | None]
+) -> pa.RecordBatch:
+    """Rows in the export's schema: ``tasks`` maps a task id to its (prompt, metadata JSON), ``models``
+    names the model each row asked for."""
+    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
+    known = [tasks.get(i) for i in batch.column("task_id").to_pylist()]
+    extra = {
+        "schema_version": pa.array([TRAIN_SCHEMA_VERSION] * batch.num_rows, pa.string()),
+        "model": pa.array(models, pa.string()),
+        "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
+        "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
+    }
+    arrays = [extra[f.name] if f.name in extra else batch.column(f.name) for f in schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def export(where: Where, out: Path, fmt: Format = "parquet", include_all: bool = False) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 
@@ -166,6 +167,27 @@ def test_stale_rows_rerun_and_superseded_sessions_cancelled(tmp_path, trainer_ra
     assert not processes_under(str(tmp_path / "sb"))
 
 
+def test_token_data_in_the_export_form_as_rollout_export_writes_it(tmp_path, trainer_ray):
+    from executor.export import ALL_SCHEMA, export
+
+    cfg = _config(tmp_path, "tokens", gateway={"capture_tokens": True, "top_logprobs": 0})
+    with Executor(cfg, form="export", policy_version=4) as ex:
+        ex.submit([_task("k", FAST)], group="mask_group")
+        batches = list(ex.batches(timeout_s=BOUND_S))
+    assert len(batches) == 1 and batches[0].schema.equals(ALL_SCHEMA, check_metadata=False)
+    delivered = {r["rollout_id"]: r for r in batches[0].to_pylist()}
+    assert len(delivered) == 2 and all(
+        r["prompt"] == "k" and r["model"] == "scripted-model" for r in delivered.values()
+    )
+    assert all(r["policy_version"] == 4 and r["staleness"] == 0 for r in delivered.values())
+    assert all(c["completion_token_ids"] for r in delivered.values() for c in r["model_calls"])
+    export(tmp_path / "out" / "tokens", tmp_path / "train.parquet")
+    exported = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert len(exported) == 2
+    for row in exported:  # the export's columns hold the same values, token lists included
+        assert {k: v for k, v in delivered[row["rollout_id"]].items() if k in row} == row
+
+
 def test_bad_input_is_one_line(tmp_path):
     from executor.tasks import InputError
 
@@ -178,5 +200,7 @@ def test_bad_input_is_one_line(tmp_path):
         ex.update_policy(4, base_url="http://127.0.0.1:1/v1")
     with pytest.raises(InputError, match=r"task 0: .*prompt"):
         ex.submit([{"id": "x"}])
+    with pytest.raises(InputError, match="form: 'arrow'"):
+        Executor(_config(tmp_path, "bad"), form="arrow")  # type: ignore[arg-type]
     with pytest.raises(InputError, match="no such task file"):
         ex.submit(tmp_path / "missing.jsonl")
