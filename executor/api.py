@@ -83,7 +83,8 @@ class Executor:
             worker_class,
             exiting=exiting,
             sink=self._deliver,
-            held=lambda: self._buffered >= self._max_buffered,
+            # Rows decided and not yet written count too: they are handed on at the next part.
+            held=lambda: self._buffered + self.driver.undelivered >= self._max_buffered,
             policy_version=policy_version,
             progress=progress,
             export_form=form == "export",

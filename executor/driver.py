@@ -351,6 +351,7 @@ class Driver:
         self.store = RunStore(self.run_dir, on_written=self._delivered)
         self.rng = random.Random()
         self.sink = sink
+        self.undelivered = 0  # final rows decided for the sink, in the store's buffer still
         self._export_form = export_form
         # For the export form: each open task's (prompt, metadata JSON), and each version's model name.
         self._task_info: dict[str, tuple[str, str]] = {}
@@ -783,6 +784,7 @@ class Driver:
     def _write(self, rows: list[tuple[SessionRequest, pa.RecordBatch]], final: Decision) -> None:
         """Append decided rows in one append (so in one part file); a final sample is done."""
         if final is not Decision.RETRY:
+            self.undelivered += len(rows) if self.sink is not None else 0
             for req, _ in rows:
                 key = (req.task.id, req.sample_index)
                 self.state.final.add(key)
@@ -852,6 +854,7 @@ class Driver:
         """A part file is written: its final rows go to the trainer, if one reads them."""
         if self.sink is None:
             return
+        self.undelivered = 0  # a flush writes every row buffered
         finals = written.filter(pc.fill_null(written.column("final"), False))
         if not finals.num_rows:
             return

@@ -76,7 +76,13 @@ def _whole_groups(batch: pa.RecordBatch, samples: int) -> bool:
 def test_stream_backpressure_close_and_resume_exactly_once(tmp_path, trainer_ray):
     held = [{"type": "wait", "gate": "never", "max_s": 120}, *FAST]
     tasks = [_task(f"a{i}", FAST) for i in range(3)] + [_task("slow", held)]
-    cfg = _config(tmp_path, "stream", policy={"group": "mask_group"})
+    # Two sessions at once, one group's worth: once a group is decided, nothing starts until it is read.
+    cfg = _config(
+        tmp_path,
+        "stream",
+        policy={"group": "mask_group"},
+        concurrency={"workers": 1, "sessions_per_worker": 2},
+    )
 
     ex = Executor(cfg, max_buffered_rows=2).start()
     workers = list(ex.driver._workers)
