@@ -38,14 +38,14 @@ WAVES = {1: ["add", "broken"], 2: ["mul", "sub"], 3: ["div", "mod"]}
 SAMPLES = 2
 
 
-def config(out: Path, sandboxes: Path, base_url: str) -> dict[str, Any]:
+def config(out: Path, sandboxes: Path | None, base_url: str) -> dict[str, Any]:
     return {
         "run_id": "train-loop",
         "out": str(out),
         "samples": SAMPLES,
         "harness": {"name": "codex"},
         "model": {"provider": "openai", "base_url": base_url, "name": "toy-policy"},
-        "sandbox": {"root": str(sandboxes)},
+        "sandbox": {"root": str(sandboxes)} if sandboxes else {},
         # One upstream attempt: the broken endpoint's 429 ends its session at once.
         "gateway": {"max_attempts_per_request": 1},
         "policy": {
@@ -108,7 +108,7 @@ def collect(executor: Executor, tasks: set[str], rows: list[dict[str, Any]]) -> 
     return wave
 
 
-def main(out: Path, sandboxes: Path) -> dict[str, Any]:
+def main(out: Path, sandboxes: Path | None = None) -> dict[str, Any]:
     models = Models()
     first, second = (s.base_url for s in models.servers)
     models.script("late", [{"type": "wait", "gate": "late", "max_s": 300}, *SOLVE])
@@ -160,5 +160,4 @@ if __name__ == "__main__":
         "--sandboxes", type=Path, default=None, help="where sandboxes go (default: the provider's)"
     )
     args = parser.parse_args()
-    sandboxes = args.sandboxes or args.out.resolve() / ".sandboxes"
-    main(args.out.resolve(), sandboxes)
+    main(args.out.resolve(), args.sandboxes.resolve() if args.sandboxes else None)

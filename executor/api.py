@@ -65,7 +65,6 @@ class Executor:
         cap = max_buffered_rows if max_buffered_rows is not None else self.config.in_flight_cap
         if cap < 1:
             raise InputError(f"max_buffered_rows: {cap} must be at least 1")
-        self._max_buffered = cap
         self._version = policy_version
         self._lock = threading.Condition()
         self._ready: collections.deque[pa.RecordBatch] = collections.deque()
@@ -83,8 +82,8 @@ class Executor:
             worker_class,
             exiting=exiting,
             sink=self._deliver,
-            # Rows decided and not yet written count too: they are handed on at the next part.
-            held=lambda: self._buffered + self.driver.undelivered >= self._max_buffered,
+            backlog=lambda: self._buffered,
+            max_backlog=cap,
             policy_version=policy_version,
             progress=progress,
             export_form=form == "export",

@@ -324,8 +324,9 @@ class Driver:
     it from one thread.
 
     ``sink``: called with every part file's final rows, once that part is written (a trainer's stream;
-    a group never spans two part files). ``held``: while it says so, no session is admitted (the
-    trainer's backpressure). ``policy_version``: the trainer's first version (None: no versions).
+    a group never spans two part files). ``backlog``: rows handed to the sink and not yet taken; while
+    they and the rows decided for it but not yet written reach ``max_backlog``, no session is admitted
+    (the trainer's backpressure). ``policy_version``: the trainer's first version (None: no versions).
     ``export_form``: what the sink gets is in ``rollout export --all``'s schema (the task's prompt and
     metadata, the model asked, the train and decision columns), else the stored row."""
 
@@ -336,7 +337,8 @@ class Driver:
         *,
         exiting: bool = False,
         sink: Callable[[pa.RecordBatch], None] | None = None,
-        held: Callable[[], bool] | None = None,
+        backlog: Callable[[], int] | None = None,
+        max_backlog: int = 0,
         policy_version: int | None = None,
         progress: bool = True,
         export_form: bool = False,
@@ -356,7 +358,8 @@ class Driver:
         # For the export form: each open task's (prompt, metadata JSON), and each version's model name.
         self._task_info: dict[str, tuple[str, str]] = {}
         self._models: dict[int | None, str] = {policy_version: cfg.model.name}
-        self._held = held or (lambda: False)
+        self._backlog = backlog
+        self._max_backlog = max_backlog
         self._show_progress = progress
         self._seq = itertools.count()
         self._retries: list[_Retry] = []
@@ -481,6 +484,10 @@ class Driver:
             if nxt is None:
                 break
             self._submit(nxt)
+        if self.undelivered and self._held() and not self._stopped and not self._held(written=0):
+            # Held by rows decided but not yet written: write them now, for the trainer to take, rather
+            # than hold admission for the rest of the flush interval (a trainer behind waits instead).
+            self.store.flush()
         progress.in_flight = len(self._inflight)
         progress.waiting_retry = len(self._retries)
         if not self._inflight:
@@ -504,6 +511,14 @@ class Driver:
         self.store.maybe_flush()
         progress.tick()
         return True
+
+    def _held(self, written: int | None = None) -> bool:
+        """Admission waits for the trainer: rows it has not taken, and (``written`` None) those decided
+        and not yet written, reach the bound."""
+        if self._backlog is None:
+            return False
+        pending = self.undelivered if written is None else written
+        return self._backlog() + pending >= self._max_backlog
 
     def counts(self) -> dict[str, int]:
         """Sessions in flight, samples waiting for a retry, and whether submitted tasks wait to start."""
