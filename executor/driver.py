@@ -870,10 +870,16 @@ class Driver:
         if self.sink is None:
             return
         self.undelivered = 0  # a flush writes every row buffered
-        finals = written.filter(pc.fill_null(written.column("final"), False))
-        if not finals.num_rows:
+        # One copy at most (token ids make rows large): each appended batch, a group whole, is kept as
+        # it is when every row of it is final, filtered otherwise, then the part's batches joined once.
+        finals = []
+        for appended in written.to_batches():
+            final = pc.fill_null(appended.column("final"), False)
+            finals.append(appended if pc.all(final).as_py() else appended.filter(final))
+        finals = [b for b in finals if b.num_rows]
+        if not finals:
             return
-        batch = finals.combine_chunks().to_batches()[0]
+        batch = finals[0] if len(finals) == 1 else pa.concat_batches(finals)
         if self._export_form:
             versions = batch.column("policy_version").to_pylist()
             names = [self._models.get(v, self.cfg.model.name) for v in versions]

@@ -29,7 +29,7 @@ class Request:
     index: int
     method: str
     path: str
-    url: str
+    url: str  # past the base URL (path and query): each attempt puts its replica's base URL before it
     headers: list[tuple[str, str]]
     body: bytes
     sha256: str
