@@ -173,6 +173,20 @@ def test_stale_rows_rerun_and_superseded_sessions_cancelled(tmp_path, trainer_ra
     assert not processes_under(str(tmp_path / "sb"))
 
 
+def test_cancel_stops_what_runs_and_writes_nothing_of_it(tmp_path, trainer_ray):
+    held = [{"type": "wait", "gate": "never", "max_s": 120}, *FAST]
+    ex = Executor(_config(tmp_path, "cancelled")).start()
+    ex.submit([_task("h", held)])
+    _wait_for("the sessions to start", lambda: ex.stats()["in_flight"] == 2)
+    ex.cancel()
+    assert list(ex.batches(timeout_s=BOUND_S)) == []  # the stream ends: nothing more will come
+    summary = ex.close()
+    assert (summary.stopped_by, summary.rows, summary.pending) == ("cancelled", 0, 2)
+    assert not processes_under(str(tmp_path / "sb"))
+    with pytest.raises(RuntimeError, match="closed"):
+        ex.submit([_task("late", FAST)])
+
+
 def test_token_data_in_the_export_form_as_rollout_export_writes_it(tmp_path, trainer_ray):
     from executor.export import ALL_SCHEMA, export
 
