@@ -208,6 +208,42 @@ def test_token_data_in_the_export_form_as_rollout_export_writes_it(tmp_path, tra
         assert {k: v for k, v in delivered[row["rollout_id"]].items() if k in row} == row
 
 
+def test_a_run_over_two_replicas_keeps_each_session_on_one(tmp_path, trainer_ray):
+    import threading
+
+    from harnesses.testing.scripted_model import ScriptedModel, parse_steps
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    servers = [ScriptedModel(parse_steps([*FAST])) for _ in range(2)]
+    for server in servers:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    urls = [server.base_url for server in servers]
+    twice = AGENT.replace("print(answer)", "urllib.request.urlopen(req, timeout=30).read()\nprint(answer)")
+    cfg = _config(
+        tmp_path,
+        "replicas",
+        samples=1,
+        harness={"name": "command", "command": twice},
+        model={"provider": "openai", "base_url": urls, "affinity_header": "x-session-affinity"},
+        concurrency={"workers": 1, "sessions_per_worker": 4},
+    )
+    try:
+        with Executor(cfg) as ex:
+            ex.submit([_task(f"r{i}", FAST) for i in range(4)])
+            rows = [r for b in ex.batches(timeout_s=BOUND_S) for r in b.to_pylist()]
+    finally:
+        for server in servers:
+            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+    assert len(rows) == 4 and all(r["decision"] == "accept" for r in rows)
+    per_session = [{c["replica"] for c in r["model_calls"]} for r in rows]
+    assert all(
+        len(r["model_calls"]) == 2 and len(seen) == 1 for r, seen in zip(rows, per_session, strict=True)
+    )
+    assert set().union(*per_session) == set(urls)  # spread over both, each session on one
+
+
 def test_bad_input_is_one_line(tmp_path):
     from executor.tasks import InputError
 

@@ -1,11 +1,12 @@
 """The endpoints behind the gateway: the policy versions a trainer announces, and the replicas of each.
 
-A version names an endpoint: one or several base URLs (replicas of one model server) and a model name.
-A session is pinned when it opens, to the endpoint of the version it started under and to one replica of
-it (the one in service with the fewest sessions), so that its requests reach one server's prefix cache;
-with ``affinity_header`` set, each of its requests also names the session in that header, for a router in
-front of the replicas. A version announced with the same endpoint as an earlier one is a weight update in
-place: a call made after it is answered by the new version, and that is the version its record names.
+A version names an endpoint: one or several base URLs (replicas of one model server) and a model name. A
+session is pinned when it opens, to the endpoint of the version it started under and to one replica of it
+(the one in service with the fewest sessions now, then the fewest so far), so that its requests reach one
+server's prefix cache; with ``affinity_header`` set, each of its requests also names the session in that
+header, for a router in front of the replicas. A version announced with the same endpoint as an earlier
+one is a weight update in place: a call made after it is answered by the new version, and that is the
+version its record names.
 
 A replica whose attempts fail ``failures_to_eject`` times in a row (no answer, a 5xx, a stall) is taken
 out of service for ``cooldown_s``: a session pinned to it moves to another replica of its endpoint at its
@@ -46,6 +47,7 @@ class Route:
 @dataclass
 class _Replica:
     sessions: int = 0
+    pinned: int = 0  # sessions ever pinned to it: among replicas as busy, the least used is chosen
     failures: int = 0  # in a row
     out_until: float = 0.0  # monotonic; in service from then on
     last_failure: float = field(default=-float("inf"))
@@ -113,7 +115,7 @@ class Upstreams:
         version = self.current if version is None else version
         endpoint = self._versions.get(version) or self._versions[self.current]
         route = Route(version, endpoint, self._choose(endpoint))
-        self._replicas[route.replica].sessions += 1
+        self._take(route.replica)
         return route
 
     def unpin(self, route: Route) -> None:
@@ -128,7 +130,7 @@ class Upstreams:
         moved = self._choose(route.endpoint)
         if moved != route.replica:
             self.unpin(route)
-            self._replicas[moved].sessions += 1
+            self._take(moved)
             route.replica = moved
         return moved
 
@@ -170,7 +172,11 @@ class Upstreams:
         serving = [u for u in endpoint.base_urls if self._in_service(u, now)]
         if not serving:
             return min(endpoint.base_urls, key=lambda u: self._replicas[u].last_failure)
-        return min(serving, key=lambda u: self._replicas[u].sessions)
+        return min(serving, key=lambda u: (self._replicas[u].sessions, self._replicas[u].pinned))
+
+    def _take(self, url: str) -> None:
+        self._replicas[url].sessions += 1
+        self._replicas[url].pinned += 1
 
 
 def _urls(base_urls: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
