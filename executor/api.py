@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -189,7 +190,7 @@ class Executor:
 
     def next_batch(self, timeout_s: float | None = None) -> pa.RecordBatch | None:
         """The next batch of final rows; None once nothing more will come of what was submitted."""
-        waited = 0.0
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
                 if self._error is not None:
@@ -201,10 +202,9 @@ class Executor:
                     return batch
                 if self._thread is None or not self._thread.is_alive() or self._idle_at == self._asked:
                     return None
-                if timeout_s is not None and waited >= timeout_s:
+                if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no rows within {timeout_s:g} s")
                 self._lock.wait(WAIT_S)
-                waited += WAIT_S
 
     def stats(self) -> dict[str, Any]:
         """Counts for a trainer's log: rows waiting for it, rows handed on, sessions in flight (read as
