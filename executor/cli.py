@@ -95,19 +95,21 @@ def run(
         if is_object_uri(cfg.out):  # a missing bucket, an endpoint not reached, keys refused: now
             check_writable(locate(cfg.out) / (cfg.run_id or ""))
         cfg.model.api_key()
+        if cfg.tasks is None:
+            raise InputError(f"{config}: tasks: a task file is required (or give --tasks)")
         _validate_tasks(Path(cfg.tasks))
     except InputError as exc:
         _fail_input(str(exc))
     phases.mark("config")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from executor.driver import Driver
+    from executor.api import Executor
     from executor.runs import RunLockedError, check_free
 
     try:
         # Before Ray starts: a run another driver holds is refused at once, with nothing started.
         check_free(locate(cfg.out) / (cfg.run_id or ""))
         _start(cfg, None if no_preflight else preflight_timeout)
-        summary = Driver(cfg, exiting=True).run()
+        summary = Executor(cfg, exiting=True, progress=True).run()
     except RunLockedError as exc:
         from rich.markup import escape
 

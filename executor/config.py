@@ -44,13 +44,20 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     provider: Literal["scripted", "openai"] = "scripted"
-    base_url: str | None = None  # required for openai; ends in /v1
+    # Required for openai; ends in /v1. Several: replicas of one model server, each session kept on one
+    # (harnesses/gateway/upstreams.py).
+    base_url: str | list[str] | None = None
     api_key_env: str | None = None  # the variable holding the key; the key itself never enters config
     name: str = "scripted-model"  # every model call goes upstream with this name, whatever a harness sent
     max_output_tokens: int | None = Field(default=None, ge=1)  # None: the gateway's max_output_tokens
     # Request parameters set on every model call over what the harness sent (temperature, top_p,
     # service_tier, a server's own such as top_k): the only way a tier or routing option goes upstream.
     parameters: dict[str, Any] = Field(default_factory=dict)
+    # Sent upstream with the session's id on each of its requests, for a router that keeps a session on
+    # one replica by a header (e.g. x-session-affinity); None sends none.
+    affinity_header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    replica_failures: int = Field(default=3, ge=1, le=1000)  # failed attempts in a row take a replica out
+    replica_cooldown_s: float = Field(default=30.0, ge=0, le=86_400)  # ... for this long
 
     @model_validator(mode="after")
     def _endpoint(self) -> ModelConfig:
@@ -61,7 +68,16 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"model.parameters: {', '.join(owned)} belong to the harness's request, not the run"
             )
+        if self.provider == "scripted" and isinstance(self.base_url, list):
+            raise ValueError("model.base_url: the scripted model runs in each worker; it takes no URLs")
         return self
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The replicas' base URLs, in the order given."""
+        if self.base_url is None:
+            return []
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
 
     def pins(self) -> dict[str, Any]:
         """What the gateway pins on every model call (``Gateway(url, key, config, **model.pins())``)."""
@@ -137,7 +153,8 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str | None = None  # default: the config file's stem, so the same command resumes
-    tasks: str
+    # The task file `rollout run` runs; a trainer's run may have none and submit tasks (executor/api.py).
+    tasks: str | None = None
     out: str = "runs"
     samples: int = Field(default=1, ge=1, le=10_000)
     # Which metric of a Harbor task's reward.json is the row's reward (all go to the rewards column).
@@ -206,12 +223,18 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfi
             raw[key] = local_path(raw[key], f"{path}: {key}", objects_ok=key == "out")
             if not is_object_uri(raw[key]) and not Path(raw[key]).is_absolute():
                 raw[key] = str((path.parent / raw[key]).resolve())
+    return config_from(raw, str(path), overrides)
+
+
+def config_from(raw: dict[str, Any], where: str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Validate a config's keys (``overrides``: dotted keys set first); one line naming ``where`` and
+    the key when they are wrong."""
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise InputError(f"{path}: {_describe(exc)}") from None
+        raise InputError(f"{where}: {_describe(exc)}") from None
 
 
 _URI_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")

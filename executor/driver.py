@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -10,13 +12,15 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 import yaml
 from ray.exceptions import (
@@ -31,6 +35,7 @@ from executor import capacity, orphans, phases, stopping, warm
 from executor.admission import OBSERVED_FIELDS, Admission
 from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
+from executor.export import SUBMITTED_TASKS, as_export
 from executor.local_ray import start_local_ray
 from executor.placement import Placements
 from executor.progress import Progress
@@ -39,7 +44,7 @@ from executor.runs import run_lock
 from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
 from executor.session import SessionRequest, lost_row
 from executor.storage import describe_error, locate
-from executor.store import ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
+from executor.store import Key, ResumeState, RunStore, StoreError, iter_rows_newest_first, read_table
 from executor.tasks import Task, load_tasks
 from executor.worker import RemoteSandboxWorker
 from harnesses.install import default_cache_root
@@ -52,12 +57,18 @@ from policy import (
     GroupAction,
     GroupBook,
     GroupMode,
+    GroupVerdict,
+    InFlightAction,
     Outcome,
     PolicyConfig,
+    StaleAction,
     Status,
     Verdict,
     decide,
     decide_group,
+    stale_reason,
+    staleness,
+    too_stale,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +103,8 @@ class RunSummary:
     by_failure_kind: dict[str, int]
     stopped: str | None
     exit_code: int
-    # "policy" (e.g. provider_auth_error), "breaker", "store", "signal" (SIGTERM, SIGINT: exit 128 + signum)
+    # "policy" (e.g. provider_auth_error), "breaker", "store", "signal" (SIGTERM, SIGINT: exit 128 + signum),
+    # "cancelled" (a trainer's cancel or close)
     stopped_by: str | None = None
     masked: int = 0
     # Training-facing statistics: final accepted rows with a reward only; masked rows never count.
@@ -100,6 +112,8 @@ class RunSummary:
     breaker: dict[str, object] = field(default_factory=dict)
     # When the run's fixed costs fell (executor/phases.py): seconds after the command started.
     phases: dict[str, float] = field(default_factory=dict)
+    # A trainer's run (executor/api.py): the last policy version, and what staleness did to rows.
+    versions: dict[str, int] = field(default_factory=dict)
 
 
 # The GCS address of the local cluster this process started, while it runs: that one is ours to stop.
@@ -111,19 +125,19 @@ _warm_lease: warm.Lease | None = None
 _left_connected = False
 
 
-def connect_ray(cfg: RunConfig) -> bool:
+def connect_ray(cfg: RunConfig, *, signals: bool = True) -> bool:
     """Join the cluster ``cfg`` or ``RAY_ADDRESS`` names (see ``cluster_address``), else attach to the
     warm executor ``rollout up`` left running, else start a local one of our own. True when connected to
     a local cluster this process started (then it is ours to stop, by ``stop_own_ray``), False when
-    joined or attached (``leave_ray`` lets go of either)."""
-    global _own_gcs, _warm_lease
-    if ray.is_initialized():
-        stopping.take()
-        return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
+    joined or attached (``leave_ray`` lets go of either). ``signals``: SIGTERM and SIGINT stop the run in
+    order from now on (executor/stopping.py), which a command wants and a trainer's process may not."""
     try:
+        if ray.is_initialized():
+            return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
         return _connect(cfg)
     finally:
-        stopping.take()  # after ray.init, which sets its own handlers (executor/stopping.py)
+        if signals:
+            stopping.take()  # after ray.init, which sets its own handlers
 
 
 def _connect(cfg: RunConfig) -> bool:
@@ -163,6 +177,10 @@ def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
     global _warm_lease, _left_connected
     if own:
         stop_own_ray(workers)
+    elif _warm_lease is None and not exiting:
+        # A cluster we joined from a process that goes on (a trainer's): its job does not end, so the
+        # run's workers would outlive the run. They close what they hold, then go.
+        close_workers(workers)
     elif _warm_lease is not None:
         warm.release(workers)
         if exiting:
@@ -179,6 +197,14 @@ def left_connected() -> bool:
     return _left_connected
 
 
+def close_workers(workers: list[Any]) -> None:
+    """End the run's worker actors: each closes what it holds (bounded), then is killed."""
+    _close(workers)
+    for worker in workers:
+        with contextlib.suppress(RayError, ValueError):
+            ray.kill(worker)
+
+
 def stop_own_ray(workers: list[Any]) -> None:
     """Stop the local cluster this process started, once the run's work is safe (rows durable,
     sandboxes stopped, summary written): the workers close what they hold, then the cluster goes.
@@ -188,6 +214,13 @@ def stop_own_ray(workers: list[Any]) -> None:
     to 1 s (the autoscaler monitor took all of that second; it is not started now, see
     ``_lean_node``)."""
     global _own_gcs
+    _close(workers)
+    ray.shutdown()
+    _own_gcs = None
+
+
+def _close(workers: list[Any]) -> None:
+    """Each worker closes what it holds, bounded."""
     # A worker class without close (a benchmark's null worker) holds nothing to close.
     closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
     try:
@@ -195,8 +228,6 @@ def stop_own_ray(workers: list[Any]) -> None:
     except (RayError, TimeoutError) as exc:
         # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
         log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
-    ray.shutdown()
-    _own_gcs = None
 
 
 def worker_options(cfg: RunConfig) -> dict[str, Any]:
@@ -262,19 +293,87 @@ def training_reward_stats(
 _VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "error_message")
 
 
+@dataclass
+class Submission:
+    """Tasks handed to a run: a task file (read lazily, as the run goes) or tasks in memory, each run
+    ``samples`` times under the group policy ``group``. ``snapshot``: keep a copy in the run directory
+    (``tasks/``), so that export and replay find a row's task; the config's own task file has its
+    snapshot beside the config instead."""
+
+    tasks: Path | list[Task]
+    samples: int
+    group: GroupMode = GroupMode.NONE
+    snapshot: bool = True
+    expected: int = 0  # (task, sample) pairs it names, counted before its first session
+    pending: int = 0  # of those, not final yet when counted
+
+    def load(self) -> Iterator[Task]:
+        return load_tasks(self.tasks) if isinstance(self.tasks, Path) else iter(self.tasks)
+
+    def count(self, final: set[Key]) -> None:
+        for task in self.load():
+            self.expected += self.samples
+            self.pending += sum((task.id, s) not in final for s in range(self.samples))
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A trainer's policy version and where it is served (None: where the version before it was)."""
+
+    version: int
+    base_urls: tuple[str, ...] | None = None
+    model: str | None = None
+
+    def to_json(self) -> str:
+        urls = list(self.base_urls) if self.base_urls else None
+        return json.dumps({"version": self.version, "base_urls": urls, "model": self.model})
+
+
 class Driver:
+    """One run's driver: bounded admission of sessions to worker actors, each result as it completes, the
+    policy's decision, bounded retries, rows to the store. Driven from outside, one turn at a time, by
+    ``executor.api.Executor`` (the ``rollout run`` command's and a trainer's loop): ``open``, then
+    ``submit`` / ``announce`` / ``step`` until ``step`` says there is nothing left, then ``close``. All of
+    it from one thread.
+
+    ``sink``: called with every part file's final rows, once that part is written (a trainer's stream;
+    a group never spans two part files). ``backlog``: rows handed to the sink and not yet taken; while
+    they and the rows decided for it but not yet written reach ``max_backlog``, no session is admitted
+    (the trainer's backpressure). ``policy_version``: the trainer's first version (None: no versions).
+    ``export_form``: what the sink gets is in ``rollout export --all``'s schema (the task's prompt and
+    metadata, the model asked, the train and decision columns), else the stored row."""
+
     def __init__(
-        self, cfg: RunConfig, worker_class: Any = RemoteSandboxWorker, *, exiting: bool = False
+        self,
+        cfg: RunConfig,
+        worker_class: Any = RemoteSandboxWorker,
+        *,
+        exiting: bool = False,
+        sink: Callable[[pa.RecordBatch], None] | None = None,
+        backlog: Callable[[], int] | None = None,
+        max_backlog: int = 0,
+        policy_version: int | None = None,
+        progress: bool = True,
+        export_form: bool = False,
     ) -> None:
         """``worker_class``: the Ray actor class hosting sessions (benchmarks swap in a null one).
-        ``exiting``: the process ends once ``run`` returns (``rollout run``; see ``leave_ray``)."""
+        ``exiting``: the process ends once the run is closed (``rollout run``; see ``leave_ray``)."""
         assert cfg.run_id
         self.cfg = cfg
         self.worker_class = worker_class
         self.exiting = exiting
         self.run_dir = locate(cfg.out) / cfg.run_id
-        self.store = RunStore(self.run_dir)
+        self.store = RunStore(self.run_dir, on_written=self._delivered)
         self.rng = random.Random()
+        self.sink = sink
+        self.undelivered = 0  # final rows decided for the sink, in the store's buffer still
+        self._export_form = export_form
+        # For the export form: each open task's (prompt, metadata JSON), and each version's model name.
+        self._task_info: dict[str, tuple[str, str]] = {}
+        self._models: dict[int | None, str] = {policy_version: cfg.model.name}
+        self._backlog = backlog
+        self._max_backlog = max_backlog
+        self._show_progress = progress
         self._seq = itertools.count()
         self._retries: list[_Retry] = []
         self._inflight: dict[ray.ObjectRef, tuple[SessionRequest, int]] = {}
@@ -290,124 +389,262 @@ class Driver:
         self._signal: int | None = None  # the signal that stopped the run
         self._cancelled: list[ray.ObjectRef] = []  # sessions cancelled at a stop, their rows written
         self.placements = Placements()
+        self._watch: capacity.Watch | None = None
         self.breaker = CircuitBreaker(cfg.policy.breaker)
         self.admission = Admission(cfg.in_flight_cap, cfg.concurrency.admission)
         # (request, batch, verdict) of final rows waiting for the rest of their group; see policy/groups.py
         self.groups: GroupBook[tuple[SessionRequest, pa.RecordBatch, Verdict]] = GroupBook()
+        self._group_mode: dict[str, GroupMode] = {}  # per task with an open group
+        self._sources: deque[Iterator[SessionRequest]] = deque()
+        self._open_tasks: dict[
+            str, int
+        ] = {}  # task id -> its samples not final yet (submitted twice: skipped)
+        self._expected = 0
+        self._duplicates = 0
+        self._snapshots = 0
+        self._exits = contextlib.ExitStack()
+        self.state = ResumeState()
+        self.budget = 0
+        self.progress: Progress | None = None
+        # Policy versions (executor/api.py); None: the run has none.
+        self._policy: Announcement | None = (
+            Announcement(policy_version) if policy_version is not None else None
+        )
+        self._superseded: set[ray.ObjectRef] = set()  # cancelled for staleness: started again, no row
+        self._reruns: dict[tuple[str, int], int] = {}  # staleness reruns per sample; (task, -1) per group
+        self.versions: dict[str, int] = {"stale_masked": 0, "stale_rerun": 0, "stale_delivered": 0}
+        self.versions["cancelled_superseded"] = 0
 
-    def run(self) -> RunSummary:
-        """Run (or resume) the run; RunLockedError, with nothing written, if another driver holds it."""
-        with run_lock(self.run_dir):
-            try:
-                return self._run_locked()
-            finally:
-                # Under the lock still: the next driver of this run starts once our sandboxes are gone.
-                self._await_cancelled()
-                if self._worker_died_at:  # what dead workers left, on whichever node they ran
-                    reap_quietly(self.cfg.sandbox, everywhere=True)
-                leave_ray(self._own_ray, self._workers, exiting=self.exiting)
-                stopping.release()
+    # -- the run's life ----------------------------------------------------------------------------------
 
-    def _run_locked(self) -> RunSummary:
-        cfg = self.cfg
+    @property
+    def policy_version(self) -> int | None:
+        return self._policy.version if self._policy else None
+
+    @property
+    def stopped(self) -> str | None:
+        return self._stopped
+
+    def open(self, first: Submission | None = None, *, signals: bool = False) -> None:
+        """Take the run's lock (RunLockedError, with nothing written, if another driver holds it), join
+        or start Ray, start the workers, read what a previous run of this id left, and submit ``first``
+        (its tasks counted meanwhile). On failure, what was taken is let go of. ``signals``: SIGTERM and
+        SIGINT stop the run in order until it is closed (a command's run; executor/stopping.py)."""
+        self._exits.enter_context(run_lock(self.run_dir))
+        if signals:
+            self._exits.callback(stopping.release)
+        # Under the lock still when leaving: the next driver of this run starts once our sandboxes are gone.
+        self._exits.callback(lambda: leave_ray(self._own_ray, self._workers, exiting=self.exiting))
+        self._exits.callback(self._reap_dead_workers)
+        self._exits.callback(self._await_cancelled)
+        try:
+            self._open(first, signals)
+        except BaseException:
+            self._exits.close()
+            raise
+
+    def _open(self, first: Submission | None, signals: bool) -> None:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-plan") as pool:
             # The run's own work before its first session (resume scan, config and task snapshot, task
             # count, harness check) is disk and subprocess waits: it goes on beside Ray's start and the
             # worker actors' (each a fresh process importing our modules), not before them.
-            planned = pool.submit(self._plan)
-            self._own_ray = connect_ray(cfg)
+            planned = pool.submit(self._plan, first)
+            self._own_ray = connect_ray(self.cfg, signals=signals)
             phases.mark("ray_up")
-            capacity.check(cfg.concurrency.worker_resources, cfg.concurrency.workers)
-            self._workers = workers = self._start_workers()
+            capacity.check(self.cfg.concurrency.worker_resources, self.cfg.concurrency.workers)
+            self._workers = self._start_workers()
             phases.mark("workers_created")
-            plan = planned.result()
-        if plan is None:
+            resumable = planned.result()
+        self._load = [0] * len(self._workers)
+        self._watch = capacity.Watch(self.cfg.concurrency.worker_resources, len(self._workers))
+        self.budget = max(self.cfg.policy.retry_budget - self.state.retries_used, 0)
+        self.progress = Progress(
+            self.cfg.run_id or "",
+            first.pending if first else 0,
+            stream=None if self._show_progress else _Null(),
+        )
+        if not resumable:
             # The run this resumes stopped at a bound that still holds: more sessions would only burn more.
+            self._expected += first.expected if first else 0
             self._stop(self.breaker.tripped or "", "breaker")
-            return self._summarize()
-        state, total = plan
-        budget = max(cfg.policy.retry_budget - state.retries_used, 0)
-        source = self._requests(state)
-        progress = Progress(cfg.run_id or "", total)
-        watch = capacity.Watch(cfg.concurrency.worker_resources, len(workers))
-        self._load = [0] * len(workers)
-        exhausted = False
+        elif first is not None:
+            self._queue(first)
+
+    def submit(self, sub: Submission) -> None:
+        """More tasks to run (counted here; their sessions are admitted as the run goes). Tasks whose
+        samples are all final already (a resume) are skipped; a task already running is skipped too."""
+        sub.count(self.state.final)
+        if self.progress is not None and self.progress.total is not None:
+            self.progress.total += sub.pending
+        self._queue(sub)
+
+    def _queue(self, sub: Submission) -> None:
+        self._expected += sub.expected
+        if sub.snapshot:
+            self._snapshot(sub)
+        self._sources.append(self._requests(sub))
+
+    def step(self) -> bool:
+        """One turn of the loop: admit what may start, wait (at most WAIT_S) for results and settle
+        them. False once there is nothing left: nothing in flight, waiting or submitted, or the run
+        stopped. A KeyboardInterrupt or a StoreError stops the run; the caller then closes it."""
+        assert self.progress is not None
         try:
-            while True:
-                if (signum := stopping.requested()) is not None and not self._stopped:
-                    self._signal = signum
-                    self._stop(f"stopped by {signal.Signals(signum).name}", "signal")
-                if self._stopped:
-                    break  # what is in flight is cancelled and written below
-                while len(self._inflight) < self.admission.cap and not self._stopped:
-                    now = time.monotonic()
-                    if self._retries and self._retries[0].ready_at <= now:
-                        r = heapq.heappop(self._retries)
-                        self._submit(
-                            workers, SessionRequest(cfg.run_id or "", r.task, r.sample_index, r.attempt)
-                        )
-                        continue
-                    if exhausted:
-                        break
-                    nxt = next(source, None)
-                    if nxt is None:
-                        exhausted = True
-                        continue
-                    self._submit(workers, nxt)
-                progress.in_flight = len(self._inflight)
-                progress.waiting_retry = len(self._retries)
-                if not self._inflight:
-                    if self._stopped or (exhausted and not self._retries):
-                        break
-                    # Waiting for a retry's backoff or for the endpoint's Retry-After hold to pass.
-                    wait = self._retries[0].ready_at - time.monotonic() if self._retries else WAIT_S
-                    time.sleep(min(max(wait, 0.0), WAIT_S))
-                    continue
-                ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=WAIT_S)
-                if ready:
-                    more, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
-                    ready = list(dict.fromkeys(ready + more))
-                for ref in ready:
-                    budget = self._settle(ref, budget, progress)
-                self.placements.poll(workers, self._load)
-                self.store.maybe_flush()
-                watch.tick()
-                progress.cluster = watch.note
-                progress.tick()
+            return self._step(self.progress)
         except KeyboardInterrupt:
             self._stop("interrupted", "interrupted")
         except StoreError as exc:
             self._stop(f"output: {exc}", "store")
-        finally:
-            self._cancel_in_flight(budget, progress)
+        return False
+
+    def _step(self, progress: Progress) -> bool:
+        if (signum := stopping.requested()) is not None and not self._stopped:
+            self._signal = signum
+            self._stop(f"stopped by {signal.Signals(signum).name}", "signal")
+        if self._stopped:
+            return False  # what is in flight is cancelled and written at close
+        while len(self._inflight) < self.admission.cap and not self._stopped and not self._held():
+            now = time.monotonic()
+            if self._retries and self._retries[0].ready_at <= now:
+                r = heapq.heappop(self._retries)
+                self._submit(SessionRequest(self.cfg.run_id or "", r.task, r.sample_index, r.attempt))
+                continue
+            nxt = self._next_request()
+            if nxt is None:
+                break
+            self._submit(nxt)
+        if self.undelivered and self._held() and not self._stopped and not self._held(written=0):
+            # Held by rows decided but not yet written: write them now, for the trainer to take, rather
+            # than hold admission for the rest of the flush interval (a trainer behind waits instead).
+            self.store.flush()
+        progress.in_flight = len(self._inflight)
+        progress.waiting_retry = len(self._retries)
+        if not self._inflight:
+            if self._stopped or (not self._sources and not self._retries):
+                # Nothing left: every decided row is written (and so handed on) before the run says so.
+                self.store.flush()
+                progress.tick()
+                return False
+            # Waiting for a retry's backoff, for the endpoint's Retry-After hold to pass, or for the
+            # trainer to take what it was given.
+            wait = self._retries[0].ready_at - time.monotonic() if self._retries else WAIT_S
+            time.sleep(min(max(wait, 0.0), WAIT_S))
+            self.store.maybe_flush()
+            return True
+        ready, _ = ray.wait(list(self._inflight), num_returns=1, timeout=WAIT_S)
+        if ready:
+            more, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
+            ready = list(dict.fromkeys(ready + more))
+        for ref in ready:
+            self._settle(ref, progress)
+        self.placements.poll(self._workers, self._load)
+        self.store.maybe_flush()
+        if self._watch is not None:
+            self._watch.tick()
+            progress.cluster = self._watch.note
+        progress.tick()
+        return True
+
+    def _held(self, written: int | None = None) -> bool:
+        """Admission waits for the trainer: rows it has not taken, and (``written`` None) those decided
+        and not yet written, reach the bound."""
+        if self._backlog is None:
+            return False
+        pending = self.undelivered if written is None else written
+        return self._backlog() + pending >= self._max_backlog
+
+    def counts(self) -> dict[str, int]:
+        """Sessions in flight, samples waiting for a retry, and whether submitted tasks wait to start."""
+        return {
+            "in_flight": len(self._inflight),
+            "waiting_retry": len(self._retries),
+            "submitted_waiting": int(bool(self._sources)),
+        }
+
+    def idle(self) -> bool:
+        """Nothing in flight, waiting for a retry or submitted and not yet started."""
+        return not self._inflight and not self._retries and not self._sources
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the run: no new session; at close, those in flight are cancelled (their sandboxes
+        stopped) and written as ``cancelled`` rows, so their samples run again on resume."""
+        self._stop(reason, "cancelled")
+
+    def close(self) -> RunSummary:
+        """Wait (bounded) for cancelled sessions to clean up, write what is buffered, write the summary,
+        let go of Ray and of the run's lock. Sessions still in flight are cancelled first."""
+        try:
+            if self._inflight and not self._stopped:
+                self._stop("closed with sessions in flight", "cancelled")
+            if self.progress is not None:
+                self._cancel_in_flight(self.progress)
             try:
                 self.store.flush()
             except StoreError as exc:
                 # These rows were never written, so their samples run again on resume; none is half-kept.
                 log.error("buffered rows not written: %s", exc)
                 self._stop(f"output: {exc}", "store")
-            progress.close()
-        phases.mark("last_row")
-        self._note_worker_ready(workers)
-        return self._summarize()
+            if self.progress is not None:
+                self.progress.close()
+            phases.mark("last_row")
+            self._note_worker_ready(self._workers)
+            return self._summarize()
+        finally:
+            self._exits.close()
 
-    def _plan(self) -> tuple[ResumeState, int] | None:
-        """What is left to run and how much of it, with the config written; None when the run this
-        resumes stopped at a bound that still holds. Writes nothing before that check."""
+    # -- policy versions ---------------------------------------------------------------------------------
+
+    def announce(
+        self, version: int, base_urls: tuple[str, ...] | None = None, model: str | None = None
+    ) -> None:
+        """The trainer's policy is now ``version`` (served at ``base_urls`` as ``model`` when given):
+        sessions started from now on use it; every worker learns it for the calls of sessions already
+        running. With ``in_flight: cancel``, sessions that could no longer be delivered within the
+        staleness bound are cancelled and started again under it."""
+        before = self._policy
+        if before is not None and version <= before.version:
+            raise ValueError(f"policy version {version}: must be greater than the current {before.version}")
+        if base_urls and self.cfg.model.provider == "scripted":
+            raise ValueError("base_url: the scripted model runs in each worker; a version cannot move it")
+        self._policy = Announcement(
+            version,
+            base_urls or (before.base_urls if before else None),
+            model or (before.model if before else None),
+        )
+        message = self._policy.to_json()
+        self._models[version] = self._policy.model or self.cfg.model.name
+        for worker in self._workers:
+            announce = getattr(worker, "announce", None)
+            if announce is not None:
+                announce.remote(message)  # fire and forget: each session also carries its version
+        rule = self.cfg.policy.staleness
+        if rule.in_flight is InFlightAction.CANCEL:
+            bound = rule.max_versions or 0
+            for ref, (req, _) in self._inflight.items():
+                if req.policy_version is not None and version - req.policy_version > bound:
+                    self._superseded.add(ref)
+                    ray.cancel(ref)
+
+    # -- inside ------------------------------------------------------------------------------------------
+
+    def _plan(self, first: Submission | None) -> bool:
+        """Read what a previous run left and count ``first``; False when the run this resumes stopped at
+        a bound that still holds. Writes the config (nothing before that check)."""
         cfg = self.cfg
-        state = self.store.resume_state()
-        if state.rows and self._restore_breaker():
-            return None
+        self.state = self.store.resume_state()
+        if first is not None:
+            first.count(self.state.final)
+        if self.state.rows and self._restore_breaker():
+            return False
         self._write_config()
         # What a driver killed outright left (before its first row, too): launches no row names.
-        orphans.adopt(self.run_dir, state, cfg, self._append_cancelled)
-        total = self._count_pending(state)
+        orphans.adopt(self.run_dir, self.state, cfg, self._append_cancelled)
         # Install once here so the first sessions don't all queue on the install lock.
         make_harness(cfg.harness.name, cfg.harness.version, cfg.harness.command).ensure_installed(
             default_cache_root()
         )
         warm_up()  # pyarrow's one-time costs, here rather than at the first row
-        return state, total
+        return True
 
     def _start_workers(self) -> list[Any]:
         """The worker actors, created at once: each starts its process while the driver goes on."""
@@ -443,40 +680,64 @@ class Driver:
             for kind, decision, final in rows
         )
 
-    def _requests(self, state: ResumeState) -> Iterator[SessionRequest]:
-        for task in load_tasks(Path(self.cfg.tasks)):
-            if self.cfg.policy.group is not GroupMode.NONE:
-                pending = sum((task.id, s) not in state.final for s in range(self.cfg.samples))
-                if pending:
-                    self.groups.expect(task.id, pending)
-            for sample in range(self.cfg.samples):
-                key = (task.id, sample)
-                if key not in state.final:
-                    yield SessionRequest(
-                        self.cfg.run_id or "", task, sample, state.last_attempt.get(key, 0) + 1
-                    )
+    def _next_request(self) -> SessionRequest | None:
+        while self._sources:
+            nxt = next(self._sources[0], None)
+            if nxt is not None:
+                return nxt
+            self._sources.popleft()
+        return None
 
-    def _count_pending(self, state: ResumeState) -> int:
-        count = 0
-        for task in load_tasks(Path(self.cfg.tasks)):
-            count += sum((task.id, s) not in state.final for s in range(self.cfg.samples))
-        return count
+    def _requests(self, sub: Submission) -> Iterator[SessionRequest]:
+        run_id = self.cfg.run_id or ""
+        for task in sub.load():
+            pending = [s for s in range(sub.samples) if (task.id, s) not in self.state.final]
+            if not pending:
+                continue
+            if task.id in self._open_tasks:
+                log.warning("task %s was submitted again while it runs: the second is skipped", task.id[:200])
+                self._duplicates += sub.samples
+                continue
+            self._open_tasks[task.id] = len(pending)
+            if self._export_form:
+                self._task_info[task.id] = (task.prompt, json.dumps(task.metadata, sort_keys=True))
+            if sub.group is not GroupMode.NONE:
+                self.groups.expect(task.id, len(pending))
+                self._group_mode[task.id] = sub.group
+            for sample in pending:
+                yield SessionRequest(
+                    run_id, task, sample, self.state.last_attempt.get((task.id, sample), 0) + 1
+                )
 
-    def _submit(self, workers: list[Any], req: SessionRequest) -> None:
+    def _submit(self, req: SessionRequest) -> None:
+        workers = self._workers
         index = min(range(len(workers)), key=self._load.__getitem__)
+        extra: dict[str, str] = {}
+        if self._policy is not None:
+            req = dataclasses.replace(req, policy_version=self._policy.version)
+            extra["policy"] = self._policy.to_json()
         ref = workers[index].run.remote(
-            req.task.model_dump_json(), req.sample_index, req.attempt, *self._binding
+            req.task.model_dump_json(), req.sample_index, req.attempt, *self._binding, **extra
         )
         self._inflight[ref] = (req, index)
         self.placements.dispatched(ref, req.rollout_id, index)
         self._submitted_at[ref] = time.monotonic()
         self._load[index] += 1
 
-    def _settle(self, ref: ray.ObjectRef, budget: int, progress: Progress) -> int:
+    def _resend(self, req: SessionRequest, pause_s: float) -> None:
+        """Send the same attempt again (it never ran to an end: no row was written for it)."""
+        heapq.heappush(
+            self._retries,
+            _Retry(time.monotonic() + pause_s, next(self._seq), req.task, req.sample_index, req.attempt),
+        )
+
+    def _settle(self, ref: ray.ObjectRef, progress: Progress) -> None:
         req, index = self._inflight.pop(ref)
         phases.mark("first_row")
         self._load[index] -= 1
         submitted_at = self._submitted_at.pop(ref, 0.0)
+        superseded = ref in self._superseded
+        self._superseded.discard(ref)
         known = self.placements.known(ref)
         try:
             batch = batch_from_wire(ray.get(ref))
@@ -486,23 +747,18 @@ class Driver:
             known_dead = died_at is not None and submitted_at >= died_at
             if known_dead and self._resends.get(key, 0) < UNAVAILABLE_RESENDS:
                 self._resends[key] = self._resends.get(key, 0) + 1
-                heapq.heappush(
-                    self._retries,
-                    _Retry(
-                        time.monotonic() + UNAVAILABLE_PAUSE_S,
-                        next(self._seq),
-                        req.task,
-                        req.sample_index,
-                        req.attempt,
-                    ),
-                )
-                return budget
+                self._resend(req, UNAVAILABLE_PAUSE_S)
+                return
             self._note_death(index, submitted_at)
             batch = self._lost(req, f"worker actor died mid-session: {str(exc)[:500]}", known)
         except TaskCancelledError as exc:
             if self._stopped:
                 self._write_cancelled(req, known, progress)
-                return budget
+                return
+            if superseded:  # cancelled for staleness: it starts again under the current version
+                self.versions["cancelled_superseded"] += 1
+                self._resend(req, 0.0)
+                return
             batch = self._lost(req, f"session cancelled: {str(exc)[:500]}", known)
         except RayActorError as exc:
             self._note_death(index, submitted_at)
@@ -516,25 +772,50 @@ class Driver:
         row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
         self.admission.observe(model_call_fields(batch, OBSERVED_FIELDS))
         kind = FailureKind(row["failure_kind"])
-        verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=budget, rng=self.rng)
+        verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=self.budget, rng=self.rng)
         if self.breaker.record_attempt(KIND_INFO[kind].infrastructure, kind.value):
             self._stop(self.breaker.tripped or "", "breaker")
+        group = self._group_mode.get(req.task.id, GroupMode.NONE)
+        if group is GroupMode.NONE:
+            verdict = self._unless_stale(req, verdict)
         if verdict.decision is Decision.RETRY:
-            budget -= 1
+            self.budget -= 1
             self._schedule(req, verdict.retry_delay_s)
-        if verdict.decision is not Decision.RETRY and self.cfg.policy.group is not GroupMode.NONE:
-            group = self.groups.hold(
+        if verdict.decision is not Decision.RETRY and group is not GroupMode.NONE:
+            held = self.groups.hold(
                 req.task.id, req.sample_index, (req, batch, verdict), verdict.decision is Decision.MASK
             )
-            if group is not None:
-                budget = self._write_group(req.task.id, [held for _, held, _ in group], budget, progress)
+            if held is not None:
+                self._write_group(req.task.id, group, [h for _, h, _ in held], progress)
         else:
-            self.store.append(self._decided(batch, verdict, progress))
+            self._write([(req, self._decided(batch, verdict, req, progress))], final=verdict.decision)
         if self.cfg.policy.rule_for(kind).stop_run:
             self._stop(f"{kind.value}: {row['error_message'] or ''}"[:500], "policy")
-        return budget
 
-    def _decided(self, batch: pa.RecordBatch, verdict: Verdict, progress: Progress) -> pa.RecordBatch:
+    def _unless_stale(self, req: SessionRequest, verdict: Verdict) -> Verdict:
+        """A final verdict on a row that started too many versions ago, as ``policy.staleness`` says."""
+        rule, current = self.cfg.policy.staleness, self.policy_version or 0
+        if verdict.decision is Decision.RETRY or not too_stale(rule, req.policy_version, current):
+            return verdict
+        reason = stale_reason(req.policy_version, current, rule)
+        if rule.action is StaleAction.DELIVER:
+            self.versions["stale_delivered"] += 1
+            return verdict
+        key = (req.task.id, req.sample_index)
+        rerun = rule.action is StaleAction.RERUN and self.budget > 0
+        if rerun and self._reruns.get(key, 0) < rule.max_reruns:
+            self._reruns[key] = self._reruns.get(key, 0) + 1
+            self.versions["stale_rerun"] += 1
+            return Verdict(Decision.RETRY, reason, 0.0)
+        self._reruns.pop(key, None)
+        if verdict.decision is Decision.MASK:
+            return verdict  # masked for its own reason, which explains it better
+        self.versions["stale_masked"] += 1
+        return Verdict(Decision.MASK, reason if rule.action is StaleAction.MASK else f"{reason}; reruns used")
+
+    def _decided(
+        self, batch: pa.RecordBatch, verdict: Verdict, req: SessionRequest, progress: Progress
+    ) -> pa.RecordBatch:
         """The row with its decision columns, counted in progress and in the breaker."""
         final = verdict.decision is not Decision.RETRY
         masked = verdict.decision is Decision.MASK
@@ -550,40 +831,103 @@ class Driver:
         )
         if final and self.breaker.record_final(masked):
             self._stop(self.breaker.tripped or "", "breaker")
-        return with_decisions(batch, decision_columns(verdict))
+        columns = decision_columns(verdict)
+        if req.policy_version is not None:
+            columns["staleness"] = [staleness(req.policy_version, self.policy_version or 0)]
+        return with_decisions(batch, columns)
+
+    def _write(self, rows: list[tuple[SessionRequest, pa.RecordBatch]], final: Decision) -> None:
+        """Append decided rows in one append (so in one part file); a final sample is done."""
+        if final is not Decision.RETRY:
+            self.undelivered += len(rows) if self.sink is not None else 0
+            for req, _ in rows:
+                key = (req.task.id, req.sample_index)
+                self.state.final.add(key)
+                self._reruns.pop(key, None)
+                left = self._open_tasks.get(req.task.id, 1) - 1
+                if left > 0:
+                    self._open_tasks[req.task.id] = left
+                else:
+                    self._open_tasks.pop(req.task.id, None)
+        batches = [b for _, b in rows]
+        self.store.append(batches[0] if len(batches) == 1 else pa.concat_batches(batches))
 
     def _write_group(
         self,
         task_id: str,
+        mode: GroupMode,
         held: list[tuple[SessionRequest, pa.RecordBatch, Verdict]],
-        budget: int,
         progress: Progress,
-    ) -> int:
+    ) -> None:
         """Write a whole group at once, each row carrying the group's decision, in one part file."""
-        policy = self.cfg.policy
-        group = decide_group(
-            policy.group,
-            [v.decision is Decision.MASK for _, _, v in held],
-            resubmits_done=self.groups.resubmits(task_id),
-            max_resubmits=policy.group_resubmits,
-            budget_left=budget,
-        )
-        batches = []
+        policy, rule = self.cfg.policy, self.cfg.policy.staleness
+        current = self.policy_version or 0
+        stale = [too_stale(rule, req.policy_version, current) for req, _, _ in held]
+        group = GroupVerdict(GroupAction.KEEP)
+        if any(stale) and rule.action is StaleAction.DELIVER:
+            self.versions["stale_delivered"] += sum(stale)
+        elif any(stale):
+            first = next(req for (req, _, _), s in zip(held, stale, strict=True) if s)
+            reason = f"group: {stale_reason(first.policy_version, current, rule)}"
+            key = (task_id, -1)
+            if rule.action is StaleAction.RERUN and self._reruns.get(key, 0) < rule.max_reruns:
+                if self.budget >= len(held):
+                    self._reruns[key] = self._reruns.get(key, 0) + 1
+                    self.versions["stale_rerun"] += len(held)
+                    group = GroupVerdict(GroupAction.RESUBMIT, reason)
+            if group.action is GroupAction.KEEP:
+                self.versions["stale_masked"] += len(held)
+                group = GroupVerdict(GroupAction.MASK, reason)
+        if group.action is GroupAction.KEEP:
+            group = decide_group(
+                mode,
+                [v.decision is Decision.MASK for _, _, v in held],
+                resubmits_done=self.groups.resubmits(task_id),
+                max_resubmits=policy.group_resubmits,
+                budget_left=self.budget,
+            )
+        rows = []
         for req, batch, verdict in held:
             own = verdict
             if group.action is GroupAction.MASK and verdict.decision is not Decision.MASK:
                 own = Verdict(Decision.MASK, group.reason)
             elif group.action is GroupAction.RESUBMIT:
                 own = Verdict(Decision.RETRY, group.reason, 0.0)
-                budget -= 1
+                self.budget -= 1
                 self._schedule(req, 0.0)
-            batches.append(self._decided(batch, own, progress))
+            rows.append((req, self._decided(batch, own, req, progress)))
         if group.action is GroupAction.RESUBMIT:
             self.groups.resubmitted(task_id)
         else:
             self.groups.close(task_id)
-        self.store.append(pa.concat_batches(batches))  # one append: a group never spans two part files
-        return budget
+            self._group_mode.pop(task_id, None)
+            self._reruns.pop((task_id, -1), None)
+        # One append: a group never spans two part files, so a trainer always receives it whole.
+        self._write(rows, Decision.RETRY if group.action is GroupAction.RESUBMIT else Decision.ACCEPT)
+
+    def _delivered(self, written: pa.Table) -> None:
+        """A part file is written: its final rows go to the trainer, if one reads them."""
+        if self.sink is None:
+            return
+        self.undelivered = 0  # a flush writes every row buffered
+        # One copy at most (token ids make rows large): each appended batch, a group whole, is kept as
+        # it is when every row of it is final, filtered otherwise, then the part's batches joined once.
+        finals = []
+        for appended in written.to_batches():
+            final = pc.fill_null(appended.column("final"), False)
+            finals.append(appended if pc.all(final).as_py() else appended.filter(final))
+        finals = [b for b in finals if b.num_rows]
+        if not finals:
+            return
+        batch = finals[0] if len(finals) == 1 else pa.concat_batches(finals)
+        if self._export_form:
+            versions = batch.column("policy_version").to_pylist()
+            names = [self._models.get(v, self.cfg.model.name) for v in versions]
+            batch = as_export(batch, True, self._task_info, names)
+            for task_id in set(batch.column("task_id").to_pylist()):
+                if task_id not in self._open_tasks:
+                    self._task_info.pop(task_id, None)
+        self.sink(batch)
 
     def _schedule(self, req: SessionRequest, delay_s: float) -> None:
         heapq.heappush(
@@ -596,8 +940,8 @@ class Driver:
             return
         self._stopped, self._stopped_by = reason, by
         # info, not error: the CLI prints the reason once, as the run's one message about it.
-        # The loop ends at its next turn; the sessions in flight are cancelled then (``_cancel_in_flight``),
-        # once their workers have said what they did so far.
+        # The loop ends at its next turn; the sessions in flight are cancelled at close
+        # (``_cancel_in_flight``), once their workers have said what they did so far.
         log.info("stopping the run: %s", reason)
 
     def _note_death(self, index: int, submitted_at: float) -> None:
@@ -610,7 +954,7 @@ class Driver:
         cfg = self.cfg
         return rows_to_batch([lost_row(req, cfg.harness.name, cfg.sandbox.provider, message, known)])
 
-    def _cancel_in_flight(self, budget: int, progress: Progress) -> None:
+    def _cancel_in_flight(self, progress: Progress) -> None:
         """At a stop: the sessions that ended meanwhile are settled as usual; the rest are cancelled (their
         sandboxes stop as they end, ``_await_cancelled``) and written at once as ``cancelled`` rows, which
         a resume runs again, so that a stop with a short grace (``ray job stop`` kills after 3 s) keeps
@@ -621,7 +965,7 @@ class Driver:
         ready, _ = ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0)
         for ref in ready:
             try:
-                budget = self._settle(ref, budget, progress)
+                self._settle(ref, progress)
             except StoreError as exc:
                 self._stop(f"output: {exc}", "store")
         for ref, (req, _index) in list(self._inflight.items()):
@@ -666,10 +1010,16 @@ class Driver:
             ray.wait(self._cancelled, num_returns=len(self._cancelled), timeout=CANCEL_GRACE_S)
             self._cancelled.clear()
 
+    def _reap_dead_workers(self) -> None:
+        if self._worker_died_at:  # what dead workers left, on whichever node they ran
+            reap_quietly(self.cfg.sandbox, everywhere=True)
+
     def _write_config(self) -> None:
         self.run_dir.mkdir()
         config = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
         (self.run_dir / "config.yaml").write_text(config)
+        if self.cfg.tasks is None:
+            return  # the tasks come from a trainer's submissions, each kept under tasks/
         # A copy of the tasks beside the config, so `rollout replay` finds a row's task after the file moved.
         snapshot = self.run_dir / ("tasks.parquet" if self.cfg.tasks.endswith(".parquet") else "tasks.jsonl")
         if Path(self.cfg.tasks).is_dir():  # Harbor task directories: the tasks as they were read
@@ -677,6 +1027,24 @@ class Driver:
             snapshot.write_text("".join(t.model_dump_json(exclude_none=True) + "\n" for t in tasks))
         else:
             snapshot.put_file(Path(self.cfg.tasks))
+
+    def _snapshot(self, sub: Submission) -> None:
+        """A submission's tasks as a new file under tasks/ (export and replay read every one)."""
+        folder = self.run_dir / SUBMITTED_TASKS
+        if self._snapshots == 0:
+            folder.mkdir()
+            self._snapshots = len(folder.children())
+        self._snapshots += 1
+        name = f"{self._snapshots:06d}"
+        try:
+            if isinstance(sub.tasks, Path) and sub.tasks.is_file():
+                suffix = ".parquet" if sub.tasks.suffix == ".parquet" else ".jsonl"
+                (folder / (name + suffix)).put_file(sub.tasks)
+            else:
+                text = "".join(t.model_dump_json(exclude_none=True) + "\n" for t in sub.load())
+                (folder / (name + ".jsonl")).write_text(text)
+        except OSError as exc:
+            raise StoreError(f"{folder}: could not keep the submitted tasks ({describe_error(exc)})") from exc
 
     def _summarize(self) -> RunSummary:
         table = read_table(
@@ -687,8 +1055,7 @@ class Driver:
         final_keys = {
             (t, s) for t, s, f in zip(cols["task_id"], cols["sample_index"], cols["final"], strict=True) if f
         }
-        expected = self._count_expected()
-        pending = expected - len(final_keys)
+        pending = max(self._expected - self._duplicates - len(final_keys), 0)
         finals = [i for i, f in enumerate(cols["final"]) if f]
 
         def count(name: str) -> dict[str, int]:
@@ -721,6 +1088,8 @@ class Driver:
             reward=training_reward_stats(cols["decision"], cols["reward"], cols["final"]),
             breaker=self.breaker.report(),
         )
+        if self._policy is not None:
+            summary.versions = {"policy_version": self._policy.version, **self.versions}
         phases.mark("summary")
         summary.phases = phases.report()
         try:
@@ -729,5 +1098,15 @@ class Driver:
             log.error("summary.json not written: %s", exc.strerror or describe_error(exc))
         return summary
 
-    def _count_expected(self) -> int:
-        return sum(self.cfg.samples for _ in load_tasks(Path(self.cfg.tasks)))
+
+class _Null:
+    """Where the progress of a run driven from a trainer goes when it asked for none."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False

@@ -61,7 +61,9 @@ IMPORT_TIME_ENV = (
 # from a server without them).
 PRELOAD = (
     "executor.cli",
+    "executor.api",
     "executor.driver",
+    "executor.export",
     "executor.cluster",
     "executor.config",
     "executor.storage",

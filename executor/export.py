@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +27,9 @@ from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
 from executor.tasks import InputError, load_tasks
 
-TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls
+TRAIN_SCHEMA_VERSION = "2"  # 2: token ids and logprobs in model_calls (a column added since: no bump)
+# A trainer's submissions (executor/api.py), each kept as a file in this folder of the run directory.
+SUBMITTED_TASKS = "tasks"
 Format = Literal["parquet", "jsonl"]
 
 _TRAIN_COLUMNS = columns("train")
@@ -65,21 +67,26 @@ def trainable(batch: pa.RecordBatch) -> pa.Array:
 
 
 def task_index(run_dir: Where) -> dict[str, tuple[str, str]]:
-    """task id -> (prompt, metadata JSON), from the run's task snapshot, else the config's task file."""
-    found = task_file(run_dir)
-    if found is None:
-        return {}
-    with local_copy(found) as path:
-        return {t.id: (t.prompt, json.dumps(t.metadata, sort_keys=True)) for t in load_tasks(path)}
+    """task id -> (prompt, metadata JSON), from the run's task snapshots, else the config's task file."""
+    index: dict[str, tuple[str, str]] = {}
+    for found in task_files(run_dir):
+        with local_copy(found) as path:
+            index.update((t.id, (t.prompt, json.dumps(t.metadata, sort_keys=True))) for t in load_tasks(path))
+    return index
 
 
-def task_file(where: Where) -> Location | None:
+def task_files(where: Where) -> list[Location]:
+    """The run's task snapshots: the config's (beside it) and a trainer's submissions (``tasks/``, in
+    the order made); without any, the config's task file where it still is."""
     run_dir = locate(where)
-    for name in ("tasks.jsonl", "tasks.parquet"):
-        if (run_dir / name).is_file():
-            return run_dir / name
+    found = [run_dir / name for name in ("tasks.jsonl", "tasks.parquet") if (run_dir / name).is_file()]
+    submitted = run_dir / SUBMITTED_TASKS
+    if submitted.is_dir():
+        found += sorted(submitted.children(), key=lambda p: p.name)
+    if found:
+        return found
     configured = run_config(run_dir).get("tasks")
-    return locate(configured) if configured and Path(configured).is_file() else None
+    return [locate(configured)] if configured and Path(configured).is_file() else []
 
 
 def run_config(run_dir: Where) -> dict[str, Any]:
@@ -91,25 +98,31 @@ def run_config(run_dir: Where) -> dict[str, Any]:
 
 
 def export_batches(run_dir: Where, include_all: bool = False) -> Iterator[pa.RecordBatch]:
-    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
     tasks = task_index(run_dir)
     model = (run_config(run_dir).get("model") or {}).get("name")
     for batch in iter_batches(locate(run_dir) / "rows", [*_TRAIN_COLUMNS, *_ALL_COLUMNS]):
         batch = upgrade(batch)  # a run resumed across a schema change has older part files too
         if not include_all:
             batch = batch.filter(trainable(batch))
-        if batch.num_rows == 0:
-            continue
-        ids = batch.column("task_id").to_pylist()
-        known = [tasks.get(i) for i in ids]
-        extra = {
-            "schema_version": pa.array([TRAIN_SCHEMA_VERSION] * batch.num_rows, pa.string()),
-            "model": pa.array([model] * batch.num_rows, pa.string()),
-            "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
-            "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
-        }
-        arrays = [extra[f.name] if f.name in extra else batch.column(f.name) for f in schema]
-        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+        if batch.num_rows:
+            yield as_export(batch, include_all, tasks, [model] * batch.num_rows)
+
+
+def as_export(
+    batch: pa.RecordBatch, include_all: bool, tasks: Mapping[str, tuple[str, str]], models: list[str | None]
+) -> pa.RecordBatch:
+    """Rows in the export's schema: ``tasks`` maps a task id to its (prompt, metadata JSON), ``models``
+    names the model each row asked for."""
+    schema = ALL_SCHEMA if include_all else TRAIN_SCHEMA
+    known = [tasks.get(i) for i in batch.column("task_id").to_pylist()]
+    extra = {
+        "schema_version": pa.array([TRAIN_SCHEMA_VERSION] * batch.num_rows, pa.string()),
+        "model": pa.array(models, pa.string()),
+        "prompt": pa.array([k[0] if k else None for k in known], pa.large_string()),
+        "task_metadata": pa.array([k[1] if k else None for k in known], pa.large_string()),
+    }
+    arrays = [extra[f.name] if f.name in extra else batch.column(f.name) for f in schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def export(where: Where, out: Path, fmt: Format = "parquet", include_all: bool = False) -> int:

@@ -75,7 +75,7 @@ def preflight(cfg: RunConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> Preflight
         where = "the scripted model"
         result = asyncio.run(_against_scripted(cfg.model.name, api, timeout_s))
     else:
-        where = cfg.model.base_url or ""
+        where = cfg.model.base_urls[0]  # one replica answers for all: same server, same model
         result = asyncio.run(check_endpoint(where, cfg.model.api_key(), cfg.model.name, api, timeout_s))
     log.debug(
         "preflight of %s passed in %.3f s (the checks: %.3f s; model listed: %s; request: %s)",

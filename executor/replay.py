@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from executor.config import RunConfig
 from executor.driver import decide_row
-from executor.export import task_file
+from executor.export import task_files
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, Where, local_copy, locate
 from executor.store import iter_batches
@@ -83,14 +83,15 @@ def find_row(where: Where, rollout_id: str) -> dict[str, Any]:
 
 
 def find_task(run_dir: Where, task_id: str) -> Task:
-    found = task_file(run_dir)
-    if found is None:
+    found = task_files(run_dir)
+    if not found:
         raise InputError(f"{run_dir}: no task snapshot (tasks.jsonl) and the config's task file is gone")
-    with local_copy(found) as path:
-        for task in load_tasks(path):
-            if task.id == task_id:
-                return task
-    raise InputError(f"{found}: no task with id {task_id!r}")
+    for snapshot in reversed(found):  # a task submitted again later is the one its newest rows ran
+        with local_copy(snapshot) as path:
+            for task in load_tasks(path):
+                if task.id == task_id:
+                    return task
+    raise InputError(f"{found[0]}: no task with id {task_id!r}")
 
 
 @contextlib.asynccontextmanager
@@ -106,7 +107,7 @@ async def replay_context(
         await scripted.start()
         upstream, key = scripted.base_url, None
     else:
-        upstream, key = cfg.model.base_url or "", cfg.model.api_key()
+        upstream, key = cfg.model.base_urls[0], cfg.model.api_key()
     # Here, in a local sandbox isolated as the run's was (the run's own section when it was local): a
     # harness sees the same filesystem, user and network, so what it does compares.
     if not isinstance(cfg.sandbox, LocalSandboxConfig):

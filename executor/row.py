@@ -19,9 +19,10 @@ from typing import Any, Literal
 
 # 2: token ids and logprobs in the model calls; 3: verifier_runs, t_model_wait_s; 4: model_attempts
 # renamed model_calls (the export's name) and the columns ordered as the export lists them; 5:
-# sandbox_isolation; 6: review_sandbox_id, rewards, verifier_stdout_tail, verifier_stderr_tail. An
-# older part file reads as this version (schema.upgrade).
-SCHEMA_VERSION = "6"
+# sandbox_isolation; 6: review_sandbox_id, rewards, verifier_stdout_tail, verifier_stderr_tail; 7:
+# policy_version and staleness, and each model call's policy_version and replica. An older part file
+# reads as this version (schema.upgrade).
+SCHEMA_VERSION = "7"
 
 # Who reads a column besides the dataset itself: the training export (``train``: always, ``all``: only
 # with --all), ``rollout status`` and ``rollout report``.
@@ -114,6 +115,10 @@ class ModelCall(_Record):
         "list<float>", "their logprobs, one to one when of equal length (Responses: output text only)"
     )
     tokens_truncated: bool | None = col("bool", "a token list passed 1M entries and was cut there")
+    policy_version: int | None = col(
+        "int64", "the policy version that answered: the latest announced for the endpoint the call went to"
+    )
+    replica: str | None = col("string", "the base URL of the replica that answered")
 
 
 @dataclass(slots=True)
@@ -168,6 +173,9 @@ class Row:
     )
     node_id: str | None = col("string", "the Ray node the attempt ran on")
     worker_id: str | None = col("string", "the worker actor the attempt ran in")
+    policy_version: int | None = col(
+        "int64", "the trainer's policy version the session started under (docs/training.md)", "train"
+    )
     # result
     status: str | None = col("string", "completed, incomplete or failed", "train", "status", "report")
     failure_kind: str | None = col(
@@ -236,6 +244,9 @@ class Row:
         "bool", "the last attempt of its sample (accepted or masked)", "all", "status", "report"
     )
     retry_delay_s: float | None = col("double", "for a retry, the delay before the next attempt")
+    staleness: int | None = col(
+        "int32", "policy versions announced between the session's start and the decision on it", "train"
+    )
     # where and when
     evidence_dir: str | None = col(
         "string", "the directory of this launch's evidence (a URI for a run on an object store)", "train"

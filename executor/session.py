@@ -66,6 +66,7 @@ class SessionRequest:
     task: Task
     sample_index: int
     attempt: int
+    policy_version: int | None = None  # the trainer's version when the driver sent it (executor/api.py)
 
     @property
     def rollout_id(self) -> str:
@@ -187,6 +188,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         task_id=req.task.id,
         sample_index=req.sample_index,
         attempt=req.attempt,
+        policy_version=req.policy_version,
         harness=ctx.harness.name,
         harness_version=ctx.harness.version,
         version_tested=ctx.harness.version == ctx.harness.tested_version,
@@ -232,7 +234,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             from harnesses.testing.scripted_model import parse_steps
 
             ctx.scripted.set_script(req.rollout_id, parse_steps(req.task.model_script))
-        gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model")
+        gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model", version=req.policy_version)
 
         async def install_and_prepare(gw: GatewaySession) -> Launch:
             install_dir = await ctx.ensure_installed()
@@ -242,7 +244,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             context = LaunchContext(
                 base_url=reach(gw.base_url) if reach is not None else gw.base_url,
                 api_key=gw.token,
-                model=cfg.model.name,
+                model=(gw.route.model if gw.route is not None else None) or cfg.model.name,
                 prompt=req.task.prompt,
                 install_dir=install_dir,
                 max_output_tokens=cfg.model.max_output_tokens,
@@ -454,6 +456,7 @@ def lost_row(
         task_id=req.task.id,
         sample_index=req.sample_index,
         attempt=req.attempt,
+        policy_version=req.policy_version,
         harness=harness,
         sandbox_provider=provider,
         status=outcome.status.value,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +51,18 @@ class RunStore:
     removed, at the first flush. The driver flushes only while it holds the run's lock
     (``executor.runs.run_lock``), so a driver refused the lock has written and removed nothing."""
 
-    def __init__(self, run_dir: Where, flush_rows: int = 512, flush_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        run_dir: Where,
+        flush_rows: int = 512,
+        flush_interval_s: float = 2.0,
+        *,
+        on_written: Callable[[pa.Table], None] | None = None,
+    ) -> None:
+        """``on_written``: called with each part's rows once the part is written (and only then: a row
+        handed on is a row a crash cannot lose)."""
         self.run_dir = locate(run_dir)
+        self._on_written = on_written
         self.rows_dir = self.run_dir / "rows"
         self._next: int | None = None  # the next part number, known once the directory is opened
         self._buffer: list[pa.RecordBatch] = []
@@ -87,6 +97,8 @@ class RunStore:
         self.rows_written += table.num_rows
         self._buffer.clear()
         self._buffered_rows = 0
+        if self._on_written is not None:
+            self._on_written(table)
 
     def _open(self) -> int:
         """The next part number; the first time, make the directory and remove stale temporaries."""

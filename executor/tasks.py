@@ -148,7 +148,7 @@ def load_tasks(path: Path) -> Iterator[Task]:
                 data = json.loads(raw)
             except (ValueError, RecursionError) as exc:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({str(exc)[:120]})") from None
-            yield _task_at(data, f"{path}:{lineno}", seen)
+            yield task_at(data, f"{path}:{lineno}", seen)
 
 
 def _load_parquet(path: Path) -> Iterator[Task]:
@@ -167,10 +167,10 @@ def _load_parquet(path: Path) -> Iterator[Task]:
                 if isinstance(data.get(key), str):
                     data[key] = json.loads(data[key])
             data = {k: v for k, v in data.items() if v is not None}
-            yield _task_at(data, f"{path}: row {row}", seen)
+            yield task_at(data, f"{path}: row {row}", seen)
 
 
-def _task_at(data: Any, where: str, seen: set[str]) -> Task:
+def task_at(data: Any, where: str, seen: set[str]) -> Task:
     if not isinstance(data, dict):
         raise InputError(f"{where}: a task must be a JSON object")
     try:

@@ -8,6 +8,7 @@ import functools
 import gc
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from executor.schema import batch_to_wire, refuse_pandas, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, locate
 from executor.tasks import Task
+from harnesses.gateway.upstreams import MAX_VERSIONS_KEPT
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
 from sandboxes.base import HidesPaths, SandboxProvider
@@ -64,6 +66,8 @@ class SandboxWorker:
         self._retiring: set[asyncio.Task[None]] = set()
         # The running sessions' rows as they fill, whatever context they run in (executor/placement.py).
         self._live: dict[str, tuple[Any, dict[str, float]]] = {}
+        # The trainer's policy versions seen, oldest first (executor/api.py), for a gateway built later.
+        self._announced: dict[int, tuple[list[str] | None, str | None]] = {}
 
     def _bind(self, config_json: str, run_dir: str) -> None:
         self._binding = (config_json, run_dir)
@@ -92,9 +96,11 @@ class SandboxWorker:
             if self._ctx is not None:
                 return self._ctx
             from harnesses.gateway import Gateway
+            from harnesses.gateway.upstreams import Upstreams
 
             cfg = self.cfg
             scripted: ScriptedModel | None = None
+            upstream: str | list[str]
             if cfg.model.provider == "scripted":
                 from harnesses.testing.scripted_model import ScriptedModel
 
@@ -102,8 +108,17 @@ class SandboxWorker:
                 await scripted.start()
                 upstream, key = scripted.base_url, None
             else:
-                upstream, key = cfg.model.base_url or "", cfg.model.api_key()
-            gateway = Gateway(upstream, key, cfg.gateway, **cfg.model.pins())
+                upstream, key = cfg.model.base_urls, cfg.model.api_key()
+            upstreams = Upstreams(
+                [upstream] if isinstance(upstream, str) else upstream,
+                cfg.model.name,
+                affinity_header=cfg.model.affinity_header,
+                failures_to_eject=cfg.model.replica_failures,
+                cooldown_s=cfg.model.replica_cooldown_s,
+            )
+            for version, (urls, model) in self._announced.items():
+                upstreams.announce(version, urls, model)
+            gateway = Gateway(upstreams, key, cfg.gateway, **cfg.model.pins())
             await gateway.start(host=gateway_host(cfg), unix_path=gateway_socket(cfg))
             root = cfg.sandbox.root_dir()
             # A worker that died before us may have left sandboxes (process trees, jobs, tasks): ours to end.
@@ -127,16 +142,23 @@ class SandboxWorker:
             return self._ctx
 
     async def run(
-        self, task_json: str, sample_index: int, attempt: int, binding: tuple[str, str] | None = None
+        self,
+        task_json: str,
+        sample_index: int,
+        attempt: int,
+        binding: tuple[str, str] | None = None,
+        policy: str | None = None,
     ) -> bytes:
         """The session's row, as ``executor.schema.batch_to_wire`` sends it. ``binding``, the run's
         (config JSON, run directory), comes with every session of a warm worker (executor/warm.py): the
-        worker serves run after run, and Ray restarts a crashed one with the first run's arguments."""
+        worker serves run after run, and Ray restarts a crashed one with the first run's arguments.
+        ``policy``: the trainer's policy version the session starts under (``announce``'s JSON)."""
         if binding is not None and tuple(binding) != self._binding:
             await self._rebind(*binding)
+        version = await self.announce(policy) if policy is not None else None
         ctx = await self._context()
         req = SessionRequest(
-            ctx.config.run_id or "", Task.model_validate_json(task_json), sample_index, attempt
+            ctx.config.run_id or "", Task.model_validate_json(task_json), sample_index, attempt, version
         )
         key = id(ctx)
         self._running[key] = self._running.get(key, 0) + 1
@@ -160,10 +182,12 @@ class SandboxWorker:
                 return
             old_cfg, old = self.cfg, self._ctx
             self._bind(config_json, run_dir)
+            # A gateway that followed a trainer's policy versions is that run's: the next run starts anew.
+            versioned, self._announced = bool(self._announced), {}
             if old is None:
                 return
             cfg = self.cfg
-            if built_once(cfg) == built_once(old_cfg):
+            if built_once(cfg) == built_once(old_cfg) and not versioned:
                 _hide_run(old.provider, self.run_dir)
                 self._ctx = dataclasses.replace(old, **self._run_parts())
                 closers = _run_closers(old)
@@ -179,6 +203,20 @@ class SandboxWorker:
         async with self._idle:
             await self._idle.wait_for(lambda: key not in self._running)
         await _close_all(closers)
+
+    async def announce(self, policy: str) -> int:
+        """A trainer's policy version: ``{"version": N, "base_urls": [...] | null, "model": ... | null}``
+        (null: as the version before). Sessions the driver sends under it use its endpoint; calls of
+        sessions already running at the same endpoint are answered by it from now on. Idempotent."""
+        data = json.loads(policy)
+        version, urls, model = int(data["version"]), data.get("base_urls"), data.get("model")
+        if version not in self._announced:
+            self._announced[version] = (urls, model)
+            while len(self._announced) > MAX_VERSIONS_KEPT:
+                del self._announced[next(iter(self._announced))]
+        if self._ctx is not None:
+            self._ctx.gateway.upstreams.announce(version, urls, model)
+        return version
 
     async def prepare(self) -> str:
         """Build what the sessions share now, not at the first session (``rollout up CONFIG``)."""

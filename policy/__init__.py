@@ -22,6 +22,14 @@ from policy.outcome import (
     status_for,
 )
 from policy.rules import DEFAULT_RULES, FinalAs, PolicyConfig, Rule, Verdict, backoff_delay, decide
+from policy.staleness import (
+    InFlightAction,
+    StaleAction,
+    StalenessConfig,
+    stale_reason,
+    staleness,
+    too_stale,
+)
 
 __all__ = [
     "DEFAULT_RULES",
@@ -36,10 +44,13 @@ __all__ = [
     "GroupBook",
     "GroupMode",
     "GroupVerdict",
+    "InFlightAction",
     "KindInfo",
     "Outcome",
     "PolicyConfig",
     "Rule",
+    "StaleAction",
+    "StalenessConfig",
     "Status",
     "Verdict",
     "backoff_delay",
@@ -52,5 +63,8 @@ __all__ = [
     "kind_for_http",
     "kind_for_stream_error",
     "parse_retry_after",
+    "stale_reason",
+    "staleness",
     "status_for",
+    "too_stale",
 ]

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policy.breaker import BreakerConfig
 from policy.groups import GroupMode
 from policy.outcome import KIND_INFO, Decision, FailureKind, Outcome
+from policy.staleness import StalenessConfig
 
 
 class FinalAs(StrEnum):
@@ -81,6 +82,8 @@ class PolicyConfig(BaseModel):
     # A Retry-After past this is not waited for: the attempt is masked at once (and the breaker counts it),
     # so no hint, however large, holds a sample or the run for a day.
     max_retry_after_s: float = Field(default=300.0, ge=0)
+    # A trainer's policy versions (executor/api.py): how far behind a delivered row may have started.
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
     @model_validator(mode="after")
     def _no_graded_infrastructure_zero(self) -> PolicyConfig:

@@ -7,8 +7,8 @@ import json
 import pytest
 import ray
 
+from executor.api import Executor
 from executor.config import load_config
-from executor.driver import Driver
 from executor.store import read_table
 from tests.test_command_harness import AGENT
 
@@ -44,9 +44,10 @@ def test_half_of_requests_rate_limited(tmp_path):
         "policy: {retry_budget: 5}\n"
         "concurrency: {workers: 1, sessions_per_worker: 4, admission: {cooldown_s: 0}}\n"
     )
-    driver = Driver(load_config(cfg_path))
+    executor = Executor(load_config(cfg_path), progress=True)
+    driver = executor.driver
     try:
-        summary = driver.run()
+        summary = executor.run()
     finally:
         ray.shutdown()
     assert summary.exit_code == 0, summary

@@ -12,8 +12,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from executor.api import Executor
 from executor.config import load_config
-from executor.driver import Driver
 from executor.store import part_files, read_table
 from tests.conftest import processes_under
 
@@ -57,10 +57,11 @@ def test_spread_over_nodes_and_survive_losing_one(tmp_path, cluster):
     cfg = load_config(_config(tmp_path, c.address))
     head_id = c.head_node.node_id
     worker_ids = {n.node_id for n in workers}
-    driver = Driver(cfg)
+    executor = Executor(cfg, progress=True)
+    driver = executor.driver
     driver.store._flush_rows = 1  # every row visible at once, so the test can see placement mid-run
     result: dict[str, object] = {}
-    thread = threading.Thread(target=lambda: result.setdefault("summary", driver.run()), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("summary", executor.run()), daemon=True)
     thread.start()
 
     rows_dir = tmp_path / "out" / "cluster" / "rows"

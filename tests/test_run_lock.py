@@ -176,15 +176,15 @@ def _rollout_run(config: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_driver_refused_the_lock_writes_nothing(tmp_path):
+    from executor.api import Executor
     from executor.config import load_config
-    from executor.driver import Driver
 
     cfg = load_config(_config(tmp_path), {})
     run_dir = tmp_path / "out" / "locked"
     with holder(run_dir):
         before = _snapshot(run_dir)
         with pytest.raises(RunLockedError, match="in use by another driver"):
-            Driver(cfg).run()
+            Executor(cfg).run()
         assert _snapshot(run_dir) == before and list(run_dir.iterdir()) == [run_dir / MARKER]
 
 

@@ -63,14 +63,15 @@ def _write_tasks(path: Path, n: int, **fields: Any) -> Path:
 def _run_driver(cfg_path: Path, worker_class: Any = None) -> tuple[Any, float]:
     import ray
 
+    from executor.api import Executor
     from executor.config import load_config
-    from executor.driver import Driver
 
     cfg = load_config(cfg_path)
-    driver = Driver(cfg) if worker_class is None else Driver(cfg, worker_class)
+    kind = {} if worker_class is None else {"worker_class": worker_class}
+    executor = Executor(cfg, progress=True, **kind)
     t0 = time.perf_counter()
     try:
-        summary = driver.run()
+        summary = executor.run()
     finally:
         ray.shutdown()
     return summary, time.perf_counter() - t0
@@ -375,7 +376,9 @@ def _null_worker_class(token_ids: int = 0) -> Any:
                 for i in range(2 if token_ids else 0)
             ]
 
-        async def run(self, task_json: str, sample_index: int, attempt: int) -> Any:
+        async def run(
+            self, task_json: str, sample_index: int, attempt: int, policy: str | None = None
+        ) -> Any:
             task_id = json.loads(task_json)["id"]
             row = Row(
                 run_id=self.run_id,

@@ -29,7 +29,7 @@ class Request:
     index: int
     method: str
     path: str
-    url: str
+    url: str  # past the base URL (path and query): each attempt puts its replica's base URL before it
     headers: list[tuple[str, str]]
     body: bytes
     sha256: str
@@ -117,6 +117,9 @@ class Attempt:
         self.record: AttemptRecord | None = None
         # The answer's final event reached the harness: nothing that ends the attempt later undoes it.
         self.answer_delivered = False
+        # Where it went (upstreams.py), set by the relay before sending.
+        self.policy_version: int | None = None
+        self.replica: str | None = None
         req.session.attempt_started(self)
 
     def received(self, chunk: bytes) -> None:
@@ -184,6 +187,8 @@ class Attempt:
             completion_token_ids=ids,
             completion_logprobs=logprobs,
             tokens_truncated=bool(self.tokens and self.tokens.truncated),
+            policy_version=self.policy_version,
+            replica=self.replica,
         )
         session.attempt_finished(self, self.record)
         return self.record

@@ -45,12 +45,12 @@ class RunProbe:
     async def verdict(self, req: Request, target: Upstream) -> str | None:
         """Why ``req``'s 401/403/402/404-class failure is the session's (a line for its record); None when
         it is the run's, or the probe could not tell."""
-        now = time.monotonic()
-        held = self._verdicts.get(req.url)
+        now, url = time.monotonic(), target.url(req.url, "")
+        held = self._verdicts.get(url)
         if held is None or now - held[0] > PROBE_TTL_S:
-            future: asyncio.Future[int | None] = asyncio.ensure_future(self._probe(req, target))
+            future: asyncio.Future[int | None] = asyncio.ensure_future(self._probe(req, target, url))
             held = (now, future)
-            self._verdicts[req.url] = held
+            self._verdicts[url] = held
         try:
             status = await asyncio.shield(held[1])
         except Exception:  # a probe that broke proves nothing
@@ -59,7 +59,7 @@ class RunProbe:
             return f"the run's own request to this URL got HTTP {status}: this request drew the error"
         return None  # failed the same way (the run's), or proved nothing (taken as the run's)
 
-    async def _probe(self, req: Request, target: Upstream) -> int | None:
+    async def _probe(self, req: Request, target: Upstream, url: str) -> int | None:
         model = target.model or _model_of(req.body)
         api = "responses" if req.path == RESPONSES_PATH else "chat"
         headers = [
@@ -70,7 +70,7 @@ class RunProbe:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 for field in CHAT_TOKEN_FIELDS if api == "chat" else ("max_output_tokens",):
                     body = json.dumps(probe_body(api, model, field)).encode()
-                    answer = await self._fetch(req.url, headers, body)
+                    answer = await self._fetch(url, headers, body)
                     if answer is None:
                         return None
                     status, text = answer

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import random
 import time
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,7 @@ from harnesses.gateway.limits import (
 from harnesses.gateway.probe import MODEL_STATUSES, RUN_KINDS, RunProbe
 from harnesses.gateway.session import AttemptRecord, GatewaySession
 from harnesses.gateway.upstream import Pinned, Upstream, pin
+from harnesses.gateway.upstreams import Upstreams
 from policy import (
     FailureKind,
     Rule,
@@ -52,12 +54,14 @@ from sandboxes.inline import small_inline
 
 
 class Relay:
-    """Carries requests to ``upstream`` (its URL, key and the run's pins), within ``config``'s bounds.
-    ``start`` before the first request, ``stop`` after the last; both on the gateway's event loop."""
+    """Carries requests to ``upstreams`` (each session's replica, and the model of its policy version),
+    with ``pins``'s key, output cap and parameters, within ``config``'s bounds. ``start`` before the first
+    request, ``stop`` after the last; both on the gateway's event loop."""
 
-    def __init__(self, upstream: Upstream, config: GatewayConfig) -> None:
+    def __init__(self, upstreams: Upstreams, pins: Upstream, config: GatewayConfig) -> None:
         self.config = config
-        self._target = upstream
+        self._upstreams = upstreams
+        self._pins = pins
         self._backoff = Rule(backoff_base_s=config.backoff_base_s, backoff_cap_s=config.backoff_cap_s)
         self._rng = random.Random()
         self._client: aiohttp.ClientSession | None = None
@@ -86,9 +90,13 @@ class Relay:
             self._client = None
 
     def upstream_for(self, session: GatewaySession) -> Upstream:
-        """The endpoint and pins a session's requests go to: the one place that chooses (more endpoints,
-        replicas or policy versions, are chosen here)."""
-        return self._target
+        """The endpoint and pins a session's requests go to now: its replica, and the model name of the
+        policy version it started under (the run's pins where the version names none)."""
+        route = session.route
+        if route is None:
+            return replace(self._pins, base_url=self._upstreams.base_url())
+        replica = self._upstreams.replica_for(route)
+        return replace(self._pins, base_url=replica, model=route.model or self._pins.model)
 
     # -- the request that goes upstream -------------------------------------------------------------------
 
@@ -128,8 +136,8 @@ class Relay:
             index=index,
             method=request.method,
             path=api_path,
-            url=target.url(rest, query),
-            headers=self._upstream_headers(request, session, target),
+            url=rest + (f"?{query}" if query else ""),  # under the replica's base URL, at each attempt
+            headers=self._upstream_headers(request, session),
             body=body,
             sha256=hashlib.sha256(body).hexdigest(),
             arrived=arrived,
@@ -139,16 +147,15 @@ class Relay:
             saving=saving,
         )
 
-    def _upstream_headers(
-        self, request: web.Request, session: GatewaySession, target: Upstream
-    ) -> list[tuple[str, str]]:
+    def _upstream_headers(self, request: web.Request, session: GatewaySession) -> list[tuple[str, str]]:
         """Only what the gateway means to send: none of the harness's own headers (an organization,
         project or routing header, a client id) reach the endpoint."""
         headers = [("accept-encoding", "identity"), (SESSION_HEADER, session.session_id)]
         if request.method == "POST":
             headers.append(("content-type", "application/json"))
-        if target.api_key:
-            headers.append(("authorization", f"Bearer {target.api_key}"))
+        headers += self._upstreams.headers(session.session_id)
+        if self._pins.api_key:
+            headers.append(("authorization", f"Bearer {self._pins.api_key}"))
         return headers
 
     # -- a model call: the retry loop ---------------------------------------------------------------------
@@ -160,7 +167,9 @@ class Relay:
         for number in range(1, cfg.max_attempts_per_request + 1):
             if session.closed_kind is not None:  # another request of this session gave up meanwhile
                 return closed()
-            outcome = await self._attempt(Attempt(req, number, cfg), request)
+            att = Attempt(req, number, cfg)
+            outcome = await self._attempt(att, request)
+            self._note_replica(att, outcome)
             if isinstance(outcome, web.StreamResponse):
                 return outcome
             last = outcome
@@ -178,6 +187,15 @@ class Relay:
         )
         session.close(last.kind, message)
         return closed()
+
+    def _note_replica(self, att: Attempt, outcome: web.StreamResponse | AttemptRecord) -> None:
+        """A replica that gave no usable answer counts towards its removal; one that answered is well."""
+        if att.replica is None:
+            return
+        if isinstance(outcome, web.StreamResponse):
+            self._upstreams.succeeded(att.replica)
+        elif outcome.kind in _REPLICA_FAILURES and not outcome.client_aborted:
+            self._upstreams.failed(att.replica)
 
     def _why_not_retry(self, number: int, last: AttemptRecord, retrying_for_s: float) -> str | None:
         cfg = self.config
@@ -198,7 +216,7 @@ class Relay:
         try:
             try:
                 async with asyncio.timeout(att.timer.wait_s()):
-                    upstream = await self._send(req)
+                    upstream = await self._send(req, att)
             except aiohttp.ClientError as exc:
                 await req.saved()
                 return att.finish(FailureKind.TRANSPORT_ERROR, describe(exc))
@@ -234,11 +252,20 @@ class Relay:
         except aiohttp.ClientError:
             return None
 
-    async def _send(self, req: Request) -> aiohttp.ClientResponse:
+    def _target(self, req: Request, att: Attempt | None = None) -> str:
+        """The URL of this attempt: the session's replica (another, once its own is out of service)."""
+        route = req.session.route
+        replica = self._upstreams.replica_for(route) if route is not None else self._upstreams.base_url()
+        if att is not None:
+            att.replica = replica
+            att.policy_version = self._upstreams.answering(route) if route is not None else None
+        return f"{replica}/{req.url}"
+
+    async def _send(self, req: Request, att: Attempt | None = None) -> aiohttp.ClientResponse:
         assert self._client is not None
         return await self._client.request(
             req.method,
-            URL(req.url, encoded=True),  # sent as the harness wrote it, not re-quoted
+            URL(self._target(req, att), encoded=True),  # sent as the harness wrote it, not re-quoted
             headers=req.headers,
             data=req.body or None,
             allow_redirects=False,
@@ -410,6 +437,12 @@ def _not_asked(att: Attempt, content_type: str, head: bytes, *, whole: bool | No
     if not att.streamed and (whole is False or (whole is None and head.lstrip()[:1] != b"{")):
         return f"{what}: the body is not a JSON object"
     return None
+
+
+# What says a replica is down rather than busy (a 429 is an answer: the replica is up and pushing back).
+_REPLICA_FAILURES = frozenset(
+    {FailureKind.TRANSPORT_ERROR, FailureKind.PROVIDER_UNAVAILABLE, FailureKind.MODEL_TIMEOUT}
+)
 
 
 def _relayed(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:

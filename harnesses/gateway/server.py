@@ -24,16 +24,18 @@ from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, n
 from harnesses.gateway.relay import Relay
 from harnesses.gateway.session import GatewaySession, OnAttempt
 from harnesses.gateway.upstream import Upstream
+from harnesses.gateway.upstreams import Upstreams
 from policy import FailureKind
 
 
 class Gateway:
-    """One per worker process. ``on_attempt`` is called with each record as it is made (live progress,
-    tests); it runs on the event loop and must neither block nor raise."""
+    """One per worker process. ``upstream``: the endpoint's base URL, or the versions and replicas a
+    trainer's run has (``upstreams.py``). ``on_attempt`` is called with each record as it is made (live
+    progress, tests); it runs on the event loop and must neither block nor raise."""
 
     def __init__(
         self,
-        upstream_base_url: str,
+        upstream: str | Upstreams,
         api_key: str | None,
         config: GatewayConfig | None = None,
         *,
@@ -45,10 +47,12 @@ class Gateway:
         """``model``, ``max_output_tokens`` and ``parameters`` are the run's pins (``upstream.Upstream``):
         with ``model`` None the name a harness sends passes (a gateway driven alone, in tests)."""
         self.config = config or GatewayConfig()
-        target = Upstream(
-            upstream_base_url, api_key or None, model, max_output_tokens, dict(parameters or {})
+        # A URL alone is one replica serving ``model``; a trainer's Upstreams carries its versions' names.
+        self.upstreams = upstream if isinstance(upstream, Upstreams) else Upstreams(upstream, model)
+        pins = Upstream(
+            self.upstreams.base_url(), api_key or None, model, max_output_tokens, dict(parameters or {})
         )
-        self._relay = Relay(target, self.config)
+        self._relay = Relay(self.upstreams, pins, self.config)
         self._bodies = BodyBudget(self.config.max_inflight_body_bytes)
         self._on_attempt = on_attempt
         self._sessions: dict[str, GatewaySession] = {}
@@ -100,7 +104,11 @@ class Gateway:
                 os.unlink(self.unix_path)
             self.unix_path = None
 
-    def open_session(self, session_id: str, evidence_dir: Path) -> GatewaySession:
+    def open_session(
+        self, session_id: str, evidence_dir: Path, *, version: int | None = None
+    ) -> GatewaySession:
+        """A session pinned to the endpoint of policy ``version`` (the current one when None) and to one
+        replica of it."""
         token = secrets.token_urlsafe(32)
         evidence_dir.mkdir(parents=True, exist_ok=True)
         session = GatewaySession(
@@ -110,6 +118,7 @@ class Gateway:
             evidence_dir,
             config=self.config,
             on_attempt=self._on_attempt,
+            route=self.upstreams.pin(version),
         )
         self._sessions[token] = session
         return session
@@ -121,7 +130,8 @@ class Gateway:
         closing a session is not the endpoint failing. ``stall_bound_s``: a tighter bound than the
         gateway's own for ``stalled_at_close`` (the owner's share of a short deadline).
         """
-        self._sessions.pop(session.token, None)
+        if self._sessions.pop(session.token, None) is not None and session.route is not None:
+            self.upstreams.unpin(session.route)
         session.end(stall_bound_s)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from harnesses.gateway.limits import GatewayConfig
+from harnesses.gateway.upstreams import Route
 from policy import FailureKind, bound_text
 
 
@@ -63,6 +64,9 @@ class AttemptRecord(BaseModel):
     completion_token_ids: list[int] | None = None
     completion_logprobs: list[float] | None = None
     tokens_truncated: bool = False  # a list reached MAX_CAPTURED_TOKENS and was cut there
+    # Which policy version and replica answered (upstreams.py); None for a gateway without versions.
+    policy_version: int | None = None
+    replica: str | None = None
 
 
 class Outstanding(Protocol):
@@ -113,6 +117,9 @@ class GatewaySession:
     # model_wait_now() is the live value.
     model_wait_s: float = 0.0
     config: GatewayConfig = field(default_factory=GatewayConfig, kw_only=True, repr=False)
+    # The policy version it started under and the replica it uses (upstreams.py); None: the gateway's
+    # one upstream.
+    route: Route | None = field(default=None, kw_only=True)
     on_attempt: OnAttempt | None = field(default=None, kw_only=True, repr=False)
     _requests: int = field(default=0, init=False, repr=False)  # model calls forwarded upstream
     _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded

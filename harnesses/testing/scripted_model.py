@@ -35,6 +35,7 @@ SESSION_HEADER = "x-rollout-session"
 AUX_TEXT = "Scripted test session"
 
 _DELTA_CHARS = 16
+MAX_WAITS = 8  # wait steps one request passes at most
 _MAX_BODY_BYTES = 256 * 1024 * 1024  # long agent histories easily pass aiohttp's 1 MiB default
 
 # Ordered by preference: the first name the client offers wins.
@@ -137,6 +138,15 @@ class HangStep(_StepBase):
     after_chunks: int | None = Field(default=None, ge=0)
 
 
+class WaitStep(_StepBase):
+    """Hold the request until ``release(gate)`` is called (or ``max_s`` passed), then answer it with the
+    script's next step: a session that finishes when a test, or a toy trainer, lets it."""
+
+    type: Literal["wait"]
+    gate: str
+    max_s: float = Field(default=120.0, gt=0)
+
+
 class StreamErrorStep(_StepBase):
     """A 200 answer that fails inside: a stream sends its preamble and ``after_chunks`` text chunks, then
     the error in the API's own form, then ends cleanly. ``form``: ``native`` is a Chat chunk carrying
@@ -161,7 +171,8 @@ Step = Annotated[
     | HangStep
     | StreamErrorStep
     | KeepaliveStep
-    | BadAnswerStep,
+    | BadAnswerStep
+    | WaitStep,
     Field(discriminator="type"),
 ]
 _STEP_ADAPTER: TypeAdapter[Step] = TypeAdapter(Step)
@@ -814,6 +825,9 @@ class ScriptedModel:
         # Every (method, path) that reached the server, /_ctl/ aside: what a proxy in front let through.
         self._seen: list[tuple[str, str]] = []
         self._arrived: asyncio.Event | None = None  # set (and replaced) on each logged model request
+        self._gates: dict[str, asyncio.Event] = {}  # WaitStep's, on the server's loop
+        self._released: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -824,6 +838,24 @@ class ScriptedModel:
             session = self._sessions.setdefault(session_key, _Session(steps=None))
             session.steps = list(steps)
             session.position = 0
+
+    def release(self, gate: str) -> None:
+        """Let every request held at ``gate`` (a ``wait`` step) go on, and those that come later pass.
+        From any thread."""
+        with self._lock:
+            self._released.add(gate)
+            event, loop = self._gates.get(gate), self._loop
+        if event is not None and loop is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    async def _wait_at(self, step: WaitStep) -> None:
+        with self._lock:
+            if step.gate in self._released:
+                return
+            event = self._gates.setdefault(step.gate, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(step.max_s):
+                await event.wait()
 
     def requests(self, session_key: str) -> list[RequestLog]:
         with self._lock:
@@ -878,6 +910,7 @@ class ScriptedModel:
             raise RuntimeError("ScriptedModel is already started")
         self._stopping = asyncio.Event()
         self._arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         app = web.Application(
             client_max_size=_MAX_BODY_BYTES, middlewares=[_json_not_found, self._outage_gate]
         )
@@ -1017,6 +1050,13 @@ class ScriptedModel:
         aux = _is_aux(body)
         refused = self._run_refusals.get(api) if key == "default" else None
         index, step = (None, refused) if refused else (None, None) if aux else self._take_step(key)
+        for _ in range(MAX_WAITS):  # a script of waits alone, its last repeating, must still answer
+            if not isinstance(step, WaitStep):
+                break
+            await self._wait_at(step)
+            index, step = self._take_step(key)
+        if isinstance(step, WaitStep):
+            step = None
         stream = bool(body.get("stream"))
         step_type = step.type if step else None if aux else "text"
         self._record(key, RequestLog(received, request.path, api, aux, index, step_type, stream, body))
