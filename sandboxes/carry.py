@@ -170,12 +170,27 @@ def _copy_data(fin: int, fout: int, size: int, done: Carried) -> None:
             if done.bytes >= MAX_BYTES:
                 done.stopped = f"{MAX_BYTES} bytes"
                 raise _Bound
-            n = os.copy_file_range(fin, fout, min(_CHUNK, end - start), start, start)
+            n = _copy_range(fin, fout, min(_CHUNK, end - start), start)
             if n <= 0:  # the file shrank meanwhile
                 return
             start += n
             done.bytes += n
         offset = end
+
+
+# copy_file_range refuses some pairs of filesystems (two tmpfs instances, as each sandbox's disk is, on
+# kernels before 5.19; a FUSE or network mount): those copy through a buffer, at the same offsets.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
+
+
+def _copy_range(fin: int, fout: int, count: int, offset: int) -> int:
+    try:
+        return os.copy_file_range(fin, fout, count, offset, offset)
+    except OSError as exc:
+        if exc.errno not in _NO_COPY_RANGE:
+            raise
+    data = os.pread(fin, count, offset)
+    return os.pwrite(fout, data, offset) if data else 0
 
 
 def _set_stat(fd: int, st: os.stat_result, owner: tuple[int, int] | None) -> None:

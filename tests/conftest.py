@@ -45,6 +45,13 @@ def test_images() -> Any:
     return ensure_test_images()
 
 
+def sandbox_yaml(root: Path, gate: Path | None = None) -> str:
+    """A run config's ``sandbox`` section (flow YAML) with its root; with ``gate``, its directory bound
+    into the sandboxes' view, read-only: the view shows the host by allow-list only."""
+    mounts = f", mounts: [{{path: {gate.parent}}}]" if gate is not None else ""
+    return f"{{root: {root}{mounts}}}"
+
+
 @pytest.fixture
 def gate_dir() -> Iterator[Path]:
     """A directory of this test's own that a sandboxed command can see (read-only), for the gate files a

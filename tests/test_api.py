@@ -173,7 +173,7 @@ def test_stale_rows_rerun_and_superseded_sessions_cancelled(tmp_path, trainer_ra
     assert not processes_under(str(tmp_path / "sb"))
 
 
-def test_cancel_stops_what_runs_and_writes_nothing_of_it(tmp_path, trainer_ray):
+def test_cancel_stops_what_runs_and_writes_it_as_cancelled(tmp_path, trainer_ray):
     held = [{"type": "wait", "gate": "never", "max_s": 120}, *FAST]
     ex = Executor(_config(tmp_path, "cancelled")).start()
     ex.submit([_task("h", held)])
@@ -181,7 +181,13 @@ def test_cancel_stops_what_runs_and_writes_nothing_of_it(tmp_path, trainer_ray):
     ex.cancel()
     assert list(ex.batches(timeout_s=BOUND_S)) == []  # the stream ends: nothing more will come
     summary = ex.close()
-    assert (summary.stopped_by, summary.rows, summary.pending) == ("cancelled", 0, 2)
+    assert (summary.stopped_by, summary.final, summary.pending) == ("cancelled", 0, 2)
+    # What ran is on record as cancelled, not final: a resume runs those samples again.
+    stored = read_table(tmp_path / "out" / "cancelled").to_pylist()
+    assert (
+        sorted((r["failure_kind"], r["decision"], r["final"]) for r in stored)
+        == [("cancelled", "retry", False)] * 2
+    )
     assert not processes_under(str(tmp_path / "sb"))
     with pytest.raises(RuntimeError, match="closed"):
         ex.submit([_task("late", FAST)])

@@ -21,7 +21,7 @@ import pytest
 
 from executor.store import read_table
 from sandboxes.proctree import read_proc
-from tests.conftest import REPO, processes_under
+from tests.conftest import REPO, processes_under, sandbox_yaml
 from tests.ports import free_ports
 from tests.s3_server import s3_server
 from tests.test_ray_job import RAY, _dashboard_up, _end
@@ -147,7 +147,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             agent = f"while [ ! -e {gate} ]; do sleep 0.1; done; touch done.txt; echo done"
             (job / "cfg.yaml").write_text(
                 "tasks: tasks.jsonl\nout: s3://runs/cluster\nrun_id: mp\n"
-                f"sandbox: {{root: {root / 'sandboxes'}}}\n"
+                f"sandbox: {sandbox_yaml(root / 'sandboxes', gate)}\n"
                 f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
                 "concurrency: {workers: 2, sessions_per_worker: 2, worker_resources: {sandbox_slot: 1}}\n"
                 "policy: {rules: {sandbox_lost: {retry: true, max_attempts: 3, backoff_base_s: 0.1}}}\n"

@@ -26,7 +26,7 @@ from executor.storage import locate
 from executor.store import RunStore, part_files, read_table
 from executor.tasks import Task
 from harnesses.registry import make_harness
-from tests.conftest import REPO, processes_under, session_context
+from tests.conftest import REPO, processes_under, sandbox_yaml, session_context
 from tests.s3_server import S3Server, free_port, s3_server
 from tests.test_store import _row
 
@@ -77,6 +77,7 @@ def _config(
     samples: int = 1,
     prompts: list[str] | None = None,
     agent: str = AGENT,
+    gate: Path | None = None,
 ) -> Path:
     """A run of ``tasks`` tasks (prompted ``prompts``, else "p"), all in flight at once."""
     prompts = prompts or ["p"] * tasks
@@ -87,7 +88,7 @@ def _config(
     config = tmp_path / "run.yaml"
     config.write_text(
         f"tasks: tasks.jsonl\nout: {out}\nrun_id: r\nsamples: {samples}\n"
-        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+        f"sandbox: {sandbox_yaml(tmp_path / 'sandboxes', gate)}\n"
         f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
         f"concurrency: {{workers: 1, sessions_per_worker: {tasks}}}\n"
     )
@@ -185,7 +186,8 @@ def test_a_driver_sigkilled_mid_run_on_s3_resumes_from_the_uri_with_each_pair_on
     uri = f"s3://{bucket}/runs"
     gate = gate_dir / "open"
     wait = f'if [ "$ROLLOUT_PROMPT" = gated ]; then until [ -e {gate} ]; do sleep 0.1; done; fi; '
-    config = _config(tmp_path, uri, tasks=6, prompts=["quick"] * 3 + ["gated"] * 3, agent=wait + AGENT)
+    prompts = ["quick"] * 3 + ["gated"] * 3
+    config = _config(tmp_path, uri, tasks=6, prompts=prompts, agent=wait + AGENT, gate=gate)
     driver = subprocess.Popen(
         [sys.executable, "-m", "executor.cli", "run", str(config), "--no-preflight"],
         stdout=subprocess.DEVNULL,

@@ -22,7 +22,7 @@ import pytest
 from executor.cluster import RUNTIME_ENV_DIR, WORKING_DIR_FILES, check_out, cluster_address, ray_working_dir
 from executor.store import read_table
 from executor.tasks import InputError
-from tests.conftest import REPO, processes_under, rollout_run
+from tests.conftest import REPO, processes_under, rollout_run, sandbox_yaml
 from tests.ports import free_ports
 
 RAY = Path(sys.executable).parent / "ray"
@@ -339,7 +339,7 @@ def test_ray_job_stop_is_an_orderly_stop(tmp_path, head, gate_dir):
     (job_dir / "tasks.jsonl").write_text("".join(TASK.replace("t0", f"t{i}") + "\n" for i in range(2)))
     (job_dir / "cfg.yaml").write_text(
         f"tasks: tasks.jsonl\nout: {tmp_path / 'shared'}\nrun_id: stopped-job\n"
-        f"sandbox: {{root: {tmp_path / 'sandboxes'}}}\n"
+        f"sandbox: {sandbox_yaml(tmp_path / 'sandboxes', gate)}\n"
         f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
         "concurrency: {workers: 1, sessions_per_worker: 2}\n"
     )

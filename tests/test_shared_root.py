@@ -252,7 +252,11 @@ def _config(tmp_path: Path, run_id: str, gate: Path | None) -> Path:
         "tasks": str(tasks),
         "out": str(tmp_path / "out"),
         "run_id": run_id,
-        "sandbox": {"root": str(tmp_path / "sandboxes")},  # the same for both runs
+        # The same root for both runs; the gate's directory in the view (it shows the host by allow-list).
+        "sandbox": {
+            "root": str(tmp_path / "sandboxes"),
+            "mounts": [{"path": str(gate.parent)}] if gate else [],
+        },
         "harness": {"name": "command", "command": wait + "cat greeting.txt > hello.txt; echo done"},
         "limits": {"deadline_s": 400},
         "concurrency": {"workers": 1, "sessions_per_worker": SLOTS},

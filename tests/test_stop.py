@@ -28,7 +28,7 @@ from executor.driver import Driver
 from executor.runs import list_runs
 from executor.store import read_table
 from sandboxes.testing.leaks import ended
-from tests.conftest import REPO, processes_under, rollout_run, stopped_by
+from tests.conftest import REPO, processes_under, rollout_run, sandbox_yaml, stopped_by
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,8 @@ def _setup(tmp_path: Path, gate: Path, tasks: int, extra: str = "") -> Path:
     config = tmp_path / "run.yaml"
     config.write_text(
         f"tasks: {tmp_path / 'tasks.jsonl'}\nout: {tmp_path / 'out'}\nrun_id: r\n"
-        f"sandbox: {{root: {tmp_path / 'sb'}}}\nharness: {{name: command, command: {json.dumps(agent)}}}\n"
+        f"sandbox: {sandbox_yaml(tmp_path / 'sb', gate)}\n"
+        f"harness: {{name: command, command: {json.dumps(agent)}}}\n"
         "concurrency: {workers: 1, sessions_per_worker: 2}\n" + extra
     )
     return config
