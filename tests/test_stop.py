@@ -1,7 +1,7 @@
 """Operating a run: a stop by signal is orderly, a killed worker or driver leaves nothing behind and no
 row without what was known of its session, a request for resources no node has is refused at once.
 
-Each run here is a real `rollout run` (or a Driver in this process) on a local Ray cluster of its own,
+Each run here is a real `rollout run` (or an Executor in this process) on a local Ray cluster of its own,
 with the `command` harness waiting on a gate file, so that sessions are certainly mid-run when the test
 acts on them."""
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import ray
 
+from executor.api import Executor
 from executor.config import load_config
-from executor.driver import Driver
 from executor.runs import list_runs
 from executor.store import read_table
 from sandboxes.testing.leaks import ended
@@ -160,9 +160,10 @@ def test_a_killed_worker_leaves_nothing_and_its_rows_say_where_its_sessions_ran(
         tasks=2,
         extra="policy: {rules: {sandbox_lost: {retry: true, max_attempts: 3, backoff_base_s: 0.1}}}\n",
     )
-    driver = Driver(load_config(config))
+    executor = Executor(load_config(config))
+    driver = executor.driver
     result: dict[str, object] = {}
-    thread = threading.Thread(target=lambda: result.setdefault("summary", driver.run()), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("summary", executor.run()), daemon=True)
     thread.start()
     try:
         # The driver has heard from the worker about both sessions, set up and running their harness.
