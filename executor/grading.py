@@ -226,11 +226,34 @@ async def _diff_and_grade(sandbox: Sandbox, verify: Verifier, outcome: Outcome, 
 
 
 async def _write_checks(sandbox: Sandbox, verify: Verifier) -> None:
-    """The task's hidden checks, over whatever the agent left at their paths."""
-    for rel, text in verify.files.items():
-        path = checked_relative_path(rel)
-        await sandbox.exec(["rm", "-rf", "--", path], timeout=60, cwd=sandbox.workdir, name="checks")
+    """The task's hidden checks, over whatever the agent left at their paths: what is there goes first, in
+    one exec, with any link or file the agent put where one of their directories belongs (a ``tests``
+    linked out of the workspace would make the write fail, and a failed grading is masked: the agent's
+    way out of its 0)."""
+    paths = {checked_relative_path(rel): text for rel, text in verify.files.items()}
+    res = await sandbox.exec(
+        ["sh", "-c", _CLEAR_FOR_CHECKS, "sh", *paths], timeout=60, cwd=sandbox.workdir, name="checks"
+    )
+    if res.exit_code != 0:
+        raise SandboxError(
+            f"could not clear the checks' paths (exit {res.exit_code}): {res.stderr_tail[-300:]}"
+        )
+    for path, text in paths.items():
         await sandbox.write_file(path, text.encode())
+
+
+# Each argument a relative path: every ancestor that is a link or not a directory is removed, then the path.
+_CLEAR_FOR_CHECKS = r"""
+for p in "$@"; do
+  rest=$p; pre=
+  while :; do
+    case $rest in */*) head=${rest%%/*}; rest=${rest#*/} ;; *) break ;; esac
+    pre=${pre:+$pre/}$head
+    if [ -L "$pre" ] || { [ -e "$pre" ] && [ ! -d "$pre" ]; }; then rm -rf -- "$pre" || exit 1; fi
+  done
+  rm -rf -- "$p" || exit 1
+done
+"""
 
 
 async def _verify_once(

@@ -239,7 +239,8 @@ def with_solution_as_agent(tasks: Path) -> None:
 
 def test_harbor_conformance_set_with_solutions_as_agent(tmp_path):
     """Tasks after Harbor's own examples (hello-world, hello-workdir, hello-user, shared-default), in an
-    image without python or git, their solutions as the agent: Harbor's reward for each."""
+    image without python or git, their solutions as the agent: Harbor's reward for each; and one whose
+    image ships its workspace (with git): the diff holds the agent's change only."""
     tasks = tmp_path / "tasks"
     shutil.copytree(CONFORMANCE, tasks)
     with_solution_as_agent(tasks)
@@ -254,7 +255,7 @@ def test_harbor_conformance_set_with_solutions_as_agent(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["task_id"]: r for r in read_table(tmp_path / "out" / "harbor-conf").to_pylist()}
     assert sorted(rows) == sorted(p.name for p in CONFORMANCE.iterdir())
-    for task in ("hello-world", "hello-workdir", "hello-user", "shared-default"):
+    for task in ("hello-world", "hello-workdir", "hello-user", "shared-default", "image-workdir"):
         r = rows[task]
         assert (r["reward"], r["verified"], r["decision"]) == (1.0, True, "accept"), (
             task,
@@ -262,6 +263,9 @@ def test_harbor_conformance_set_with_solutions_as_agent(tmp_path):
             r["verifier_stdout_tail"],
         )
         assert dict(r["rewards"]) == {"reward": 1.0}
+    # The diff is against the workspace as the image gave it: the agent's edit, none of the image's files.
+    diff = rows["image-workdir"]["workspace_diff"]
+    assert "edit.txt" in diff and "+new" in diff and "-old" in diff and "kept.txt" not in diff, diff
     metrics = rows["many-metrics"]
     assert metrics["reward"] == 7.0 and dict(metrics["rewards"]) == {
         "reward": 7.0,
