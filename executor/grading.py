@@ -18,6 +18,7 @@ killed by a signal (an OOM kill of the test runner is no grade of the agent's wo
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import secrets
@@ -29,8 +30,9 @@ from pathlib import Path
 from executor import harbor
 from executor.row import Row
 from executor.tasks import Task, Verifier
-from policy import FailureKind, Outcome, bound_text
+from policy import FailureKind, Outcome, bound_text, status_for
 from sandboxes.base import (
+    CONTROL_SUFFIX,
     REVIEW_SUFFIX,
     ExecResult,
     RunsBefore,
@@ -96,7 +98,10 @@ async def review(
                 row, outcome, grade, f"the workspace could not be carried over: {describe(exc)}"
             )
         if grade and task.verify is not None:
-            outcome = await _diff_and_grade(checker, task.verify, outcome, row)
+            graded, verifier_said = await _diff_and_grade(checker, task.verify, outcome, row)
+            if verifier_said and not row.verified:
+                graded = await _whose_failure(provider, spec, checker, task, outcome, graded, row, workspaces)
+            outcome = graded
         else:
             await record_diff(row, workspace_diff(checker))
         if harbor.is_harbor(task) and (gap := await harbor.keep_logs(checker, evidence_dir)):
@@ -191,12 +196,15 @@ async def record_diff(row: Row, diff: Awaitable[str | None]) -> None:
         row.evidence_gaps.append(f"workspace_diff_unavailable: {describe(exc)[:200]}")
 
 
-async def _diff_and_grade(sandbox: Sandbox, verify: Verifier, outcome: Outcome, row: Row) -> Outcome:
+async def _diff_and_grade(
+    sandbox: Sandbox, verify: Verifier, outcome: Outcome, row: Row
+) -> tuple[Outcome, bool]:
     """The diff, then the verifier, re-run in the same sandbox while it could not grade, at most
     ``retries`` more times. The diff is taken once, before the task's checks are written in and before
     the first run: it holds the agent's changes and nothing of the checks' or the verifier's. A sandbox
     lost meanwhile is SANDBOX_LOST (the agent runs again); a verifier that never graded is
-    VERIFIER_ERROR / VERIFIER_TIMEOUT (the session's status kept)."""
+    VERIFIER_ERROR / VERIFIER_TIMEOUT (the session's status kept). With it, whether the last failure was
+    the verifier's own word (it ran, and could not grade), not one of the sandbox's."""
     # One exec for the diff and the first run, where the sandbox can, unless checks go in between.
     one_exec = isinstance(sandbox, RunsBefore) and not verify.files
     if not one_exec:
@@ -210,19 +218,93 @@ async def _diff_and_grade(sandbox: Sandbox, verify: Verifier, outcome: Outcome, 
                 await _write_checks(sandbox, verify)
             reward, failure_now = await _verify_once(sandbox, verify, row, with_diff=first_with_diff)
         except SandboxLostError as exc:
-            return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
+            lost = Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
+            return lost, False
         except Exception as exc:
             if first_with_diff:  # the diff step's result went with the exec; later runs never take it
                 row.evidence_gaps.append(f"workspace_diff_unavailable: {describe(exc)[:200]}")
-            reward, failure_now = None, (FailureKind.VERIFIER_ERROR, describe(exc))
+            reward, failure_now, said = None, (FailureKind.VERIFIER_ERROR, describe(exc)), False
+        else:
+            said = True
         if failure_now is None:
             row.verified, row.reward = True, reward
-            return outcome
+            return outcome, True
         failure = failure_now
     kind, message = failure
     runs = verify.retries + 1
     message = bound_text(f"{message} ({runs} verifier run{'s' if runs > 1 else ''})", 4000)
-    return outcome.model_copy(update={"failure_kind": kind, "error_message": message})
+    return outcome.model_copy(update={"failure_kind": kind, "error_message": message}), said
+
+
+async def _whose_failure(
+    provider: SandboxProvider,
+    spec: SandboxSpec,
+    checker: Sandbox,
+    task: Task,
+    before: Outcome,
+    failed: Outcome,
+    row: Row,
+    workspaces: PreparedWorkspaces | None,
+) -> Outcome:
+    """The verifier ran on the agent's workspace and never graded it: it could not grade, timed out, or
+    wrote no reward. That is the infrastructure's only if it cannot grade the task's own workspace
+    either: the tests run the agent's code, which can exit 125, kill its verifier, loop past the timeout
+    or remove the reward file, and a grading that fails is masked (the agent's way out of its 0). So the
+    verifier runs once on the task's untouched workspace, in a fresh sandbox; if it grades there, the
+    agent's workspace gets one more run (a hiccup of the grader's has passed by then), and if that does
+    not grade either, the failure is the agent's own: ``agent_self_inflicted``, a reward of 0."""
+    verify = task.verify
+    assert verify is not None
+    if not await _grades_untouched(provider, spec, task, copy.copy(row), workspaces):
+        return failed  # the doubt stays the infrastructure's
+    row.verifier_runs = (row.verifier_runs or 0) + 1
+    try:
+        reward, failure = await _verify_once(checker, verify, row, with_diff=False)
+    except SandboxLostError as exc:
+        return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
+    except Exception:
+        return failed
+    if failure is None:
+        row.verified, row.reward = True, reward
+        return before
+    row.verified, row.reward = True, 0.0
+    why = f"the verifier graded the task's own workspace but not the agent's: {failure[1]}"
+    return before.model_copy(
+        update={
+            "status": status_for(FailureKind.AGENT_SELF_INFLICTED),
+            "failure_kind": FailureKind.AGENT_SELF_INFLICTED,
+            "error_message": bound_text(why, 4000),
+        }
+    )
+
+
+async def _grades_untouched(
+    provider: SandboxProvider,
+    spec: SandboxSpec,
+    task: Task,
+    scratch: Row,
+    workspaces: PreparedWorkspaces | None,
+) -> bool:
+    """Whether the verifier grades the task's workspace as laid out, in a fresh sandbox of its own
+    (``scratch`` takes what a run records; the row keeps the agent's)."""
+    verify = task.verify
+    assert verify is not None
+    session_id = spec.session_id.removesuffix(REVIEW_SUFFIX) + CONTROL_SUFFIX
+    spec = spec.model_copy(update={"session_id": session_id})
+    try:
+        control = await provider.start(spec)
+    except Exception:
+        return False
+    try:
+        await lay_out(control, task.workspace, workspaces, baseline=False)
+        if verify.files:
+            await _write_checks(control, verify)
+        _, failure = await _verify_once(control, verify, scratch, with_diff=False)
+        return failure is None
+    except Exception:
+        return False
+    finally:
+        await stop_sandbox(control)
 
 
 async def _write_checks(sandbox: Sandbox, verify: Verifier) -> None:

@@ -40,8 +40,10 @@ class WorkspaceSpec(BaseModel):
     copy_from: str | None = None  # a local directory or git repository copied in whole
 
 
-# A grading sandbox's session id: the agent's plus this, so its directory and labels say whose it is.
+# A grading sandbox's session id: the agent's plus this, so its directory and labels say whose it is; and
+# the control sandbox's, that tells whose a failed grading is (executor/grading.py).
 REVIEW_SUFFIX = ".review"
+CONTROL_SUFFIX = ".control"
 
 
 class SandboxSpec(BaseModel):

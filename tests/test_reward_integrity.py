@@ -9,6 +9,7 @@ change the agent made, and the run unharmed."""
 from __future__ import annotations
 
 import random
+import shlex
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,15 @@ BROKEN = "def add(a, b):\n    return a - b\n"
 TEST = "import calc\nassert calc.add(2, 2) == 4, 'add is wrong'\n"
 
 
-def _task(steps: list[dict[str, Any]] | None = None, *, hidden: bool = True, **extra: Any) -> Task:
-    verify: dict[str, Any] = {"command": "python3 tests/test_calc.py", "retries": 0}
+def _task(
+    steps: list[dict[str, Any]] | None = None,
+    *,
+    hidden: bool = True,
+    verify_command: str = "PYTHONPATH=. python3 tests/test_calc.py",
+    verify_timeout_s: float = 60,
+    **extra: Any,
+) -> Task:
+    verify: dict[str, Any] = {"command": verify_command, "retries": 0, "timeout_s": verify_timeout_s}
     if hidden:
         verify["files"] = {"tests/test_calc.py": TEST}
     spec: dict[str, Any] = {
@@ -63,6 +71,17 @@ def _zero_and_accepted(row: dict[str, Any]) -> None:
 
 
 # --- the verifier's environment ------------------------------------------------------------------
+
+FIXED = "def add(a, b):\n    return a + b\n"
+
+
+async def test_the_fix_itself_gets_the_full_reward(tmp_path):
+    """What the attacks below are measured against: the real fix passes the hidden checks."""
+    write = f"printf %s {shlex.quote(FIXED)} > calc.py"
+    row = await _session(
+        tmp_path, _task([{"type": "shell", "command": write}, {"type": "text", "text": "ok"}])
+    )
+    assert (row["failure_kind"], row["verified"], row["reward"]) == ("none", True, 1.0), row["error_message"]
 
 
 # Files that Python runs at start-up, wherever the agent can reach: its user site (under HOME) and TMP.
@@ -193,3 +212,32 @@ async def test_a_harness_down_before_the_model_spoke_stays_the_infrastructures(t
     row = await _session(tmp_path, _task(), harness)
     assert row["failure_kind"] == "agent_crash", row["error_message"]
     assert row["reward"] is None and _decision(row) == "retry"
+
+
+# --- the agent's code, run by its checks, breaking them ----------------------------------------------
+
+# What calc.py does when the checks import it: each makes the verifier's run "could not grade".
+BREAKERS = {
+    "exit 125": "import os\nos._exit(125)\n",
+    "killed by a signal": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "past the timeout": "while True:\n    pass\n",
+    "junk in the reward file": "import os\nopen(os.environ['ROLLOUT_REWARD_FILE'], 'w').write('lots')\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(BREAKERS))
+async def test_a_workspace_that_breaks_its_checks_is_graded_not_masked(tmp_path, how):
+    write = f"printf %s {shlex.quote(BREAKERS[how])} > calc.py"
+    task = _task([{"type": "shell", "command": write}, {"type": "text", "text": "done"}], verify_timeout_s=10)
+    row = await _session(tmp_path, task)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert "graded the task's own workspace but not the agent's" in row["error_message"]
+    _zero_and_accepted(row)
+
+
+async def test_checks_that_cannot_grade_any_workspace_stay_the_infrastructures(tmp_path):
+    """The control: a verifier that fails on the task's own workspace too is no fault of the agent's."""
+    task = _task([{"type": "text", "text": "done"}], verify_command="exit 125")
+    row = await _session(tmp_path, task)
+    assert (row["failure_kind"], row["verified"], row["reward"]) == ("verifier_error", None, None)
+    assert _decision(row) == "retry"

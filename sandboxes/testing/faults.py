@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import math
 
-from sandboxes.base import REVIEW_SUFFIX, Sandbox, SandboxProvider, SandboxSpec, SandboxStartError
+from sandboxes.base import (
+    CONTROL_SUFFIX,
+    REVIEW_SUFFIX,
+    Sandbox,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxStartError,
+)
 
 
 def failures_in(starts: int, fraction: float) -> int:
@@ -16,8 +23,8 @@ class FlakyStartProvider:
     """Fails ``fraction`` of starts, spread evenly, before the inner provider is asked: nothing to leak.
 
     Counted rather than drawn, so a test knows the exact number of failures from the number of starts.
-    Only the agents' sandboxes are counted and failed: a grading sandbox is started only after an agent
-    ran, so counting it too would make the number of failures depend on how many agents finished.
+    Only the agents' sandboxes are counted and failed: a grading (or control) sandbox starts only after an
+    agent ran, so counting it too would make the number of failures depend on how many agents finished.
     """
 
     def __init__(self, inner: SandboxProvider, fraction: float) -> None:
@@ -28,7 +35,7 @@ class FlakyStartProvider:
         self.starts = 0
 
     async def start(self, spec: SandboxSpec) -> Sandbox:
-        if spec.session_id.endswith(REVIEW_SUFFIX):
+        if spec.session_id.endswith((REVIEW_SUFFIX, CONTROL_SUFFIX)):
             return await self.inner.start(spec)
         self.starts += 1
         if failures_in(self.starts, self.fraction) > failures_in(self.starts - 1, self.fraction):
