@@ -32,13 +32,19 @@ def write_tasks(path: Path, n: int, script: Callable[[int], list[dict[str, Any]]
     return path
 
 
-def write_config(tmp_path: Path, run_id: str, tasks: Path, **sections: Any) -> Path:
-    """A run config with fast retries; ``sections`` replace or extend the top-level keys."""
+def write_config(
+    tmp_path: Path, run_id: str, tasks: Path, *, gates: Path | None = None, **sections: Any
+) -> Path:
+    """A run config with fast retries; ``sections`` replace or extend the top-level keys. ``gates``: a
+    directory of gate files the sandboxes must see (their view shows the host by allow-list)."""
     cfg: dict[str, Any] = {
         "tasks": str(tasks),
         "out": str(tmp_path / "out"),
         "run_id": run_id,
-        "sandbox": {"root": str(tmp_path / "sandboxes")},
+        "sandbox": {
+            "root": str(tmp_path / "sandboxes"),
+            "mounts": [{"path": str(gates)}] if gates is not None else [],
+        },
         "gateway": {"max_attempts_per_request": 2, "backoff_base_s": 0.05, "backoff_cap_s": 0.2},
         "policy": {
             "retry_budget": 50,

@@ -103,6 +103,7 @@ def test_sigkill_of_a_worker_actor_with_20_sessions_loses_and_leaks_nothing(tmp_
         harness={"name": "command", "command": command},
         concurrency={"workers": 1, "sessions_per_worker": n},
         limits={"deadline_s": 300, "grace_s": 3},
+        gates=gate_dir,
     )
     sandboxes = tmp_path / "sandboxes"
     driver = _start(cfg)
@@ -155,7 +156,7 @@ def test_three_sigkills_of_the_driver_then_the_same_dataset_as_an_uninterrupted_
     tasks_path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     gates[0].touch()
     concurrency = {"workers": 1, "sessions_per_worker": n}
-    cfg = write_config(tmp_path, "driverkill", tasks_path, concurrency=concurrency)
+    cfg = write_config(tmp_path, "driverkill", tasks_path, concurrency=concurrency, gates=gate_dir)
     rows_dir = tmp_path / "out" / "driverkill" / "rows"
     rng = random.Random()
     kills = 0
