@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -190,10 +191,23 @@ def _describe(err: ValidationError) -> str:
     where = location_of(first["loc"])
     allowed = _keys_at(first["loc"][:-1]) if first["type"] == "extra_forbidden" else None
     if allowed:
-        return f"{where}: {first['msg']} (an unknown key); allowed here: {', '.join(allowed)}"
+        close = difflib.get_close_matches(str(first["loc"][-1]), allowed, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return f"{where}: {first['msg']} (an unknown key); {hint}allowed here: {_listed(allowed)}"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {str(value)[:80]!r})"
     return f"{where}: {first['msg']}{shown}"
+
+
+ALLOWED_SHOWN_CHARS = 240  # a section with many keys (gateway:) is listed in part, the error one line
+
+
+def _listed(keys: list[str]) -> str:
+    text = ", ".join(keys)
+    if len(text) <= ALLOWED_SHOWN_CHARS:
+        return text
+    shown = text[:ALLOWED_SHOWN_CHARS].rsplit(", ", 1)[0]
+    return f"{shown}, ... ({len(keys)} keys in all: docs/configuration.md)"
 
 
 def _keys_at(loc: tuple[Any, ...]) -> list[str] | None:

@@ -124,7 +124,10 @@ async def _take_over(
 ) -> None:
     """The task's workspace laid out in ``checker`` with its baseline, then replaced by the agent's; a
     Harbor task's /logs/agent and /logs/artifacts too, which its tests may read as the agent left them."""
-    await lay_out(checker, task.workspace, workspaces)
+    # A task's image may ship files at its workdir: the baseline is then made in the sandbox, of the
+    # workspace as the image gave it, not copied from the host's lay-out of the task's files alone.
+    prepared = workspaces if task.image is None and task.build is None else None
+    await lay_out(checker, task.workspace, prepared)
     carried = await asyncio.wait_for(carry_workspace(agent, checker), CARRY_TIMEOUT_S)
     if (gap := carried.gap()) is not None:
         row.evidence_gaps.append(gap)

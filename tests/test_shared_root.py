@@ -229,14 +229,26 @@ def ray_tmps() -> Iterator[tuple[Path, Path]]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _marks(tmp_path: Path) -> Path:
+    """Where the gated run's sessions say they wait: a directory bound into their view, writable, as
+    their own workspaces are a disk mounted in their run's mount namespace (unseen from outside it)."""
+    marks = tmp_path / "waiting"
+    marks.mkdir(mode=0o777, exist_ok=True)
+    marks.chmod(0o777)  # the sandboxes' own uids write there
+    return marks
+
+
 def _config(tmp_path: Path, run_id: str, gate: Path | None) -> Path:
     # The gated run's sessions say they are in the agent step, then wait there until the test opens the
     # gate: its sandboxes and its laid-out workspaces are live while the other run's worker reaps.
+    marks = _marks(tmp_path)
     wait = (
-        f"touch waiting; i=0; while [ ! -e {gate} ] && [ $i -lt 3000 ]; do sleep 0.1; i=$((i+1)); done; "
+        f"mktemp -p {marks} >/dev/null; i=0; while [ ! -e {gate} ] && [ $i -lt 3000 ]; "
+        "do sleep 0.1; i=$((i+1)); done; "
         if gate
         else ""
     )
+    mounts = [{"path": str(gate.parent)}, {"path": str(marks), "writable": True}] if gate else []
     tasks = tmp_path / f"{run_id}.jsonl"
     with tasks.open("w") as fh:
         for i in range(ROLLOUTS):
@@ -255,7 +267,7 @@ def _config(tmp_path: Path, run_id: str, gate: Path | None) -> Path:
         # The same root for both runs; the gate's directory in the view (it shows the host by allow-list).
         "sandbox": {
             "root": str(tmp_path / "sandboxes"),
-            "mounts": [{"path": str(gate.parent)}] if gate else [],
+            "mounts": mounts,
         },
         "harness": {"name": "command", "command": wait + "cat greeting.txt > hello.txt; echo done"},
         "limits": {"deadline_s": 400},
@@ -310,9 +322,10 @@ def test_two_runs_on_one_root_one_in_its_own_pid_namespace_lose_nothing(
     first_log, second_log = tmp_path / "first.stderr", tmp_path / "second.stderr"
     first = _start(argv(first_cfg, "first"), ray_tmps[0], first_log)
     try:
-        assert wait_until(lambda: len(list(root.glob("first/*/work/waiting"))) == SLOTS, 300, first), (
-            first_log.read_text(errors="replace")[-3000:]
-        )
+        marks = _marks(tmp_path)
+        assert wait_until(lambda: len(list(marks.iterdir())) == SLOTS, 300, first), first_log.read_text(
+            errors="replace"
+        )[-3000:]
         second = _start(argv(second_cfg, "second"), ray_tmps[1], second_log)
         _finish(second, second_log)
     finally:
