@@ -63,53 +63,89 @@ CARRY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
 
-async def review(
-    provider: SandboxProvider,
-    spec: SandboxSpec,
-    agent: Sandbox,
-    task: Task,
-    outcome: Outcome,
-    row: Row,
-    *,
-    grade: bool,
-    workspaces: PreparedWorkspaces | None,
-    evidence_dir: Path,
-) -> Outcome:
-    """The diff of the agent's final workspace, and with ``grade`` its reward, both taken in a fresh
-    sandbox; the outcome, changed only where grading could not be done. A failure of the grading
-    sandbox's own is the infrastructure's (verifier_error, retried then masked), never a 0."""
-    # A Harbor task's tests run as its [verifier] user (root unless it says), not as its agent's.
-    user = task.verify.user if task.verify is not None else None
-    spec = spec.model_copy(update={"session_id": spec.session_id + REVIEW_SUFFIX, "user": user})
-    try:
-        checker = await provider.start(spec)
-    except Exception as exc:
-        return _not_reviewed(row, outcome, grade, f"the grading sandbox did not start: {describe(exc)}")
-    row.review_sandbox_id = checker.id
-    try:
+class Review:
+    """One session's grading sandbox: the diff of the agent's final workspace, and with ``grade`` its
+    reward, both taken in a fresh sandbox the agent never ran in.
+
+    ``begin`` starts it and lays the task's workspace out (with its baseline) while the agent still runs,
+    where a sandbox's start is slow (a container, a Slurm job): only carrying the agent's work, the diff
+    and the verifier are then left after the agent. ``close`` stops it (or what of it started), beside the
+    agent's own sandbox's stop; every path of a session calls it."""
+
+    def __init__(
+        self,
+        provider: SandboxProvider,
+        spec: SandboxSpec,
+        task: Task,
+        workspaces: PreparedWorkspaces | None,
+    ) -> None:
+        # A Harbor task's tests run as its [verifier] user (root unless it says), not as its agent's.
+        user = task.verify.user if task.verify is not None else None
+        self.spec = spec.model_copy(update={"session_id": spec.session_id + REVIEW_SUFFIX, "user": user})
+        self.task = task
+        self._provider = provider
+        self._workspaces = workspaces
+        self._ready: asyncio.Future[Sandbox] | None = None
+
+    def begin(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._prepare())
+
+    async def _prepare(self) -> Sandbox:
+        checker = await self._provider.start(self.spec)
         try:
-            await _take_over(agent, checker, task, row, workspaces)
+            await _lay_out_task(checker, self.task, self._workspaces)
+        except BaseException:
+            await asyncio.shield(stop_sandbox(checker))
+            raise
+        return checker
+
+    async def close(self) -> bool:
+        """Stop the grading sandbox; True when there was none to stop, or it stopped."""
+        ready, self._ready = self._ready, None
+        if ready is None:
+            return True
+        ready.cancel()  # a no-op once it is ready; else its start is given up (and cleans up after itself)
+        try:
+            checker = await ready
+        except BaseException:  # never started, or cancelled on the way: nothing is left of it
+            return True
+        return await stop_sandbox(checker)
+
+    async def __call__(
+        self, agent: Sandbox, outcome: Outcome, row: Row, *, grade: bool, evidence_dir: Path
+    ) -> Outcome:
+        """The outcome, changed only where grading could not be done. A failure of the grading sandbox's
+        own is the infrastructure's (verifier_error, retried then masked), never a 0."""
+        task = self.task
+        self.begin()
+        assert self._ready is not None
+        try:
+            checker = await asyncio.shield(self._ready)  # a cancelled session leaves it to close()
+        except Exception as exc:
+            return _not_reviewed(row, outcome, grade, f"the grading sandbox was not made: {describe(exc)}")
+        row.review_sandbox_id = checker.id
+        try:
+            await _take_over(agent, checker, task, row)
         except SandboxLostError as exc:
             return Outcome.of(
                 FailureKind.SANDBOX_LOST, f"sandbox lost while carrying the workspace: {describe(exc)}"
             )
         except Exception as exc:
-            return _not_reviewed(
-                row, outcome, grade, f"the workspace could not be carried over: {describe(exc)}"
-            )
+            why = f"the workspace could not be carried over: {describe(exc)}"
+            return _not_reviewed(row, outcome, grade, why)
         if grade and task.verify is not None:
             graded, verifier_said = await _diff_and_grade(checker, task.verify, outcome, row)
             if verifier_said and not row.verified:
-                graded = await _whose_failure(provider, spec, checker, task, outcome, graded, row, workspaces)
+                graded = await _whose_failure(
+                    self._provider, self.spec, checker, task, outcome, graded, row, self._workspaces
+                )
             outcome = graded
         else:
             await record_diff(row, workspace_diff(checker))
         if harbor.is_harbor(task) and (gap := await harbor.keep_logs(checker, evidence_dir)):
             row.evidence_gaps.append(gap)
         return outcome
-    finally:
-        ok = await stop_sandbox(checker)
-        row.cleanup_ok = ok if row.cleanup_ok is None else row.cleanup_ok and ok
 
 
 def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
@@ -119,20 +155,23 @@ def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
     return outcome.model_copy(update={"failure_kind": FailureKind.VERIFIER_ERROR, "error_message": why})
 
 
-async def _take_over(
-    agent: Sandbox, checker: Sandbox, task: Task, row: Row, workspaces: PreparedWorkspaces | None
-) -> None:
-    """The task's workspace laid out in ``checker`` with its baseline, then replaced by the agent's; a
-    Harbor task's /logs/agent and /logs/artifacts too, which its tests may read as the agent left them."""
+async def _lay_out_task(checker: Sandbox, task: Task, workspaces: PreparedWorkspaces | None) -> None:
+    """The task's workspace as the agent got it, with its baseline (and a Harbor task's /logs)."""
     # A task's image may ship files at its workdir: the baseline is then made in the sandbox, of the
     # workspace as the image gave it, not copied from the host's lay-out of the task's files alone.
     prepared = workspaces if task.image is None and task.build is None else None
     await lay_out(checker, task.workspace, prepared)
+    if harbor.is_harbor(task):
+        await harbor.prepare_agent(checker)
+
+
+async def _take_over(agent: Sandbox, checker: Sandbox, task: Task, row: Row) -> None:
+    """The laid-out workspace in ``checker`` replaced by the agent's final one; a Harbor task's
+    /logs/agent and /logs/artifacts too, which its tests may read as the agent left them."""
     carried = await asyncio.wait_for(carry_workspace(agent, checker), CARRY_TIMEOUT_S)
     if (gap := carried.gap()) is not None:
         row.evidence_gaps.append(gap)
     if harbor.is_harbor(task):
-        await harbor.prepare_agent(checker)
         for name in harbor.AGENT_LOG_DIRS:
             logs = f"/logs/{name}"
             carried = await asyncio.wait_for(_carry_by_tar(agent, checker, logs, logs), CARRY_TIMEOUT_S)

@@ -213,6 +213,9 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
     sandbox: Sandbox | None = None
     gw: GatewaySession | None = None
     outcome: Outcome
+    review = grading.Review(
+        ctx.provider, spec, harbor.with_reward_key(req.task, cfg.reward_key), ctx.workspaces
+    )
     try:
         if req.task.invalid is not None:
             timer.lap("setup")
@@ -228,6 +231,9 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             )
             return _finish(row, Outcome.of(kind, describe(exc)), timer)
         row.sandbox_id = sandbox.id
+        if ctx.provider.name != "local":
+            # A start that takes a while (a container, a job) is made beside the agent's run, not after it.
+            review.begin()
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
         row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
         if ctx.scripted is not None and req.task.model_script:
@@ -288,18 +294,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:
             grade = cfg.policy.rule_for(outcome.failure_kind).grade and req.task.verify is not None
-            task = harbor.with_reward_key(req.task, cfg.reward_key)
-            outcome = await grading.review(
-                ctx.provider,
-                spec,
-                sandbox,
-                task,
-                outcome,
-                row,
-                grade=grade,
-                workspaces=ctx.workspaces,
-                evidence_dir=evidence_dir,
-            )
+            outcome = await review(sandbox, outcome, row, grade=grade, evidence_dir=evidence_dir)
             await evidence
         finally:
             evidence.cancel()  # only when the grading raised, or the session was cancelled
@@ -309,8 +304,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         if gw is not None:
             ctx.gateway.close_session(gw)
         if sandbox is not None:
-            stopped = await grading.stop_sandbox(sandbox)
-            row.cleanup_ok = stopped and row.cleanup_ok is not False  # the grading sandbox's too
+            stopped, reviewed = await asyncio.gather(grading.stop_sandbox(sandbox), review.close())
+            row.cleanup_ok = stopped and reviewed
             row.t_cleanup_s = timer.since_lap()
             row.t_total_s = round(sum(timer.marks.values()) + row.t_cleanup_s, 4)
 
