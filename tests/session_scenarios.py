@@ -146,7 +146,9 @@ SCENARIOS: dict[str, Scenario] = {
         [{"type": "shell", "command": "sleep 600"}],
         _agent_timeout,
         "test -f hello.txt",
-        task={"deadline_s": 6},
+        # Long enough for the slowest harness (OpenCode) to reach the model on a loaded machine: a deadline
+        # that falls before the first model request is a launch problem, not the agent's timeout.
+        task={"deadline_s": 12},
         config={"limits": {"grace_s": 2}},
     ),
 }

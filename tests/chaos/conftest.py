@@ -41,10 +41,7 @@ def write_config(
         "tasks": str(tasks),
         "out": str(tmp_path / "out"),
         "run_id": run_id,
-        "sandbox": {
-            "root": str(tmp_path / "sandboxes"),
-            "mounts": [{"path": str(gates)}] if gates is not None else [],
-        },
+        "sandbox": {"root": str(tmp_path / "sandboxes")},
         "gateway": {"max_attempts_per_request": 2, "backoff_base_s": 0.05, "backoff_cap_s": 0.2},
         "policy": {
             "retry_budget": 50,
@@ -63,6 +60,8 @@ def write_config(
         "limits": {"deadline_s": 60, "grace_s": 3},
         "concurrency": {"workers": 1, "sessions_per_worker": 4},
     }
+    if gates is not None:
+        cfg["sandbox"]["mounts"] = [{"path": str(gates)}]
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
             cfg[key] = cfg[key] | value
