@@ -160,4 +160,8 @@ if __name__ == "__main__":
         "--sandboxes", type=Path, default=None, help="where sandboxes go (default: the provider's)"
     )
     args = parser.parse_args()
+    if (args.out / "train-loop").exists():
+        # Run again, it would resume a finished run: nothing left to deliver, nothing to show.
+        done = args.out / "train-loop"
+        sys.exit(f"train_loop.py: {done} exists (an earlier toy run): remove it, or pass --out elsewhere")
     main(args.out.resolve(), args.sandboxes.resolve() if args.sandboxes else None)
