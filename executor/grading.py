@@ -137,15 +137,66 @@ class Review:
         if grade and task.verify is not None:
             graded, verifier_said = await _diff_and_grade(checker, task.verify, outcome, row)
             if verifier_said and not row.verified:
-                graded = await _whose_failure(
-                    self._provider, self.spec, checker, task, outcome, graded, row, self._workspaces
-                )
+                graded = await self._whose_failure(checker, outcome, graded, row)
             outcome = graded
         else:
             await record_diff(row, workspace_diff(checker))
         if harbor.is_harbor(task) and (gap := await harbor.keep_logs(checker, evidence_dir)):
             row.evidence_gaps.append(gap)
         return outcome
+
+    async def _whose_failure(self, checker: Sandbox, before: Outcome, failed: Outcome, row: Row) -> Outcome:
+        """The verifier ran on the agent's workspace and never graded it: it could not grade, timed out,
+        or wrote no reward. That is the infrastructure's only if it cannot grade the task's own workspace
+        either: the tests run the agent's code, which can exit 125, kill its verifier, loop past the
+        timeout or remove the reward file, and a grading that fails is masked (the agent's way out of its
+        0). So the verifier runs once on the task's untouched workspace, in a fresh sandbox; if it grades
+        there, the agent's workspace gets one more run (a hiccup of the grader's has passed by then), and
+        if that does not grade either, the failure is the agent's own: ``agent_self_inflicted``, 0."""
+        verify = self.task.verify
+        assert verify is not None
+        if not await self._grades_untouched(copy.copy(row)):
+            return failed  # the doubt stays the infrastructure's
+        row.verifier_runs = (row.verifier_runs or 0) + 1
+        try:
+            reward, failure = await _verify_once(checker, verify, row, with_diff=False)
+        except SandboxLostError as exc:
+            return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
+        except Exception:
+            return failed
+        if failure is None:
+            row.verified, row.reward = True, reward
+            return before
+        row.verified, row.reward = True, 0.0
+        why = f"the verifier graded the task's own workspace but not the agent's: {failure[1]}"
+        return before.model_copy(
+            update={
+                "status": status_for(FailureKind.AGENT_SELF_INFLICTED),
+                "failure_kind": FailureKind.AGENT_SELF_INFLICTED,
+                "error_message": bound_text(why, 4000),
+            }
+        )
+
+    async def _grades_untouched(self, scratch: Row) -> bool:
+        """Whether the verifier grades the task's workspace as laid out, in a fresh sandbox of its own
+        (``scratch`` takes what a run records; the row keeps the agent's)."""
+        verify = self.task.verify
+        assert verify is not None
+        session_id = self.spec.session_id.removesuffix(REVIEW_SUFFIX) + CONTROL_SUFFIX
+        try:
+            control = await self._provider.start(self.spec.model_copy(update={"session_id": session_id}))
+        except Exception:
+            return False
+        try:
+            await _lay_out_task(control, self.task, self._workspaces)
+            if verify.files:
+                await _write_checks(control, verify)
+            _, failure = await _verify_once(control, verify, scratch, with_diff=False)
+            return failure is None
+        except Exception:
+            return False
+        finally:
+            await stop_sandbox(control)
 
 
 def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
@@ -276,77 +327,6 @@ async def _diff_and_grade(
     runs = verify.retries + 1
     message = bound_text(f"{message} ({runs} verifier run{'s' if runs > 1 else ''})", 4000)
     return outcome.model_copy(update={"failure_kind": kind, "error_message": message}), said
-
-
-async def _whose_failure(
-    provider: SandboxProvider,
-    spec: SandboxSpec,
-    checker: Sandbox,
-    task: Task,
-    before: Outcome,
-    failed: Outcome,
-    row: Row,
-    workspaces: PreparedWorkspaces | None,
-) -> Outcome:
-    """The verifier ran on the agent's workspace and never graded it: it could not grade, timed out, or
-    wrote no reward. That is the infrastructure's only if it cannot grade the task's own workspace
-    either: the tests run the agent's code, which can exit 125, kill its verifier, loop past the timeout
-    or remove the reward file, and a grading that fails is masked (the agent's way out of its 0). So the
-    verifier runs once on the task's untouched workspace, in a fresh sandbox; if it grades there, the
-    agent's workspace gets one more run (a hiccup of the grader's has passed by then), and if that does
-    not grade either, the failure is the agent's own: ``agent_self_inflicted``, a reward of 0."""
-    verify = task.verify
-    assert verify is not None
-    if not await _grades_untouched(provider, spec, task, copy.copy(row), workspaces):
-        return failed  # the doubt stays the infrastructure's
-    row.verifier_runs = (row.verifier_runs or 0) + 1
-    try:
-        reward, failure = await _verify_once(checker, verify, row, with_diff=False)
-    except SandboxLostError as exc:
-        return Outcome.of(FailureKind.SANDBOX_LOST, f"sandbox lost while verifying: {describe(exc)}")
-    except Exception:
-        return failed
-    if failure is None:
-        row.verified, row.reward = True, reward
-        return before
-    row.verified, row.reward = True, 0.0
-    why = f"the verifier graded the task's own workspace but not the agent's: {failure[1]}"
-    return before.model_copy(
-        update={
-            "status": status_for(FailureKind.AGENT_SELF_INFLICTED),
-            "failure_kind": FailureKind.AGENT_SELF_INFLICTED,
-            "error_message": bound_text(why, 4000),
-        }
-    )
-
-
-async def _grades_untouched(
-    provider: SandboxProvider,
-    spec: SandboxSpec,
-    task: Task,
-    scratch: Row,
-    workspaces: PreparedWorkspaces | None,
-) -> bool:
-    """Whether the verifier grades the task's workspace as laid out, in a fresh sandbox of its own
-    (``scratch`` takes what a run records; the row keeps the agent's)."""
-    verify = task.verify
-    assert verify is not None
-    session_id = spec.session_id.removesuffix(REVIEW_SUFFIX) + CONTROL_SUFFIX
-    spec = spec.model_copy(update={"session_id": session_id})
-    try:
-        control = await provider.start(spec)
-    except Exception:
-        return False
-    try:
-        await lay_out(control, task.workspace, workspaces, baseline=False)
-        if verify.files:
-            await _write_checks(control, verify)
-        _, failure = await _verify_once(control, verify, scratch, with_diff=False)
-        return failure is None
-    except Exception:
-        return False
-    finally:
-        await stop_sandbox(control)
 
 
 async def _write_checks(sandbox: Sandbox, verify: Verifier) -> None:
