@@ -22,7 +22,7 @@ test: $(STAMP)
 	.ci/system-deps
 	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected no tests: a failure here, not a pass.
-	$(VENV)/bin/pytest -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+	$(VENV)/bin/pytest -ra --durations=40; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 
 # Every scenario against every registered harness; the matrix goes to runs/conformance/conformance.md.
 conformance: $(STAMP)

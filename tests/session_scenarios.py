@@ -2,7 +2,9 @@
 
 Used by the per-harness integration tests (tests/test_opencode.py, tests/test_pi.py): each scenario is a
 scripted model, a task and what the row must show. Gateway backoff and deadlines are small so a scenario
-costs little more than the harness's own start-up.
+costs little more than the harness's own start-up. The error scenarios (a failed tool, usage left out, 429s)
+are the conformance matrix's (harnesses/testing/conformance.py, every harness at both pins); these are what
+it does not hold: the transcript's detail, graded partial work, and the deadline's two owners.
 """
 
 from __future__ import annotations
@@ -50,36 +52,6 @@ def _tool_success(row: dict[str, Any]) -> None:
     assert [a["status"] for a in row["model_calls"]] == [200, 200, 200]
 
 
-def _tool_failure(row: dict[str, Any]) -> None:
-    assert (row["status"], row["reward"]) == ("completed", 1.0), row["error_message"]
-    failed, fixed = _shell_calls(row)
-    assert (failed["status"], failed["exit_code"]) == ("failed", 7)
-    assert "out" in (failed["output"] or "")
-    assert (fixed["status"], fixed["exit_code"]) == ("completed", 0)
-
-
-def _usage_omitted(row: dict[str, Any]) -> None:
-    assert row["status"] == "completed", row["error_message"]
-    assert row["input_tokens"] is None and row["output_tokens"] is None
-    # The harness's own counts are unknown too, not zeros it made up.
-    assert row["cached_input_tokens"] is None and row["reasoning_tokens"] is None
-    assert "usage_unavailable" in row["evidence_gaps"]
-
-
-def _retry_429(row: dict[str, Any]) -> None:
-    assert row["status"] == "completed", row["error_message"]
-    first, second = row["model_calls"][:2]
-    assert (first["status"], second["status"]) == (429, 200)
-    assert first["request_sha256"] == second["request_sha256"]
-    assert second["started_at"] - first["started_at"] >= 1.0  # no sooner than Retry-After
-
-
-def _rate_limit_exhausted(row: dict[str, Any]) -> None:
-    assert (row["status"], row["failure_kind"], row["http_status"]) == ("failed", "rate_limit_exceeded", 429)
-    assert len([a for a in row["model_calls"] if a["status"] == 429]) == 3  # the gateway's budget
-    assert row.get("reward") is None
-
-
 def _context_overflow(row: dict[str, Any]) -> None:
     assert (row["status"], row["failure_kind"]) == ("incomplete", "model_context_limit"), row["error_message"]
     assert row["reward"] == 1.0  # the partial work is graded
@@ -107,25 +79,6 @@ SCENARIOS: dict[str, Scenario] = {
             {"type": "text", "text": "Created hello.txt."},
         ],
         _tool_success,
-    ),
-    "tool_failure": Scenario(
-        [
-            {"type": "shell", "command": "echo out; echo err >&2; exit 7"},
-            {"type": "shell", "command": _HELLO},
-            {"type": "text", "text": "Fixed it."},
-        ],
-        _tool_failure,
-    ),
-    "usage_omitted": Scenario(
-        [{"type": "text", "text": "Nothing to do.", "usage": False}], _usage_omitted, None
-    ),
-    "retry_429": Scenario(
-        [{"type": "error", "status": 429, "headers": {"Retry-After": "1"}}, {"type": "text", "text": "done"}],
-        _retry_429,
-        None,
-    ),
-    "rate_limit_exhausted": Scenario(
-        [{"type": "error", "status": 429, "headers": {"Retry-After": "0"}}], _rate_limit_exhausted, None
     ),
     "context_overflow": Scenario(
         [{"type": "shell", "command": "echo partial > part.txt"}, {"type": "error", "status": 400}],
