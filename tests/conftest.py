@@ -146,6 +146,15 @@ async def session_context(
 
 
 @pytest.fixture
+async def harness() -> AsyncIterator[Any]:
+    """An HTTP client that plays the harness inside the sandbox (the gateway's tests)."""
+    import httpx
+
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
 async def model() -> AsyncIterator[Any]:
     """The scripted model, serving in this test's event loop."""
     from harnesses.testing.scripted_model import ScriptedModel

@@ -169,6 +169,7 @@ def test_sigkill_of_a_run_with_live_containers_then_gc(tmp_path, test_images):
     )
     owners: set[int] = set()
     try:
+
         def agents() -> list[tuple[str, dict[str, str]]]:
             # Each session's grading sandbox starts beside its agent's: the agents' are the ones counted.
             return [

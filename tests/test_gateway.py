@@ -51,13 +51,6 @@ OVERFLOW = json.dumps(
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[httpx.AsyncClient]:
-    """Plays the harness inside the sandbox."""
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
-        yield client
-
-
 @contextlib.asynccontextmanager
 async def gateway_to(
     upstream: str,

@@ -30,12 +30,6 @@ PINS = {"model": RUN_MODEL}
 STALL_S = 0.5
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
-        yield client
-
-
 async def read_stream(
     harness: httpx.AsyncClient, session: GatewaySession, path: str, body: dict[str, Any]
 ) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -28,12 +27,6 @@ STALL_S = 0.3  # a stall bound: the upstream's silence the gateway waits out bef
 # a longer one, so that a loaded machine's slow wake-up does not pass it.
 WIDE_S = 1.0
 API = [("/chat/completions", CHAT), ("/responses", RESPONSES)]
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
-        yield client
 
 
 async def read_stream(

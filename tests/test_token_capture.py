@@ -39,13 +39,6 @@ CAPTURE = {"capture_tokens": True}
 CAPTURE_PARAMS = ("logprobs", "top_logprobs", "return_token_ids", "return_tokens_as_token_ids")
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[httpx.AsyncClient]:
-    """Plays the harness inside the sandbox."""
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
-        yield client
-
-
 @contextlib.asynccontextmanager
 async def gateway_to(upstream: str, **config: Any) -> AsyncIterator[Gateway]:
     gateway = Gateway(upstream, None, GatewayConfig(backoff_base_s=0.01, backoff_cap_s=0.05, **config))
