@@ -41,7 +41,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from harnesses.install import default_cache_root
 from sandboxes import netns
 from sandboxes.base import (
     SandboxError,
@@ -50,6 +49,7 @@ from sandboxes.base import (
     TaskEnvironmentError,
     check_session_names,
 )
+from sandboxes.cache_root import default_cache_root
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig

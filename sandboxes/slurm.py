@@ -41,8 +41,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from harnesses.install import default_cache_root
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
+from sandboxes.cache_root import default_cache_root
 from sandboxes.identity import SANDBOX_USER
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
