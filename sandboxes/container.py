@@ -246,6 +246,8 @@ class ContainerSandbox(RemoteSandbox):
 
 
 class ContainerSandboxProvider:
+    isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
+
     def __init__(self, root: Path, config: ContainerSandboxConfig, network_forward: NetworkForward) -> None:
         self.root = Path(root).resolve()
         self.cfg = config

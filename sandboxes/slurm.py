@@ -165,6 +165,8 @@ def reap_jobs(
 
 
 class SlurmSandboxProvider:
+    isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
+
     def __init__(self, root: Path, config: SlurmSandboxConfig) -> None:
         self.root = Path(root).resolve()
         self.cfg = config
