@@ -8,6 +8,12 @@ answer (an HTML page, JSON for a stream, an empty body). It
 speaks Chat Completions (OpenCode, Pi, Hermes) and the Responses API (Codex) closely enough for those real
 clients to run against it. An outage window (``outage``) answers every request with one error for a
 while, whatever the scripts say, then lets them play on.
+
+The steps and their parse sit in ``steps``; what a step answers, fitted to the client's tools, in
+``replies``; the two dialects in ``chat`` and ``responses`` (with ``tokens`` for stream pieces, token ids
+and logprobs); OpenAI-shaped errors in ``errors``; the answers that go wrong on purpose in ``faults``; the
+server (``ScriptedModel``, ``serve``) in ``server``. Imports run that way round: ``server`` imports the
+rest, ``steps`` nothing of theirs.
 """
 
 from harnesses.testing.scripted_model.replies import AUX_TEXT
