@@ -36,6 +36,7 @@ from sandboxes.base import (
     SandboxLostError,
     SandboxProvider,
     SandboxSpec,
+    SandboxStartError,
 )
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import lay_out
@@ -193,7 +194,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         harness_version=ctx.harness.version,
         version_tested=ctx.harness.version == ctx.harness.tested_version,
         sandbox_provider=ctx.provider.name,
-        sandbox_isolation=getattr(ctx.provider, "isolation_label", None),
+        sandbox_isolation=ctx.provider.isolation_label,
         node_id=ctx.node_id,
         worker_id=ctx.worker_id,
         evidence_dir=str(ctx.evidence_store / launch_id if ctx.evidence_store else evidence_dir),
@@ -226,7 +227,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             timer.lap("setup")
             kind = (
                 FailureKind.TASK_INVALID
-                if getattr(exc, "task_fault", False)
+                if isinstance(exc, SandboxStartError) and exc.task_fault
                 else FailureKind.SANDBOX_START_FAILED
             )
             return _finish(row, Outcome.of(kind, describe(exc)), timer)
@@ -235,7 +236,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             # A start that takes a while (a container, a job) is made beside the agent's run, not after it.
             review.begin()
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
-        row.sandbox_isolation = getattr(sandbox, "isolation_label", None) or row.sandbox_isolation
+        row.sandbox_isolation = sandbox.isolation_label or row.sandbox_isolation
         if ctx.scripted is not None and req.task.model_script:
             from harnesses.testing.scripted_model import parse_steps
 
@@ -246,7 +247,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             install_dir = await ctx.ensure_installed()
             # Where the harness's commands reach the gateway: a remote sandbox's own network reaches it
             # only at 127.0.0.1, through its agent.
-            reach = getattr(sandbox, "gateway_url", None)
+            reach = sandbox.gateway_url
             context = LaunchContext(
                 base_url=reach(gw.base_url) if reach is not None else gw.base_url,
                 api_key=gw.token,
@@ -257,7 +258,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             )
             launch = await ctx.harness.prepare(sandbox, context)
             # A sandbox of the task's own image (a container) may lack what the harness needs.
-            if (check_runs := getattr(sandbox, "check_runs", None)) is not None:
+            if (check_runs := sandbox.check_runs) is not None:
                 await check_runs(launch.argv[0], f"the {ctx.harness.name} harness")
             return launch
 

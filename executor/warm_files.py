@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harnesses.cache_root import default_cache_root
+from sandboxes.cache_root import default_cache_root
 
 RECORD = "executor.json"
 DAEMON_LOCK = "daemon.lock"

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from harnesses.cache_root import default_cache_root as default_cache_root  # its home before
+from sandboxes.cache_root import default_cache_root as default_cache_root  # its home before
 
 MARKER_NAME = ".installed"
 OUTPUT_TAIL_CHARS = 2_000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -127,11 +128,23 @@ class RunsBefore(Protocol):
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """A started sandbox. All paths are inside the sandbox; ``workdir`` is the task's workspace."""
+    """A started sandbox. All paths are inside the sandbox; ``workdir`` is the task's workspace.
+
+    The last three attributes are optional: ``None`` where the sandbox has no such part, and the session
+    then does without it."""
 
     id: str
     workdir: str
     home: str
+    # The layers its commands run under (``Row.sandbox_isolation``), where the sandbox itself knows them: a
+    # remote agent says once it has answered. None: its provider's ``isolation_label`` stands.
+    isolation_label: str | None
+    # The gateway's URL as its commands reach it, where that differs from the worker's: a remote sandbox's
+    # network namespace reaches it at 127.0.0.1 through its agent. None: the URL as it is.
+    gateway_url: Callable[[str], str] | None
+    # ``check_runs(program, what)``: SandboxError, one line, unless ``program`` starts here; for a sandbox
+    # of a task's own image, which may lack what a harness needs. None: the sandbox does not check.
+    check_runs: Callable[[str, str], Awaitable[None]] | None
 
     async def exec(
         self,
@@ -163,5 +176,8 @@ class HidesPaths(Protocol):
 
 class SandboxProvider(Protocol):
     name: str
+    # The layers its sandboxes' commands run under, where the provider knows them before any starts (a
+    # local one makes them itself). None: each sandbox says (``Sandbox.isolation_label``), or none is known.
+    isolation_label: str | None
 
     async def start(self, spec: SandboxSpec) -> Sandbox: ...

@@ -41,7 +41,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from harnesses.install import default_cache_root
 from sandboxes import netns
 from sandboxes.base import (
     SandboxError,
@@ -50,6 +49,7 @@ from sandboxes.base import (
     TaskEnvironmentError,
     check_session_names,
 )
+from sandboxes.cache_root import default_cache_root
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
@@ -246,6 +246,8 @@ class ContainerSandbox(RemoteSandbox):
 
 
 class ContainerSandboxProvider:
+    isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
+
     def __init__(self, root: Path, config: ContainerSandboxConfig, network_forward: NetworkForward) -> None:
         self.root = Path(root).resolve()
         self.cfg = config

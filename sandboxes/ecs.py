@@ -166,6 +166,8 @@ def default_address(task: dict[str, Any], port: int) -> tuple[str, int] | None:
 
 
 class EcsSandboxProvider:
+    isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
+
     def __init__(
         self,
         config: EcsSandboxConfig,

@@ -246,7 +246,7 @@ def view(
 
 
 def _cache_root() -> Any:
-    from harnesses.install import default_cache_root
+    from sandboxes.cache_root import default_cache_root
 
     return default_cache_root()
 

@@ -583,6 +583,8 @@ class LocalSandbox:
     """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
 
     runs_before = True  # see sandboxes.base.RunsBefore
+    # sandboxes.base.Sandbox's optional parts: none of its own (its provider's label, the worker's URL).
+    isolation_label = gateway_url = check_runs = None
 
     def __init__(
         self,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from harnesses.install import default_cache_root
 from sandboxes.base import SandboxProvider
+from sandboxes.cache_root import default_cache_root
 
 # The gateway's port and Unix socket, for sandboxes whose commands run in network namespaces of their own
 # (sandboxes/netns.py): 127.0.0.1:port inside reaches the gateway through the socket.

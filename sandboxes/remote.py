@@ -82,6 +82,8 @@ async def ready_or_torn_down(
 class RemoteSandbox:
     """A started remote sandbox. Build it through a provider; ``descriptor()`` names what to reap."""
 
+    check_runs: Callable[[str, str], Awaitable[None]] | None = None  # a container's checks (container.py)
+
     def __init__(
         self,
         *,

@@ -41,8 +41,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from harnesses.install import default_cache_root
 from sandboxes.base import SandboxError, SandboxSpec, SandboxStartError, check_session_names
+from sandboxes.cache_root import default_cache_root
 from sandboxes.identity import SANDBOX_USER
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
@@ -165,6 +165,8 @@ def reap_jobs(
 
 
 class SlurmSandboxProvider:
+    isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
+
     def __init__(self, root: Path, config: SlurmSandboxConfig) -> None:
         self.root = Path(root).resolve()
         self.cfg = config

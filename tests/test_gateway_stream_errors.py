@@ -170,7 +170,8 @@ async def test_sound_answers_are_not_errors(model, harness, tmp_path) -> None:
 
 def test_the_scripted_error_forms_are_what_the_apis_send() -> None:
     """The shapes the gateway is tested against, read back from the scripted model's own frames."""
-    from harnesses.testing.scripted_model import _chat_error_frame, parse_steps
+    from harnesses.testing.scripted_model import parse_steps
+    from harnesses.testing.scripted_model.chat import _chat_error_frame
 
     [native, event] = parse_steps([stream_error(SERVER), stream_error(RATE, "event")])
     chunk = json.loads(_chat_error_frame(native, "m", "id").decode().removeprefix("data: "))

@@ -31,7 +31,7 @@ class FlakyStartProvider:
         self.inner = inner
         self.fraction = fraction
         self.name = inner.name
-        self.isolation_label = getattr(inner, "isolation_label", None)
+        self.isolation_label = inner.isolation_label
         self.starts = 0
 
     async def start(self, spec: SandboxSpec) -> Sandbox:

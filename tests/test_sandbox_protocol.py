@@ -1,0 +1,78 @@
+"""Every provider and sandbox class has what ``sandboxes/base.py``'s protocols name (the session's reads
+among them), read from the classes themselves: a provider that cannot start here (ECS, Slurm, a
+container without podman) is held to it as well, and a member added to a protocol fails here until every
+class has it."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import typing
+
+import pytest
+
+from sandboxes.base import Sandbox, SandboxProvider
+from sandboxes.container import ContainerSandbox, ContainerSandboxProvider
+from sandboxes.ecs import EcsSandboxProvider
+from sandboxes.local import LocalSandbox, LocalSandboxProvider
+from sandboxes.remote import RemoteSandbox
+from sandboxes.slurm import SlurmSandboxProvider
+from sandboxes.testing.faults import FlakyStartProvider
+
+PROVIDERS = [
+    LocalSandboxProvider,
+    ContainerSandboxProvider,
+    SlurmSandboxProvider,
+    EcsSandboxProvider,
+    FlakyStartProvider,
+]
+SANDBOXES = [LocalSandbox, RemoteSandbox, ContainerSandbox]  # ECS and Slurm start RemoteSandboxes
+OPTIONAL = {"isolation_label", "gateway_url", "check_runs"}
+
+
+def protocol_members(protocol: type) -> set[str]:
+    names = set(protocol.__annotations__)
+    return names | {name for name, value in vars(protocol).items() if callable(value) and name[0] != "_"}
+
+
+def class_members(cls: type) -> set[str]:
+    """Its attributes and methods, and every ``self.<name>`` its own or its bases' methods assign: an
+    instance's attributes, without starting one."""
+    names = set(dir(cls))
+    for klass in cls.__mro__[:-1]:  # object aside
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(klass)))):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                if isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
+                    names.add(target.attr)
+    return names
+
+
+@pytest.mark.parametrize("cls", PROVIDERS, ids=lambda cls: cls.__name__)
+def test_every_provider_class_has_what_the_provider_protocol_names(cls: type) -> None:
+    assert protocol_members(SandboxProvider) - class_members(cls) == set()
+
+
+@pytest.mark.parametrize("cls", SANDBOXES, ids=lambda cls: cls.__name__)
+def test_every_sandbox_class_has_what_the_sandbox_protocol_names(cls: type) -> None:
+    assert protocol_members(Sandbox) - class_members(cls) == set()
+
+
+def test_the_optional_parts_are_named_as_optional() -> None:
+    """Optional means None is an answer the session handles, not an attribute that may be missing."""
+    for protocol in (Sandbox, SandboxProvider):
+        hints = typing.get_type_hints(protocol)
+        for name in OPTIONAL & set(hints):
+            assert type(None) in typing.get_args(hints[name]), f"{protocol.__name__}.{name}"
+    assert OPTIONAL <= protocol_members(Sandbox)
+    assert "isolation_label" in protocol_members(SandboxProvider)
+    # Where a class has none of a part, it says None rather than leave the attribute out.
+    assert LocalSandbox.isolation_label is None and LocalSandbox.gateway_url is None
+    assert LocalSandbox.check_runs is None and RemoteSandbox.check_runs is None
+    assert callable(ContainerSandbox.check_runs) and callable(RemoteSandbox.gateway_url)
