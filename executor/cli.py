@@ -683,8 +683,8 @@ def model_serve(
         Path | None,
         typer.Option(
             help="JSON list of steps, played from its start to each session: a /s/<key>/v1 base URL or an "
-            "x-rollout-session header names one; requests with neither (a run's gateway sends neither) "
-            "share one session, and so one position in the script."
+            "x-rollout-session header (a run's gateway sends it on every request) names one; requests with "
+            "neither share one session, and so one position in the script."
         ),
     ] = None,
 ) -> None:

@@ -6,13 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.ports import free_port
+from tests.model_server import served_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("codex_installed")]
 REPO = Path(__file__).parents[1]
@@ -54,37 +52,8 @@ def test_replay_reproduces_status_and_reward(demo_run, rollout_id):
 def test_replay_against_another_endpoint_shows_what_differs(demo_run, tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps([{"type": "text", "text": "I did nothing."}]))
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "executor.cli",
-            "model",
-            "serve",
-            "--port",
-            str(port),
-            "--script",
-            str(script),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)  # waiting for the server to listen, bounded
-        proc = _rollout(
-            "replay", str(demo_run), "fix-add.s0.a1", "--model-url", f"http://127.0.0.1:{port}/v1"
-        )
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with served_model(script) as url:
+        proc = _rollout("replay", str(demo_run), "fix-add.s0.a1", "--model-url", url)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "DIFFERS" in proc.stdout and "differs in: reward" in proc.stdout
     replayed = _replayed_row(demo_run, "fix-add.s0.a1")
