@@ -284,9 +284,13 @@ def line(f: dict[str, Any]) -> str:
 # The provider-level probe: what one local sandbox costs the machine, without Ray or a session around it
 
 
-def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) -> dict[str, Any]:
+def sandbox_cpu(
+    n: int, scratch: Path, isolation: str = "auto", execs: int = 1, sleep_s: float = 0.0
+) -> dict[str, Any]:
     """``n`` local sandboxes at once, as a run's defaults make them: start, ``execs`` commands of ``true``
     one after another, stop. (Two runs with different ``execs`` give what one more command costs.)
+    ``sleep_s``: the last command is ``sleep sleep_s`` instead, every sandbox's at once, so that two runs
+    with different ``sleep_s`` give what a sandbox costs while its command waits.
 
     The CPU is this process's and its reaped children's (the supervisor servers and everything under
     them, and the provider's fork server once the provider is closed), so it excludes the rest of the
@@ -313,8 +317,9 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) 
 
     async def one() -> Any:
         sandbox = await provider.start(spec())
-        for _ in range(execs):
-            result = await sandbox.exec(["true"], timeout=60)
+        for i in range(execs):
+            argv = ["sleep", f"{sleep_s:g}"] if sleep_s and i == execs - 1 else ["true"]
+            result = await sandbox.exec(argv, timeout=sleep_s + 60)
             if result.exit_code != 0:
                 await sandbox.stop()
                 raise RuntimeError(f"`true` in a probe sandbox: {result}")
@@ -344,6 +349,7 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) 
     return {
         "sandboxes": n,
         "execs": execs,
+        "sleep_s": sleep_s,
         "isolation": provider.isolation_label,
         "wall_s": wall,
         "wall_closed_s": wall_closed,
@@ -356,8 +362,10 @@ def sandbox_cpu(n: int, scratch: Path, isolation: str = "auto", execs: int = 1) 
 
 
 def sandbox_line(p: dict[str, Any]) -> str:
+    last = f", the last `sleep {p['sleep_s']:g}`" if p.get("sleep_s") else ""
     return (
-        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + {p['execs']} x `true` + stop: "
+        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + {p['execs']} x `true`{last} + "
+        "stop: "
         f"{p['cpu_ms_per_sandbox']:.1f} ms CPU per sandbox ({p['worker_cpu_ms_per_sandbox']:.1f} in the "
         f"worker, {p['processes_cpu_ms_per_sandbox']:.1f} in its processes; the whole machine "
         f"{p['machine_cpu_ms_per_sandbox']:.1f}), wall {p['wall_s']:.2f} s, worker threads with all "
