@@ -177,13 +177,22 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     if view and p.get("host_mounts_fd") is not None:  # the server's, made before the session's mounts
         proctree.libc_call("setns", int(p["host_mounts_fd"]), CLONE_NEWNS)
         os.close(int(p["host_mounts_fd"]))
+    sources = None
+    if view and p.get("base_mounts_fd") is not None:
+        import fsview
+
+        # The view's sources from the host's tree, then a namespace of none of its mounts to build the
+        # view in: a namespace unshared from the host's would copy (and at exit tear down) every one.
+        sources = fsview.clone_sources(view)
+        proctree.libc_call("setns", int(p["base_mounts_fd"]), CLONE_NEWNS)
+        os.close(int(p["base_mounts_fd"]))
     flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
     if flags:
         proctree.libc_call("unshare", flags)
     if view:
         import fsview
 
-        fsview.apply(view)
+        fsview.apply(view, sources)
     listener = None
     if forward:
         import netns
