@@ -233,7 +233,7 @@ def serve(
 
 
 def main(argv: list[str]) -> int:
-    # What an isolated command's init imports (supervisor._init), once here rather than in every init:
+    # What an isolated command's init imports (spawn._init), once here rather than in every init:
     # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
     import fsview  # noqa: F401
     import netns  # noqa: F401

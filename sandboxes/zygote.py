@@ -38,6 +38,7 @@ import fsview
 import netns  # noqa: F401
 import pidlimit  # noqa: F401
 import proctree
+import spawn
 import supervisor
 import supervisor_server
 
@@ -51,7 +52,7 @@ _ENV_START_FIELD = 50  # /proc/PID/stat: the address of the environment block (p
 
 def _base_mounts() -> int | None:
     """A mount namespace holding one empty tmpfs (fsview.make_base), made once for all our sandboxes: a
-    command's view is unshared from it rather than from the host's (supervisor._init), which spares each
+    command's view is unshared from it rather than from the host's (spawn._init), which spares each
     command a copy and a tear-down of every host mount. None where it cannot be made (not root, no mount
     API): the views are then made from the host's, as before."""
     if os.geteuid() != 0:
@@ -209,7 +210,7 @@ class _Zygote:
         if self.base is not None and self.base != BASE_FD:
             os.dup2(self.base, BASE_FD, inheritable=False)
         # Another request's pipes, our own, the wake-up.
-        os.closerange((WORKER_FD if self.base is None else BASE_FD) + 1, supervisor.MAX_FD)
+        os.closerange((WORKER_FD if self.base is None else BASE_FD) + 1, spawn.MAX_FD)
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
         try:
             os.pwrite(mem, token.encode(), self.marker_at)
