@@ -536,7 +536,10 @@ def _left_behind(sandbox_root: Path) -> list[str]:
     # workspace templates (sandboxes/prepared.py) for its next run: neither is a session's.
     kept = {"owners", "prepared-workspaces"}
     dirs = [str(p) for p in sandbox_root.glob("*/*") if p.parent.name not in kept and p.name not in kept]
-    return procs[:20] + dirs[:20]
+    # Every one counted; the first 20 of each named.
+    return (
+        [f"{len(procs)} processes, {len(dirs)} directories", *procs[:20], *dirs[:20]] if procs or dirs else []
+    )
 
 
 def line(f: dict[str, Any]) -> str:
@@ -564,7 +567,7 @@ def line(f: dict[str, Any]) -> str:
             else ""
         )
         + by_part
-        + f"left behind: {len(left)}{' ' + str(left[:3]) if left else ''}; "
+        + f"left behind: {left[0] + ' ' + str(left[1:4]) if left else 'nothing'}; "
         + "peaks: "
         f"driver RSS {f['driver_peak_rss_mb']:.0f} MB, fds {p.get('driver_fds', 0):.0f}, threads "
         f"{p.get('driver_threads', 0):.0f}; {p.get('workers', 0):.0f} workers' PSS "
