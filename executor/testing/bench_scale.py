@@ -101,6 +101,9 @@ class Sampler:
                 elif parent.get(pid) in workers and any(root in title for root in SANDBOX_ROOTS):
                     if self._cpu.move(pid, "sandboxes"):
                         roots.add(pid)
+                        # What it forked before we saw it (a spare server, its namespace's init).
+                        for child in _descendants({pid}, parent) - {pid}:
+                            self._cpu.move(child, "sandboxes")
 
     def thread_cpu_s(self) -> float:
         return self._thread_cpu
