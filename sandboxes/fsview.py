@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 
 LINK, PROC, DEV, HIDE, SCRATCH, RO, RW = "link", "proc", "dev", "hide", "scratch", "ro", "rw"
 SCRATCH_SIZE = "64m"
@@ -172,8 +173,10 @@ class _Calls:
         flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
         return _check(self.libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, path.encode(), flags), "open_tree", path)
 
-    def setattr(self, fd: int, path: str, flags: int, attr_set: int, attr_clr: int = 0) -> None:
-        attr = _MountAttr(attr_set, attr_clr, 0, 0)
+    def setattr(
+        self, fd: int, path: str, flags: int, attr_set: int, attr_clr: int = 0, propagation: int = 0
+    ) -> None:
+        attr = _MountAttr(attr_set, attr_clr, propagation, 0)
         name = b"" if fd != _AT_FDCWD else path.encode()
         size = ctypes.sizeof(attr)
         result = self.libc.syscall(_SYS_MOUNT_SETATTR, fd, name, flags, ctypes.byref(attr), size)
@@ -242,12 +245,16 @@ def _make_dev(calls: _Calls, here: str, devices: dict[str, int]) -> None:
     calls.mount(b"devpts", f"{here}/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, options)
 
 
-def apply(steps: list[list[str]]) -> None:
-    """Turn this process's (fresh, unshared) mount namespace into the view. Root only; raises OSError."""
+Sources = tuple[dict[int, int], dict[str, int]]  # the binds' clones by step, the devices' by name
+
+
+def clone_sources(steps: list[list[str]]) -> Sources:
+    """The view's host sources (its binds, the devices, /dev/null for hidden files), cloned as detached
+    mounts, each made private so that nothing mounted on it later reaches the host's tree. Taken in the
+    host's mount namespace, they let ``apply`` build the view in a namespace that holds none of the
+    host's mounts (``make_base``): a new mount namespace copies every mount of the one it comes from
+    (~1,400 on a busy host, ~5 ms of CPU to copy and tear down, more with every sandbox in flight)."""
     calls = _Calls()
-    os.umask(0o022)
-    calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
-    # Clones first, while every source is in sight: the binds, the devices, /dev/null for hidden files.
     clones: dict[int, int] = {}
     devices: dict[str, int] = {}
     for i, step in enumerate(steps):
@@ -260,6 +267,33 @@ def apply(steps: list[list[str]]) -> None:
             }
         elif kind == HIDE and not os.path.isdir(path):
             clones[i] = calls.clone("/dev/null")
+    for fd in (*clones.values(), *devices.values()):
+        calls.setattr(fd, "", _AT_EMPTY_PATH | _AT_RECURSIVE, 0, propagation=_MS_PRIVATE)
+    return clones, devices
+
+
+def make_base() -> None:
+    """Turn this process's (fresh, unshared) mount namespace into one that holds a single empty tmpfs:
+    a namespace to unshare a view's from, cheaply (see ``clone_sources``). Root only; raises OSError."""
+    calls = _Calls()
+    calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
+    root = calls.tmpfs({"mode": "0755", "size": "4k"}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+    calls.move(root, "/")
+    os.fchdir(root)
+    os.close(root)
+    calls.pivot_here()
+
+
+def apply(steps: list[list[str]], sources: Sources | None = None) -> None:
+    """Turn this process's (fresh, unshared) mount namespace into the view. ``sources``: the view's
+    clones, taken by ``clone_sources`` in the host's namespace before this one was unshared from a base
+    (``make_base``); without them they are cloned here, from this namespace's copy of the host's tree.
+    Root only; raises OSError."""
+    calls = _Calls()
+    os.umask(0o022)
+    calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
+    # Clones first, while every source is in sight: the binds, the devices, /dev/null for hidden files.
+    clones, devices = clone_sources(steps) if sources is None else (dict(sources[0]), sources[1])
     root = calls.tmpfs({"mode": "0755", "size": "1m"}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
     calls.move(root, "/")  # on top of the host's root; built below through relative paths
     os.fchdir(root)
@@ -291,7 +325,7 @@ def apply(steps: list[list[str]]) -> None:
             if kind == RO or kind == HIDE:
                 attrs |= _MOUNT_ATTR_RDONLY
             calls.setattr(fd, here, _AT_EMPTY_PATH | _AT_RECURSIVE, attrs)
-            _make_mount_point(here, os.path.isdir(f"/proc/self/fd/{fd}"))
+            _make_mount_point(here, stat.S_ISDIR(os.fstat(fd).st_mode))  # no /proc in a base's root
             calls.move(fd, here)
             os.close(fd)
     for fd in read_only:

@@ -196,9 +196,13 @@ def shell_exit_code(status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
+_libc: list[ctypes.CDLL] = []  # loaded once: a CDLL(None) per call cost ~50 us, ~10 calls a command
+
+
 def libc_call(name: str, *args: object) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*args) != 0:
+    if not _libc:
+        _libc.append(ctypes.CDLL(None, use_errno=True))
+    if getattr(_libc[0], name)(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}{args[:1]} failed: {os.strerror(err)}")
 

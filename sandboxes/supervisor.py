@@ -9,8 +9,8 @@ behind, then writes a small JSON result. Two ways to start one:
 - forked by a sandbox's server (``supervisor_server.py``, the local sandbox's), which calls ``run`` in
   the child, so a command costs a fork rather than an interpreter start-up and these imports.
 
-Standard library only, so it runs under any python3 >= 3.11 the host has; it needs its sibling
-``proctree.py``, which ships beside it.
+Standard library only, so it runs under any python3 >= 3.11 the host has; it needs its siblings
+``proctree.py`` and ``spawn.py`` (how the command is started), which ship beside it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,18 @@ import time
 
 if __package__:
     from sandboxes import proctree
+    from sandboxes.spawn import (
+        _Forked,
+        _popen_limited,
+        _reported_status,
+        _spawn,
+        _start_init,
+        needs_init,
+    )
 else:  # run by path, or imported by the agent or the server run so: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import proctree
+    from spawn import _Forked, _popen_limited, _reported_status, _spawn, _start_init, needs_init
 
 # No `typing` or `subprocess` at start-up: the supervisor's server imports this module (see
 # supervisor_server.py).
@@ -36,7 +45,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
-    from typing import Any, NoReturn
+    from typing import Any
 
 DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is gone
 # A supervisor's own worst case past its command's timeout (start-up, every kill round, the pipe drain):
@@ -110,283 +119,6 @@ class _Pump:
             f"{prefix}_tail_b64": binascii.b2a_base64(bytes(self.tail), newline=False).decode(),
             f"{prefix}_write_error": self.write_error,
         }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Namespaces per command (a loopback-only network, root's filesystem view) and the sandbox user: the
-# supervisor forks an init into them, which runs the gateway forwarder and the command, and writes the
-# command's raw wait status to a pipe.
-
-CLONE_NEWNS = 0x00020000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWNET = 0x40000000
-PR_SET_NO_NEW_PRIVS = 38
-MAX_FD = 1 << 16  # what a command's init may hold open; the command gets only stdio
-
-
-def needs_init(p: dict[str, Any]) -> bool:
-    keys = ("network_forward", "view", "user", "cgroup_procs", "memory_procs")
-    return any(p.get(key) for key in keys)
-
-
-def _start_init(
-    p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
-) -> tuple[_Forked, int]:
-    status_r, status_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
-            signal.set_wakeup_fd(-1)  # the supervisor's wake-up pipe is not ours to write
-            os.close(status_r)
-            for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
-                os.dup2(fd, target)
-                os.close(fd)
-            code = _init(p, env, status_w)
-        except BaseException as exc:  # a forked child must never return into the supervisor
-            os.write(2, f"sandbox isolation: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
-        finally:
-            os._exit(code)
-    os.close(status_w)
-    return _Forked(pid), status_r
-
-
-class _Forked:
-    """The part of a Popen object the supervisor uses, for a child made by fork."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-
-def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
-    # Run by path with -I, our directory is not on sys.path; netns.py and fsview.py are our siblings.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    forward, view, user = p.get("network_forward"), p.get("view"), p.get("user")
-    # The sandbox's process and memory caps (sandboxes/pidlimit.py), before the view leaves /sys out.
-    for procs, limit, controller in (
-        ("cgroup_procs", "pids_max", "pids"),
-        ("memory_procs", "memory_max", "memory"),
-    ):
-        if p.get(procs):
-            import pidlimit
-
-            if not pidlimit.member(p[procs], controller):  # born there, from the server it adopted: no move
-                pidlimit.join(p[procs], int(p[limit]), controller)
-    if view and p.get("host_mounts_fd") is not None:  # the server's, made before the session's mounts
-        proctree.libc_call("setns", int(p["host_mounts_fd"]), CLONE_NEWNS)
-        os.close(int(p["host_mounts_fd"]))
-    flags = (CLONE_NEWNET if forward else 0) | (CLONE_NEWNS | CLONE_NEWIPC if view else 0)
-    if flags:
-        proctree.libc_call("unshare", flags)
-    if view:
-        import fsview
-
-        fsview.apply(view)
-    listener = None
-    if forward:
-        import netns
-
-        listener = netns.listen(int(forward[0]))
-    if view or user:
-        # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
-        proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
-        proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
-    if listener is None:
-        # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
-        # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.
-        _exec_command(p, env, user, _command_limits(p), _candidates(p["argv"], env))
-    command = _fork_exec(p, env, user)
-    if listener is not None:  # threads only once the command is forked: a fork copies none of them
-        netns.serve(listener, str(forward[1]))
-    for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
-        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
-    os.write(status_fd, str(status).encode())
-    return 0
-
-
-def _own_session_keyring() -> None:
-    """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
-    processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
-    alike), with the uid's user keyring linked in as a login session has it, so that the sandbox's keys
-    are its own to read in its later commands. Best effort: a kernel without keyrings has nothing to
-    share."""
-    import ctypes
-
-    number = _KEYCTL.get(os.uname().machine)
-    if number is not None:
-        libc = ctypes.CDLL(None)
-        if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
-            libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
-
-
-_KEYCTL = {"x86_64": 250, "aarch64": 219}
-_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_LINK = 1, 8
-_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING = -3, -4
-
-
-def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
-    """Where ``argv[0]`` may be, as execvpe looks: resolved before the switch to the sandbox user, past
-    which nothing may need a file of ours (an import, say)."""
-    return [argv[0]] if os.sep in argv[0] else [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
-
-
-def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | None) -> int:
-    """Start the command as Popen would (its limits, the sandbox user, default signals, only stdio), by
-    fork and exec: the init never imports `subprocess`, ~10 ms a command."""
-    limits, candidates = _command_limits(p), _candidates(p["argv"], env)
-    pid = os.fork()
-    if pid:
-        return pid
-    _exec_command(p, env, user, limits, candidates)
-
-
-def _exec_command(
-    p: dict[str, Any],
-    env: dict[str, str] | None,
-    user: list[int] | None,
-    limits: Callable[[], None] | None,
-    candidates: list[str],
-) -> NoReturn:
-    """In the process that becomes the command: its limits, the sandbox user, default signals, only stdio,
-    then exec. A failed start exits 127 (not found) or 126, saying why on stderr, as a shell would."""
-    argv, command_env = p["argv"], os.environ if env is None else env
-    code = 126
-    try:
-        for sig in (*_RESTORED_SIGNALS, *STOP_SIGNALS, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        os.chdir(p["cwd"])
-        if p.get("memory_procs"):
-            # The memory cap's OOM killer takes a command before a supervisor (pidlimit.py): raising
-            # one's own score needs no privilege, where lowering the server's needs CAP_SYS_RESOURCE.
-            with open("/proc/self/oom_score_adj", "w") as adj:
-                adj.write("1000")
-        if limits is not None:
-            limits()
-        if user:
-            os.setgroups([])
-            os.setresgid(user[1], user[1], user[1])
-            os.setresuid(user[0], user[0], user[0])
-            _own_session_keyring()
-        os.closerange(3, MAX_FD)
-        failed: OSError | None = None
-        for path in candidates:  # as execvpe: a later directory may still hold a runnable one
-            try:
-                os.execve(path, argv, command_env)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError as exc:
-                failed = failed or exc
-        raise failed or FileNotFoundError(2, "No such file or directory", argv[0])
-    except BaseException as exc:
-        code = 127 if isinstance(exc, FileNotFoundError) else 126
-        why = getattr(exc, "strerror", None) or exc
-        os.write(2, f"cannot run {argv[0]!r}: {why}\n".encode(errors="replace"))
-    finally:
-        os._exit(code)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Without a network namespace: posix_spawn, or Popen where a memory limit needs a hook before exec
-
-# Signals Python ignores at start-up, which a command must get at their defaults (as Popen's
-# restore_signals does); handled ones revert by themselves at exec.
-_RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
-
-
-def _spawn(
-    argv: list[str], cwd: str, env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
-) -> int:
-    """Start ``argv`` as Popen would (its environment's PATH searched, its own process group, the
-    given stdio, no other descriptor: every one of ours is close-on-exec) with posix_spawn, which needs
-    no `subprocess` import and no copy of our address space. Raises the OSError of a failed start."""
-    os.chdir(cwd)
-    if os.sep in argv[0]:
-        candidates = [argv[0]]
-    else:
-        candidates = [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
-    denied: OSError | None = None
-    for path in candidates:
-        # A check first: each spawn that fails costs a clone, where Popen tries every entry in one child.
-        if not os.access(path, os.X_OK):
-            if os.path.lexists(path):
-                denied = denied or PermissionError(13, "Permission denied", path)
-            continue
-        try:
-            return os.posix_spawn(
-                path,
-                argv,
-                os.environ if env is None else env,
-                file_actions=[
-                    (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
-                    (os.POSIX_SPAWN_DUP2, out_w, 1),
-                    (os.POSIX_SPAWN_DUP2, err_w, 2),
-                ],
-                setpgroup=0,  # its own group in our session, so killpg reaches it in one call
-                setsigmask=(),
-                setsigdef=_RESTORED_SIGNALS,
-            )
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except PermissionError as exc:  # as execvpe: a later directory may still hold a runnable one
-            denied = denied or exc
-    raise denied or FileNotFoundError(2, "No such file or directory", argv[0])
-
-
-def _popen_limited(
-    p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
-) -> subprocess.Popen[bytes]:
-    """Start a command with an address-space limit, which only a hook between fork and exec can set;
-    `subprocess` is imported for these alone."""
-    import subprocess
-
-    return subprocess.Popen(
-        p["argv"],
-        cwd=p["cwd"],
-        env=env,
-        stdin=stdin_fd,
-        stdout=out_w,
-        stderr=err_w,
-        close_fds=True,
-        process_group=0,
-        preexec_fn=_command_limits(p),
-    )
-
-
-def _command_limits(p: dict[str, Any]) -> Callable[[], None] | None:
-    """The hook that sets a command's RLIMIT_AS (``memory_limit_bytes``) and RLIMIT_FSIZE
-    (``file_size_limit_bytes``) between fork and exec; None without either."""
-    limits = [
-        (limit_kind, int(value))
-        for limit_kind, value in (
-            (resource.RLIMIT_AS, p.get("memory_limit_bytes")),
-            (resource.RLIMIT_FSIZE, p.get("file_size_limit_bytes")),
-        )
-        if value
-    ]
-    if not limits:
-        return None
-
-    def set_limits() -> None:  # runs in the forked child; we are single-threaded, so this is safe
-        for kind, value in limits:
-            resource.setrlimit(kind, (value, value))
-
-    return set_limits
-
-
-def _reported_status(status_pipe: int, init_status: int) -> int:
-    """The command's wait status as its init reported it; the init's own if it died before reporting."""
-    os.set_blocking(status_pipe, False)
-    try:
-        report = os.read(status_pipe, 64)
-    except BlockingIOError:
-        report = b""
-    os.close(status_pipe)
-    return int(report) if report.strip().isdigit() else init_status
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,8 +60,11 @@ def write_line(fd: int, message: dict[str, Any]) -> None:
 
 
 class _Server:
-    def __init__(self, worker: int, pid_namespace: namespaces.PidNamespace | None) -> None:
+    def __init__(
+        self, worker: int, pid_namespace: namespaces.PidNamespace | None, base_mounts: int | None = None
+    ) -> None:
         self.worker = worker  # a pidfd of the worker: readable once it has died
+        self.base_mounts = base_mounts  # a mount namespace to unshare views from (zygote.py), if any
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
         # Held shared until we exit, after our PID namespace is empty: the sandbox's uid is not leased
@@ -125,6 +128,8 @@ class _Server:
                     params["host_mounts_fd"] = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
                 self.pid_namespace.enter()
                 params["parent_pid"] = 0
+            if params.get("view") and self.base_mounts is not None:
+                params["base_mounts_fd"] = self.base_mounts
             for fd in (self.wake_r, self.wake_w, self.worker):
                 os.close(fd)
             self.sel.close()
@@ -177,7 +182,10 @@ class _Server:
             if self.stop_signal is not None:
                 proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
                 return 0
-            for key, _events in self.sel.select(1.0):
+            # No timeout: each thing we wait for (a request, a supervisor's exit, a stop signal through
+            # the wake-up pipe, the worker's death) makes a descriptor readable. A sandbox that waits on
+            # its harness for minutes costs nothing here (a 1 s poll cost ~0.1 ms of CPU a second each).
+            for key, _events in self.sel.select():
                 if key.fd == self.wake_r:
                     supervisor.drain_wakeup(self.wake_r)
                 elif key.fd == 0:
@@ -200,16 +208,20 @@ def _hold_shared(path: str) -> int | None:
     return None
 
 
-def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> int:
-    """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd)."""
+def serve(
+    worker: int, pid_namespace: bool, network: tuple[int, str] | None, base_mounts: int | None = None
+) -> int:
+    """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd).
+    ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from."""
     write_line(1, {"ready": os.getpid()})
     # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
     # where a walk would copy every page it touches.
     gc.freeze()
     code = 1
     try:
-        namespace = namespaces.PidNamespace(network, close=(worker,)) if pid_namespace else None
-        server = _Server(worker, namespace)
+        held = (worker,) if base_mounts is None else (worker, base_mounts)
+        namespace = namespaces.PidNamespace(network, close=held) if pid_namespace else None
+        server = _Server(worker, namespace, base_mounts)
         server.install_signals()
         code = server.serve()
         # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.
@@ -221,7 +233,7 @@ def serve(worker: int, pid_namespace: bool, network: tuple[int, str] | None) -> 
 
 
 def main(argv: list[str]) -> int:
-    # What an isolated command's init imports (supervisor._init), once here rather than in every init:
+    # What an isolated command's init imports (spawn._init), once here rather than in every init:
     # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
     import fsview  # noqa: F401
     import netns  # noqa: F401

@@ -11,7 +11,8 @@ length), from /, every other descriptor closed: nothing of the worker's (its key
 sandbox's pipes) is ever in this process. Each request is one message on CONTROL_FD (a SOCK_SEQPACKET
 socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null}`` with two
 descriptors, the read end of the new server's request pipe and the write end of its answer pipe. The
-child gets those as its stdin and stdout, a pidfd of the worker as fd 3, and nothing else; writes its
+child gets those as its stdin and stdout, a pidfd of the worker as fd 3, the base mount namespace (see
+``_base_mounts``) as fd 4 where there is one, and nothing else; writes its
 sandbox's marker over the placeholder in its own environment block, so that /proc/PID/environ shows it
 as it would for a server the worker had started; and runs ``supervisor_server.serve``. A fork that fails
 is answered on the answer pipe as ``{"error": ...}``.
@@ -33,17 +34,57 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path with -I
 # fsview, netns, pidlimit: what supervisor_server.main imports for an isolated command's init, here once.
-import fsview  # noqa: F401
+import fsview
 import netns  # noqa: F401
 import pidlimit  # noqa: F401
 import proctree
+import spawn
 import supervisor
 import supervisor_server
 
 MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
 WORKER_FD = 3  # where a forked server finds the worker's pidfd
+BASE_FD = 4  # where it finds the base mount namespace, if there is one
+CLONE_NEWNS = 0x00020000
 MAX_REQUEST_BYTES = 64 * 1024
 _ENV_START_FIELD = 50  # /proc/PID/stat: the address of the environment block (proc(5))
+
+
+def _base_mounts() -> int | None:
+    """A mount namespace holding one empty tmpfs (fsview.make_base), made once for all our sandboxes: a
+    command's view is unshared from it rather than from the host's (spawn._init), which spares each
+    command a copy and a tear-down of every host mount. None where it cannot be made (not root, no mount
+    API): the views are then made from the host's, as before."""
+    if os.geteuid() != 0:
+        return None
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            proctree.libc_call("unshare", CLONE_NEWNS)
+            fsview.make_base()
+            os.write(ready_w, b"1")
+            os.read(hold_r, 1)  # until our parent has opened our namespace (or died)
+            code = 0
+        except BaseException as exc:  # a forked child must never return into the zygote
+            os.write(2, f"zygote: no base mount namespace: {type(exc).__name__}: {exc}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(hold_r)
+    try:
+        made = os.read(ready_r, 1) == b"1"  # bounded: the child writes it or dies
+        return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC) if made else None
+    except OSError:
+        return None
+    finally:
+        os.close(ready_r)
+        os.close(hold_w)
+        os.waitpid(pid, 0)
 
 
 def _marker_address() -> int:
@@ -74,6 +115,7 @@ class _Zygote:
         self.worker = os.pidfd_open(worker_pid)
         if os.getppid() != worker_pid:
             raise SystemExit(0)  # the worker died before its pidfd was open: nobody to serve
+        self.base = _base_mounts()
         self.placeholder = os.environ[MARKER_VAR]
         self.marker_at = _marker_address()
         self.control = socket.socket(fileno=control_fd)
@@ -146,7 +188,8 @@ class _Zygote:
         try:
             self._become_server(token, stdin, out)
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
-            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward)
+            base = BASE_FD if self.base is not None else None
+            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base)
         except BaseException as exc:  # a forked child must never return into the zygote
             os.write(2, f"zygote child: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
         finally:
@@ -164,7 +207,10 @@ class _Zygote:
         os.dup2(out, 1)
         if self.worker != WORKER_FD:  # dup3 refuses a descriptor onto itself
             os.dup2(self.worker, WORKER_FD, inheritable=False)
-        os.closerange(WORKER_FD + 1, supervisor.MAX_FD)  # another request's pipes, our own, the wake-up
+        if self.base is not None and self.base != BASE_FD:
+            os.dup2(self.base, BASE_FD, inheritable=False)
+        # Another request's pipes, our own, the wake-up.
+        os.closerange((WORKER_FD if self.base is None else BASE_FD) + 1, spawn.MAX_FD)
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
         try:
             os.pwrite(mem, token.encode(), self.marker_at)
