@@ -10,7 +10,9 @@
 (d) the Arrow store: rows per second appended, and the time to resume-scan a large run;
 (e) a run's fixed costs: the real `rollout run` command, cold, in a fresh process each time, on a small
     batch of one-tool Codex rollouts; when each phase (CLI imported, config read, Ray up, first worker
-    ready, first row, last row, summary, exit) fell, in seconds after the command was spawned.
+    ready, first row, last row, summary, exit) fell, in seconds after the command was spawned;
+(g) (a) in containers: the executor's sandboxes are containers of one image (``--provider container``'s,
+    else the tests' base image), against `codex exec` run by hand with `podman run --rm` in that image.
 Figures are printed, never asserted: speed is measured here, not in tests.
 """
 
@@ -171,6 +173,18 @@ def _podman_by_hand(
     return wrap
 
 
+def default_container() -> Any:
+    """(g)'s container section when none is given: the tests' base image (built once per machine), with
+    runc where it is installed (crun refuses cgroups in hybrid mode), and limits every engine can apply
+    (the by-hand side passes them to `podman run` as they are)."""
+    from sandboxes.container import ContainerSandboxConfig
+    from sandboxes.testing.images import ensure_test_images
+
+    runtime = {"runtime": "runc"} if shutil.which("runc") else {}
+    limits = ["nofile=1024:1024", "nproc=1024:1024"]
+    return ContainerSandboxConfig(image=ensure_test_images().base, ulimits=limits, **runtime)
+
+
 def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | None = None) -> dict[str, Any]:
     """Hand-rolled rollouts and rollouts through a Ray worker actor, interleaved one by one: this VM's
     speed drifts by tens of percent over a minute, and alternating makes the drift hit both sides.
@@ -234,6 +248,8 @@ def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | N
     d, e, h = (_median_p90(x) for x in (direct[warm], total, [r["t_agent_s"] for r in rows][warm]))
     return {
         "runs": runs,
+        "provider": "local" if container is None else "container",
+        "image": None if container is None else container.image,
         "direct_median_s": d[0],
         "direct_p90_s": d[1],
         "direct_codex_only_median_s": _median_p90(direct_codex[warm])[0],
@@ -693,6 +709,19 @@ def run_all(
         if "e" in parts:
             out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch)
             echo(_phase_line(e))
+        if "g" in parts:
+            (scratch / "g").mkdir()
+            out["g"] = g = overhead(runs, scratch / "g", container or default_container())
+            echo(
+                f"(g) overhead in containers ({g['image']}), {runs} sequential Codex rollouts: "
+                f"by hand with `podman run --rm` {g['direct_median_s']:.3f} s, "
+                f"executor median {g['executor_session_median_s']:.3f} s (phases: setup "
+                f"{g['executor_setup_phase_median_s']:.3f}, harness "
+                f"{g['executor_harness_phase_median_s']:.3f}, verify "
+                f"{g['executor_verify_phase_median_s']:.3f}, cleanup "
+                f"{g['executor_cleanup_phase_median_s']:.3f} s), ratio {g['ratio']:.2f} "
+                f"(median of the pairs' ratios {g['pairwise_ratio_median']:.2f})"
+            )
         if "f" in parts:
             from executor.testing import bench_scale
 
@@ -731,6 +760,20 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             f"(`codex exec` alone {a['direct_codex_only_median_s']:.3f} s) "
             f"| {a['ratio']:.2f} (median of the pairs' ratios {a['pairwise_ratio_median']:.2f}) |"
         )
+    if g := figures.get("g"):
+        lines.append(
+            f"| (g) the same in a container of `{g['image']}`, median of {g['runs']} "
+            f"| {g['executor_session_median_s']:.3f} s | {g['direct_median_s']:.3f} s by hand "
+            f"(`podman run --rm` of `codex exec`) "
+            f"| {g['ratio']:.2f} (median of the pairs' ratios {g['pairwise_ratio_median']:.2f}) |"
+        )
+    if (e := figures.get("e")) and "exit" in e.get("warm_median_s", {}):
+        warm = e["warm_median_s"]["exit"]
+        lines.append(
+            f"| (e) {e['rollouts']} one-tool Codex rollouts, the whole `rollout run` attached to a warm "
+            f"executor, median of {e['runs']} | {warm:.2f} s | {e['by_hand_median_s']:.2f} s by hand "
+            f"| {warm / e['by_hand_median_s']:.2f} |"
+        )
     for r in figures.get("b", []):
         lines.append(
             f"| (b) null harness, concurrency {r['concurrency']}, steady state "
@@ -750,15 +793,17 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             f"| (d) Arrow store | {d['append_rows_per_s']:,.0f} rows/s appended; resume scan of "
             f"{d['rows']:,} rows {d['resume_scan_s']:.2f} s | | |"
         )
-    if a:
-        lines += [
-            "",
-            f"(a) by phase, medians: setup {a['executor_setup_phase_median_s'] * 1000:.0f} ms, harness "
-            f"{a['executor_harness_phase_median_s'] * 1000:.0f} ms, verify "
-            f"{a['executor_verify_phase_median_s'] * 1000:.0f} ms, cleanup "
-            f"{a['executor_cleanup_phase_median_s'] * 1000:.0f} ms.",
-        ]
-    if e := figures.get("e"):
+    for name, part in (("a", a), ("g", g)):
+        if part:
+            lines += [
+                "",
+                f"({name}) by phase, medians: setup {part['executor_setup_phase_median_s'] * 1000:.0f} ms, "
+                f"harness {part['executor_harness_phase_median_s'] * 1000:.0f} ms (`codex exec` by hand "
+                f"{part['direct_codex_only_median_s'] * 1000:.0f} ms), verify "
+                f"{part['executor_verify_phase_median_s'] * 1000:.0f} ms, cleanup "
+                f"{part['executor_cleanup_phase_median_s'] * 1000:.0f} ms.",
+            ]
+    if e:
         lines += [
             "",
             f"(e) fixed costs: {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
