@@ -120,7 +120,8 @@ def run_all(
                 f"ratio {c[1]['peak_rss_mb'] / c[0]['peak_rss_mb']:.2f}"
             )
         if "e" in parts:
-            out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch)
+            (scratch / "e").mkdir()  # by-hand rollouts of its own: (a)'s are named alike
+            out["e"] = e = fixed_costs(cold_rollouts, cold_runs, cold_concurrency, scratch / "e")
             echo(_phase_line(e))
         if "g" in parts:
             (scratch / "g").mkdir()
