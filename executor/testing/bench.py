@@ -19,6 +19,7 @@ Figures are printed, never asserted: speed is measured here, not in tests.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -78,7 +79,9 @@ def run_all(
     store_out: str | None = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
-    out: dict[str, Any] = {}
+    # The machine's load average (1 min) as the run starts and ends: on a shared machine, what to read
+    # the figures against.
+    out: dict[str, Any] = {"load": [os.getloadavg()[0]]}
     try:
         if "d" in parts:
             out["d"] = d = store(store_rows, scratch, store_out)
@@ -143,6 +146,7 @@ def run_all(
             echo(bench_scale.line(f))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    out["load"].append(os.getloadavg()[0])
     return out
 
 
@@ -165,7 +169,9 @@ PHASE_NAMES = {
 
 def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> str:
     """The figures of one `rollout bench` as the tables of docs/performance.md."""
-    lines = [f"Measured {when} on {machine}: `{command}`.", ""]
+    load = figures.get("load")
+    at = f" (load average {load[0]:.1f} at the start, {load[-1]:.1f} at the end)" if load else ""
+    lines = [f"Measured {when} on {machine}{at}: `{command}`.", ""]
     lines += ["| comparison | executor | without it | ratio |", "|---|---|---|---|"]
     if a := figures.get("a"):
         lines.append(
