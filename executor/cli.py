@@ -480,7 +480,7 @@ def conformance(
 
 @app.command()
 def bench(
-    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e, f.")] = "abcd",
+    parts: Annotated[str, typer.Option(help="Which comparisons: any of a, b, c, d, e, f, g.")] = "abcd",
     runs: Annotated[int, typer.Option(help="(a) sequential Codex rollouts per side.")] = 20,
     null_rollouts: Annotated[int, typer.Option(help="(b) null rollouts per concurrency level.")] = 512,
     memory_rollouts: Annotated[int, typer.Option(help="(c) N: driver RSS at N and 10*N rollouts.")] = 10_000,
@@ -508,7 +508,9 @@ def bench(
         Path | None,
         typer.Option("--markdown", help="Also write the figures as tables into this page's 'bench' part."),
     ] = None,
-    provider: Annotated[str, typer.Option(help="(a) local, or container (with --image).")] = "local",
+    provider: Annotated[
+        str, typer.Option(help="(a) local, or container (with --image); (g) its container.")
+    ] = "local",
     image: Annotated[str | None, typer.Option(help="(a) --provider container: the image.")] = None,
     container_config: Annotated[
         Path | None, typer.Option(help="(a) --provider container: a YAML sandbox section.")
@@ -536,8 +538,8 @@ def bench(
         except (OSError, ValueError) as exc:
             _fail_input(f"--markdown {markdown_out}: {exc}")
 
-    if not set(parts) <= set("abcdef") or not parts:
-        _fail_input(f"--parts {parts!r}: use letters from 'abcdef'")
+    if not set(parts) <= set("abcdefg") or not parts:
+        _fail_input(f"--parts {parts!r}: use letters from 'abcdefg'")
     if token_ids < 0:
         _fail_input(f"--token-ids {token_ids}: must be 0 or more")
     if isolation not in (None, "auto", "strict", "off"):

@@ -24,6 +24,7 @@ import math
 import secrets
 import shutil
 import signal
+import weakref
 from collections.abc import Awaitable
 from pathlib import Path
 
@@ -61,6 +62,12 @@ MAX_DIFF_CHARS = 200_000
 CARRY_TAR_LIMIT_BYTES = 1024**3
 CARRY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+# Grading sandboxes started beside their agent's harness where a start is quick (local), at most this
+# many at once per provider: each holds a sandbox (its server, namespaces, disk) idle for the harness's
+# whole run, which saves its rollout the start's ~10-20 ms; with hundreds of sessions in flight that is
+# memory no rollout's latency pays back, and past the bound a grading sandbox starts after its harness.
+MAX_EARLY_REVIEWS = 8
+_early_reviews: weakref.WeakKeyDictionary[SandboxProvider, int] = weakref.WeakKeyDictionary()
 
 
 class Review:
@@ -86,10 +93,28 @@ class Review:
         self._provider = provider
         self._workspaces = workspaces
         self._ready: asyncio.Future[Sandbox] | None = None
+        self._early = False  # counted in _early_reviews until the agent's run is over
 
     def begin(self) -> None:
         if self._ready is None:
             self._ready = asyncio.ensure_future(self._prepare())
+
+    def begin_beside_harness(self) -> None:
+        """Begin now, while the agent's harness runs, unless ``MAX_EARLY_REVIEWS`` of this provider's
+        grading sandboxes already wait beside theirs (then it begins when it is needed)."""
+        if self._ready is not None:
+            return
+        waiting = _early_reviews.get(self._provider, 0)
+        if waiting >= MAX_EARLY_REVIEWS:
+            return
+        _early_reviews[self._provider] = waiting + 1
+        self._early = True
+        self.begin()
+
+    def _no_longer_waiting(self) -> None:
+        if self._early:
+            self._early = False
+            _early_reviews[self._provider] = max(0, _early_reviews.get(self._provider, 1) - 1)
 
     async def _prepare(self) -> Sandbox:
         checker = await self._provider.start(self.spec)
@@ -102,6 +127,7 @@ class Review:
 
     async def close(self) -> bool:
         """Stop the grading sandbox; True when there was none to stop, or it stopped."""
+        self._no_longer_waiting()
         ready, self._ready = self._ready, None
         if ready is None:
             return True
@@ -118,6 +144,7 @@ class Review:
         """The outcome, changed only where grading could not be done. A failure of the grading sandbox's
         own is the infrastructure's (verifier_error, retried then masked), never a 0."""
         task = self.task
+        self._no_longer_waiting()
         self.begin()
         assert self._ready is not None
         try:

@@ -275,6 +275,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, describe(exc)), timer)
         timer.lap("setup")
+        # A local grading sandbox starts in milliseconds: beside the harness, not during the setup.
+        review.begin_beside_harness()
 
         expire = asyncio.Event() if wall > deadline else None  # limits.deadline_counts: agent
         try:

@@ -40,11 +40,19 @@ log = logging.getLogger(__name__)
 
 AGENT_PATH = Path(__file__).with_name("agent.py")
 SUPERVISOR_PATH = Path(__file__).with_name("supervisor.py")
-# What those two import of ours: the /proc helpers, the agent's layers, and what a command's init uses
-# to make them (its filesystem view, its network namespace's relay).
+# What those two import of ours: the agent's commands, the /proc helpers and how a supervisor starts its
+# command, the agent's layers, and what a command's init uses to make them (its filesystem view, its
+# network namespace's relay).
 AGENT_IMPORTS = (
-    "proctree.py", "spawn.py", "agent_layers.py", "fsview.py", "netns.py", "isolation.py", "uidpool.py",
-)  # fmt: skip
+    "agent_commands.py",
+    "proctree.py",
+    "spawn.py",
+    "agent_layers.py",
+    "fsview.py",
+    "netns.py",
+    "isolation.py",
+    "uidpool.py",
+)
 # What an exec may take past its own timeout before we stop waiting for the agent's answer: the
 # supervisor's kill rounds and drain, and the agent's own slack.
 EXEC_SLACK_S = 60.0

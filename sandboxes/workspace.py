@@ -133,19 +133,27 @@ def baseline_git_dir(workdir: str) -> str:
 # start-up and a supervisor, and the session pays for lay-out and diff on every rollout.
 # ``stage`` puts the working tree into the index in $GIT_INDEX_FILE: ignored files too (-f: an ignore
 # rule the agent planted must not hide a file), and a nested repository's files one by one (git would
-# record it as one gitlink, its content unseen; a nested .git itself is never staged).
+# record it as one gitlink, its content unseen; a nested .git itself is never staged), and leaves their
+# paths in $nested. No process but find and git where there is no nested repository: each one is
+# milliseconds of every rollout's diff.
 _PRELUDE = (
     "command -v git >/dev/null 2>&1 || exit 127\n"
     "g() { git "
     + shlex.join(_GIT_OPTIONS)
     + ' "$@"; }\n'
     + r"""stage() {
-  nested=$(find . -name .git -prune -print 2>/dev/null | sed -e 's|/\.git$||' -e 's|^\./||' -e '/^\.$/d')
+  found=$(find . -name .git -prune -print 2>/dev/null)
+  nested=
   set --
   old_ifs=$IFS; IFS='
 '
   set -f
-  for d in $nested; do set -- "$@" ":(exclude,literal)$d"; done
+  for d in $found; do
+    d=${d%/.git}; d=${d#./}
+    [ "$d" = . ] && continue
+    nested=${nested:+$nested$IFS}$d
+    set -- "$@" ":(exclude,literal)$d"
+  done
   set +f
   IFS=$old_ifs
   g add -A -f -- . "$@" >&2 || return 1
@@ -192,13 +200,15 @@ _DIFF_NAME = "workspace-diff"
 # Only our baseline: a workspace without one (a sandbox with no git at lay-out) has no diff. A fresh
 # index, so every file is hashed: no stat data the agent could have set is trusted. Gitlinks left in the
 # index (a nested repository git would not let us stage file by file) are named, not silently shown as
-# a commit id.
+# a commit id; git makes a gitlink only of a directory holding a .git, which stage lists in $nested, so
+# only then is the index listed.
 _DIFF_SCRIPT = f"""gd="${_BASELINE_GIT_ENV}"
 [ -f "$gd/HEAD" ] || exit {_NOT_A_REPO}
 export GIT_DIR="$gd" GIT_WORK_TREE="$PWD" GIT_INDEX_FILE="$gd/{_DIFF_INDEX}"
-rm -f "$GIT_INDEX_FILE"
+[ ! -e "$GIT_INDEX_FILE" ] || rm -f "$GIT_INDEX_FILE"  # only a rerun finds one: rm is a process
 stage || exit 4
 g diff --cached --no-color --no-ext-diff --no-textconv --no-renames {BASELINE_REF} || exit 4
+[ -z "$nested" ] && exit 0
 g ls-files -s | while read -r mode _ _ path; do
   [ "$mode" = 160000 ] && echo "[nested repository $path: its files could not be listed one by one]"
 done

@@ -451,7 +451,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     """``sessions`` sessions of ``sleep sleep_s``, all in flight at once over ``workers`` workers; with
     ``nodes``, over that many raylets of this machine (`ray start`), the workers spread evenly."""
     from executor.store import read_table
-    from executor.testing.bench import _median_p90, _run_driver, _write_config, _write_tasks
+    from executor.testing.bench_common import _median_p90, _run_driver, _write_config, _write_tasks
 
     per_worker = math.ceil(sessions / workers)
     tasks = _write_tasks(scratch / "f.jsonl", sessions)
