@@ -78,9 +78,6 @@ PRELOAD = (
     "harnesses.evidence",
     "harnesses.install",
     "ray.util",
-    "ray._common.usage.usage_lib",
-    "ray._private.arrow_serialization",
-    "ray._private.runtime_env.uv_runtime_env_hook",
     "pyarrow.dataset",
     "pyarrow.json",
     "pyarrow.parquet",
@@ -90,6 +87,12 @@ PRELOAD = (
     "typer._adapters",
     "typer._click.decorators",
     "argparse",
+)
+# Ray's private modules among them, each imported where the installed Ray has it (executor/ray_private.py).
+PRELOAD_RAY_PRIVATE = (
+    "ray._common.usage.usage_lib",
+    "ray._private.arrow_serialization",
+    "ray._private.runtime_env.uv_runtime_env_hook",
 )
 CONNECT_S = 2.0  # the server answers a connection at once; a hung one is not waited on
 ANSWER_S = 10.0  # from the request to the forked driver's pid (or a refusal)
@@ -727,11 +730,14 @@ def _preload() -> None:
     import gc
     import importlib
 
+    from executor import ray_private
     from executor.schema import refuse_pandas
 
     refuse_pandas()  # as every run does, before anything could import it
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_RAY_PRIVATE:
+        ray_private.resolve(name)
     # What the imports made is never freed: kept out of the collector, a forked driver's collections do
     # not walk (and so copy) the server's pages.
     gc.collect()

@@ -439,26 +439,19 @@ def connect(record: Record) -> None:
     Ray finds the node a driver connects to by reading every process's command line on the machine for
     a raylet's ``--node_id`` (~10 ms of CPU with 200 processes; 1.8 s, profiled, with 4,900 on a loaded
     machine): the record names the node, so that scan is skipped. A record without it, or a node no
-    longer alive, gets Ray's own search (the scan, then GCS)."""
+    longer alive, gets Ray's own search (the scan, then GCS), as does a Ray without the scan's function
+    (executor/ray_private.py)."""
     import ray
 
+    from executor import ray_private
     from executor.local_ray import loopback_only
 
-    services = getattr(getattr(ray, "_private", None), "services", None)
-    scan = getattr(services, "find_node_ids", None)
-    answers = iter([[record.node_id]] if record.node_id and scan is not None else [])
+    def known_node_first(scan: Any) -> Any:
+        answers = iter([[record.node_id]] if record.node_id else [])
+        return lambda: next(answers, None) or scan()
 
-    def known_node_first() -> list[str]:
-        return next(answers, None) or scan()
-
-    if scan is not None:
-        services.find_node_ids = known_node_first
-    try:
-        with loopback_only():
-            ray.init(address=record.gcs_address, log_to_driver=False)
-    finally:
-        if scan is not None:
-            services.find_node_ids = scan
+    with ray_private.patched("ray._private.services.find_node_ids", known_node_first), loopback_only():
+        ray.init(address=record.gcs_address, log_to_driver=False)
 
 
 def prewarm(cfg: RunConfig, worker_class: Any, options: dict[str, Any]) -> list[str]:
