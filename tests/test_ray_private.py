@@ -99,3 +99,15 @@ def test_no_product_module_reaches_into_ray_s_private_parts_but_the_table() -> N
 )
 def test_the_check_sees_each_way_of_reaching_in(source) -> None:
     assert _private_uses(source, "probe")
+
+
+def test_the_table_the_range_and_ci_s_oldest_ray_agree() -> None:
+    """pyproject.toml's lower bound is the Ray `make test-ray-oldest` installs, and both ends were checked."""
+    import re
+
+    pin = re.search(r'"ray\[default\]>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    oldest = re.search(r"^RAY_OLDEST := ([\d.]+)$", (REPO / "Makefile").read_text(), re.M)
+    assert pin and oldest
+    assert pin[1] == oldest[1] == ray_private.CHECKED[0]
+    newest = tuple(int(x) for x in ray_private.CHECKED[-1].split("."))
+    assert newest < tuple(int(x) for x in pin[2].split("."))
