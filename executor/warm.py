@@ -169,8 +169,7 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     os.utime(lease_path)  # idle from now
     # Its imports overlap the cluster's start.
     drivers = _DriverServer(directory)
-    from executor.driver import stop_own_ray
-    from executor.local_ray import start_local_ray
+    from executor.local_ray import start_local_ray, stop_local_ray
 
     gcs = start_local_ray()
     stop = threading.Event()
@@ -202,7 +201,7 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     (directory / RECORD).unlink(missing_ok=True)
     log.warning("warm executor stopping: %s", reason)
     drivers.stop()
-    stop_own_ray(named_workers())
+    stop_local_ray(named_workers())
     return 0
 
 
@@ -214,7 +213,7 @@ class _DriverServer:
         self.directory = directory
         # As `rollout up` was given them: Ray adds variables to this process's environment once it
         # starts, and raises its limit of open files.
-        from executor.driver_server import process_traits
+        from executor.driver_handover import process_traits
 
         self.env = dict(os.environ)
         self.limits = json.dumps(process_traits()["limits"])
