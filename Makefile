@@ -9,12 +9,11 @@ STAMP := $(VENV)/.installed-stamp
 RAY_OLDEST := 2.49.2
 VENV_OLDEST := .venv-ray-oldest
 STAMP_OLDEST := $(VENV_OLDEST)/.installed-stamp
-# A run's own local cluster, a run through Ray, `rollout up` / an attached run / `down`, a SIGKILLed warm
-# executor, `ray job submit`, and the table of Ray's private names.
+# A run's own local cluster, a run through Ray, `rollout up` / an attached run / `down`, `ray job submit`,
+# and the table of Ray's private names (a killed warm executor's test passes on it too, but takes ~2.5 min).
 RAY_FACING := tests/test_ray_private.py tests/test_local_cluster.py \
 	tests/test_run.py::test_demo_tasks_through_ray \
 	tests/test_warm.py::test_runs_attach_to_the_warm_workers_and_down_leaves_nothing \
-	tests/test_warm.py::test_it_stops_itself_when_idle_and_a_killed_one_is_never_attached \
 	tests/test_ray_job.py::test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one
 
 .PHONY: demo test test-ray-oldest lint install clean-runs conformance
@@ -47,7 +46,7 @@ test: $(STAMP)
 # The Ray-facing tests on the oldest supported Ray (after the whole suite on the newest, in `make test`).
 test-ray-oldest: $(STAMP_OLDEST)
 	$(VENV_OLDEST)/bin/python -c 'import ray; assert ray.__version__ == "$(RAY_OLDEST)", ray.__version__'
-	$(VENV_OLDEST)/bin/pytest -ra $(RAY_FACING); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+	$(VENV_OLDEST)/bin/pytest -ra --durations=5 $(RAY_FACING); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 
 # Every scenario against every registered harness; the matrix goes to runs/conformance/conformance.md.
 conformance: $(STAMP)
