@@ -4,13 +4,31 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint install clean-runs conformance
+# The oldest Ray of pyproject.toml's range, in a venv of its own beside the main one (which has the
+# newest): `make test` runs the Ray-facing tests on it too, a selection of a few minutes.
+RAY_OLDEST := 2.49.2
+VENV_OLDEST := .venv-ray-oldest
+STAMP_OLDEST := $(VENV_OLDEST)/.installed-stamp
+# A run's own local cluster, a run through Ray, `rollout up` / an attached run / `down`, `ray job submit`,
+# and the table of Ray's private names (a killed warm executor's test passes on it too, but takes ~2.5 min).
+RAY_FACING := tests/test_ray_private.py tests/test_local_cluster.py \
+	tests/test_run.py::test_demo_tasks_through_ray \
+	tests/test_warm.py::test_runs_attach_to_the_warm_workers_and_down_leaves_nothing \
+	tests/test_ray_job.py::test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one
+
+.PHONY: demo test test-ray-oldest lint install clean-runs conformance
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+$(STAMP_OLDEST): pyproject.toml
+	test -x $(VENV_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/pip install --quiet --upgrade pip
+	$(VENV_OLDEST)/bin/pip install --quiet -e '.[test]' 'ray[default]==$(RAY_OLDEST)'
+	touch $(STAMP_OLDEST)
 
 install: $(STAMP)
 
@@ -23,6 +41,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected no tests: a failure here, not a pass.
 	$(VENV)/bin/pytest -ra --durations=40; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+	$(MAKE) test-ray-oldest
+
+# The Ray-facing tests on the oldest supported Ray (after the whole suite on the newest, in `make test`).
+test-ray-oldest: $(STAMP_OLDEST)
+	$(VENV_OLDEST)/bin/python -c 'import ray; assert ray.__version__ == "$(RAY_OLDEST)", ray.__version__'
+	$(VENV_OLDEST)/bin/pytest -ra --durations=5 $(RAY_FACING); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 
 # Every scenario against every registered harness; the matrix goes to runs/conformance/conformance.md.
 conformance: $(STAMP)

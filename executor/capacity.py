@@ -50,12 +50,15 @@ def _offered(nodes: list[dict[str, Any]], names: set[str]) -> str:
 
 def _pending_nodes() -> int:
     """Nodes the autoscaler reports as being launched or set up; 0 without an autoscaler's report."""
-    try:
-        from ray.experimental.internal_kv import _internal_kv_get
+    from executor import ray_private
 
-        raw = _internal_kv_get("__autoscaling_status")  # ray_constants.DEBUG_AUTOSCALING_STATUS
+    kv_get = ray_private.resolve("ray.experimental.internal_kv._internal_kv_get")
+    if kv_get is None:
+        return 0
+    try:
+        raw = kv_get("__autoscaling_status")  # ray_constants.DEBUG_AUTOSCALING_STATUS
         report = (json.loads(raw) if raw else {}).get("autoscaler_report") or {}
-    except Exception as exc:  # an older or newer Ray without it: as if no autoscaler
+    except Exception as exc:  # a report it could not read: as if no autoscaler
         log.debug("no autoscaler report: %s", exc)
         return 0
     launches = report.get("pending_launches") or {}

@@ -8,7 +8,6 @@ import heapq
 import itertools
 import json
 import logging
-import os
 import random
 import signal
 import time
@@ -33,12 +32,17 @@ from ray.exceptions import (
 
 from executor import capacity, orphans, phases, stopping, warm
 from executor.admission import OBSERVED_FIELDS, Admission
-from executor.cluster import asks_own_cluster, cluster_address
 from executor.config import RunConfig
+from executor.decisions import VERDICT_COLUMNS, decide_row, decision_columns, training_reward_stats
 from executor.export import SUBMITTED_TASKS, as_export
-from executor.local_ray import start_local_ray
 from executor.placement import Placements
 from executor.progress import Progress
+from executor.ray_connection import attached_lease, connect_ray, leave_ray, worker_options
+
+# Where callers (the CLI, tests, benches) have always found these: executor/ray_connection.py holds them.
+from executor.ray_connection import close_workers as close_workers
+from executor.ray_connection import left_connected as left_connected
+from executor.ray_connection import stop_own_ray as stop_own_ray
 from executor.reaper import reap_quietly
 from executor.runs import run_lock
 from executor.schema import batch_from_wire, model_call_fields, rows_to_batch, warm_up, with_decisions
@@ -59,12 +63,8 @@ from policy import (
     GroupMode,
     GroupVerdict,
     InFlightAction,
-    Outcome,
-    PolicyConfig,
     StaleAction,
-    Status,
     Verdict,
-    decide,
     decide_group,
     stale_reason,
     staleness,
@@ -79,7 +79,6 @@ CANCEL_GRACE_S = 60.0
 # same attempt, after a pause; bounded, after which it is a sandbox_lost attempt like any other.
 UNAVAILABLE_PAUSE_S = 1.0
 UNAVAILABLE_RESENDS = 120
-CLOSE_S = 30.0  # for the workers to close what they hold before the cluster they run in stops
 
 
 @dataclass(order=True)
@@ -114,183 +113,6 @@ class RunSummary:
     phases: dict[str, float] = field(default_factory=dict)
     # A trainer's run (executor/api.py): the last policy version, and what staleness did to rows.
     versions: dict[str, int] = field(default_factory=dict)
-
-
-# The GCS address of the local cluster this process started, while it runs: that one is ours to stop.
-_own_gcs: str | None = None
-# This process's hold on the warm executor it attached to (executor/warm.py), while attached.
-_warm_lease: warm.Lease | None = None
-# The warm executor was let go of (workers released, lease released) but its connection was left for the
-# process's exit to close (``leave_ray(..., exiting=True)``).
-_left_connected = False
-
-
-def connect_ray(cfg: RunConfig, *, signals: bool = True) -> bool:
-    """Join the cluster ``cfg`` or ``RAY_ADDRESS`` names (see ``cluster_address``), else attach to the
-    warm executor ``rollout up`` left running, else start a local one of our own. True when connected to
-    a local cluster this process started (then it is ours to stop, by ``stop_own_ray``), False when
-    joined or attached (``leave_ray`` lets go of either). ``signals``: SIGTERM and SIGINT stop the run in
-    order from now on (executor/stopping.py), which a command wants and a trainer's process may not."""
-    try:
-        if ray.is_initialized():
-            return _own_gcs is not None and ray.get_runtime_context().gcs_address == _own_gcs
-        return _connect(cfg)
-    finally:
-        if signals:
-            stopping.take()  # after ray.init, which sets its own handlers
-
-
-def _connect(cfg: RunConfig) -> bool:
-    global _own_gcs, _warm_lease
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = cluster_address(cfg.ray_address)
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    if not asks_own_cluster(cfg.ray_address) and (lease := warm.attach()) is not None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the warm executor's cluster was started
-        try:
-            warm.connect(lease.record)
-        except Exception:
-            lease.release()
-            raise
-        _warm_lease = lease
-        return False
-    _own_gcs = start_local_ray()
-    return True
-
-
-def attached_lease() -> warm.Lease | None:
-    """The warm executor this process is attached to, if it is."""
-    return _warm_lease
-
-
-def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
-    """Once the run's work is safe: stop the cluster we started, or let go of the warm executor (its
-    workers keep what they built, the next run gets them warm). A joined cluster is left as it is.
-
-    ``exiting``: the process ends next (``rollout run``). An attached driver then leaves its connection
-    for that end to close (``left_connected``): ``ray.shutdown()`` of a driver spends ~0.3 s waiting on
-    its core worker's disconnect, while a driver's process ending tells the cluster the same (its job
-    ends). Nothing of the run waits on the connection by then: every row and the summary are written,
-    the workers have released the run's parts and hold no session of it, and the lease is given back."""
-    global _warm_lease, _left_connected
-    if own:
-        stop_own_ray(workers)
-    elif _warm_lease is None and not exiting:
-        # A cluster we joined from a process that goes on (a trainer's): its job does not end, so the
-        # run's workers would outlive the run. They close what they hold, then go.
-        close_workers(workers)
-    elif _warm_lease is not None:
-        warm.release(workers)
-        if exiting:
-            _left_connected = True
-        else:
-            ray.shutdown()  # our driver's connection only: the warm cluster runs on
-        _warm_lease.release()
-        _warm_lease = None
-
-
-def left_connected() -> bool:
-    """True once this process let go of the warm executor it attached to and left its connection to it
-    for the process's end to close (``leave_ray(..., exiting=True)``): the process must end next."""
-    return _left_connected
-
-
-def close_workers(workers: list[Any]) -> None:
-    """End the run's worker actors: each closes what it holds (bounded), then is killed."""
-    _close(workers)
-    for worker in workers:
-        with contextlib.suppress(RayError, ValueError):
-            ray.kill(worker)
-
-
-def stop_own_ray(workers: list[Any]) -> None:
-    """Stop the local cluster this process started, once the run's work is safe (rows durable,
-    sandboxes stopped, summary written): the workers close what they hold, then the cluster goes.
-
-    ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
-    (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
-    to 1 s (the autoscaler monitor took all of that second; it is not started now, see
-    ``_lean_node``)."""
-    global _own_gcs
-    _close(workers)
-    ray.shutdown()
-    _own_gcs = None
-
-
-def _close(workers: list[Any]) -> None:
-    """Each worker closes what it holds, bounded."""
-    # A worker class without close (a benchmark's null worker) holds nothing to close.
-    closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
-    try:
-        ray.get(closes, timeout=CLOSE_S)
-    except (RayError, TimeoutError) as exc:
-        # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
-        log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
-
-
-def worker_options(cfg: RunConfig) -> dict[str, Any]:
-    """How the run's worker actors are placed and restarted."""
-    return {
-        "num_cpus": 0,
-        "max_restarts": -1,
-        "max_task_retries": 0,
-        "max_concurrency": cfg.concurrency.sessions_per_worker + 8,
-        "resources": cfg.concurrency.worker_resources or None,
-        "scheduling_strategy": "SPREAD",
-    }
-
-
-def decide_row(
-    row: dict[str, Any], attempt: int, policy: PolicyConfig, *, budget_left: int, rng: random.Random
-) -> tuple[Verdict, dict[str, list[Any]]]:
-    """The policy's verdict on one session's row, and the decision columns the driver writes for it."""
-    outcome = Outcome(
-        status=Status(row["status"]),
-        failure_kind=FailureKind(row["failure_kind"]),
-        retry_after_s=row.get("retry_after_s"),
-    )
-    verdict = decide(outcome, attempt, policy, budget_left=budget_left, rng=rng)
-    return verdict, decision_columns(verdict)
-
-
-def decision_columns(verdict: Verdict) -> dict[str, list[Any]]:
-    """The decision columns of one row from its verdict."""
-    final = verdict.decision is not Decision.RETRY
-    masked = verdict.decision is Decision.MASK
-    decisions: dict[str, list[Any]] = {
-        "decision": [verdict.decision.value],
-        "decision_reason": [verdict.reason[:1000]],
-        "masked": [masked],
-        "final": [final],
-        "retry_delay_s": [verdict.retry_delay_s if not final else None],
-    }
-    if masked:
-        decisions["reward"] = [None]  # a masked row is never a reward, not even a verified one
-    return decisions
-
-
-def training_reward_stats(
-    decisions: list[str | None], rewards: list[float | None], finals: list[bool | None]
-) -> dict[str, float | int | None]:
-    """Reward statistics over final accepted rows only: a masked row is never a training signal."""
-    values = [
-        r
-        for d, r, f in zip(decisions, rewards, finals, strict=True)
-        if f and d == Decision.ACCEPT.value and r is not None
-    ]
-    mean = sum(values) / len(values) if values else None
-    return {
-        "count": len(values),
-        "mean": mean,
-        "min": min(values, default=None),
-        "max": max(values, default=None),
-    }
-
-
-# What the driver reads of a row to decide on it; the rest travels on to the store unconverted.
-_VERDICT_COLUMNS = ("status", "failure_kind", "retry_after_s", "error_message")
 
 
 @dataclass
@@ -769,7 +591,7 @@ class Driver:
             batch = self._lost(req, f"worker raised: {str(exc)[-2000:]}", known)
         except RayError as exc:
             batch = self._lost(req, f"ray error: {str(exc)[:1000]}", known)
-        row = batch.select(_VERDICT_COLUMNS).to_pylist()[0]
+        row = batch.select(VERDICT_COLUMNS).to_pylist()[0]
         self.admission.observe(model_call_fields(batch, OBSERVED_FIELDS))
         kind = FailureKind(row["failure_kind"])
         verdict, _ = decide_row(row, req.attempt, self.cfg.policy, budget_left=self.budget, rng=self.rng)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from executor.tasks import InputError, Task, Verifier
+from executor.task import InputError, Task, Verifier
 from policy import FailureKind
 from sandboxes.base import Sandbox, SandboxError
 

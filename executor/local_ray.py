@@ -1,4 +1,5 @@
-"""A local Ray cluster of this process's own: started lean, on the loopback only, and fast."""
+"""A local Ray cluster of this process's own: started lean, on the loopback only, and fast; stopped once
+its workers closed what they hold."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
+from executor import ray_private
 from executor.cluster import LOCAL
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,32 @@ def start_local_ray() -> str:
     return str(ray.get_runtime_context().gcs_address)
 
 
+CLOSE_S = 30.0  # for the workers to close what they hold before the cluster they run in stops
+
+
+def stop_local_ray(workers: list[Any]) -> None:
+    """Stop the local cluster this process started, once the run's work is safe (rows durable,
+    sandboxes stopped, summary written): the workers close what they hold, then the cluster goes.
+
+    ``ray.shutdown()`` at interpreter exit took ~2 s, none of it ours: a 0.5 s pause for log lines
+    (only when called from atexit), then each of Ray's processes in turn is sent SIGTERM and given up
+    to 1 s (the autoscaler monitor took all of that second; it is not started now, see
+    ``_lean_node``)."""
+    close_held(workers)
+    ray.shutdown()
+
+
+def close_held(workers: list[Any]) -> None:
+    """Each worker closes what it holds, bounded."""
+    # A worker class without close (a benchmark's null worker) holds nothing to close.
+    closes = [close.remote() for w in workers if (close := getattr(w, "close", None)) is not None]
+    try:
+        ray.get(closes, timeout=CLOSE_S)
+    except (RayError, TimeoutError) as exc:
+        # A worker gone or stuck: its sandboxes' supervisors end with its process, as after a crash.
+        log.warning("workers did not all close within %.0f s: %s", CLOSE_S, str(exc)[:500])
+
+
 # A Ray process connecting to a local socket (the raylet to its object store, a worker to its raylet)
 # that is not listening yet retries every 1 s, 10 times: the raylet lost a whole second to its own
 # object store's thread in about one start in three. The same 10 s bound, in 20 ms steps.
@@ -67,20 +96,16 @@ def loopback_only() -> Iterator[None]:
     network run code on this host. Ray keeps to the loopback only where it thinks clusters unsupported,
     which it reads from the environment at its import (long before this call) and then from its
     constants module: both are set, the environment for the processes it starts."""
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    previous = getattr(constants, "ENABLE_RAY_CLUSTER", None), os.environ.get(_CLUSTERS_ENV)
+    previous = os.environ.get(_CLUSTERS_ENV)
     os.environ[_CLUSTERS_ENV] = "0"  # the processes it starts now (and theirs later) inherit it
-    if previous[0] is not None:
-        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[union-attr]
     try:
-        yield
+        with ray_private.patched("ray._private.ray_constants.ENABLE_RAY_CLUSTER", lambda _was: False):
+            yield
     finally:
-        if previous[0] is not None:
-            constants.ENABLE_RAY_CLUSTER = previous[0]  # type: ignore[union-attr]
-        if previous[1] is None:
+        if previous is None:
             os.environ.pop(_CLUSTERS_ENV, None)
         else:
-            os.environ[_CLUSTERS_ENV] = previous[1]
+            os.environ[_CLUSTERS_ENV] = previous
 
 
 # Ray reads it as "clusters are unsupported here (Windows, macOS): keep to the loopback".
@@ -113,27 +138,12 @@ def _lean_node() -> Iterator[None]:
       Ray's 1 s poll: half a second of every start on average.
 
     The monitor and the log monitor are each a Python process importing on the CPUs the node's agents
-    and the first worker actor start on. Where Ray's private modules moved, ray.init starts its default
-    node."""
-    private = getattr(ray, "_private", None)
-    params = getattr(private, "parameter", None)
-    base = getattr(params, "RayParams", None)
-    utils = getattr(private, "utils", None)
-    node = getattr(getattr(private, "node", None), "Node", None)
-    worker = getattr(private, "worker", None)
-    services = getattr(private, "services", None)
-    if base is None or not all(
-        hasattr(*pair)
-        for pair in (
-            (utils, "get_dashboard_dependency_error"),
-            (node, "start_api_server"),
-            (worker, "disconnect"),
-            (services, "get_node"),
-            (services, "_get_gcs_client_options"),
-        )
-    ):
+    and the first worker actor start on. Where Ray's private names moved (executor/ray_private.py),
+    ray.init starts its default node."""
+    if not ray_private.available(*_LEAN_NAMES):
         yield
         return
+    base = ray_private.resolve("ray._private.parameter.RayParams")
 
     class LeanParams(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -142,31 +152,52 @@ def _lean_node() -> Iterator[None]:
             kwargs.setdefault("include_log_monitor", False)
             super().__init__(*args, **kwargs)
 
-    dependency_error, start_api_server, get_node = (
-        utils.get_dashboard_dependency_error,
-        node.start_api_server,
-        services.get_node,
+    gcs_client_options = ray_private.resolve("ray._private.services._get_gcs_client_options")
+    dashboard = _DashboardBeside(
+        ray_private.resolve("ray._private.node.Node.start_api_server"),
+        ray_private.owner("ray._private.worker.disconnect"),
     )
-    dashboard = _DashboardBeside(start_api_server, worker)
 
-    def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
-        _registered_soon(services._get_gcs_client_options(gcs_address), node_id)
-        return get_node(gcs_address, node_id)
+    def once_registered(get_node: Any) -> Any:
+        def get_node_once_registered(gcs_address: str, node_id: str) -> Any:
+            _registered_soon(gcs_client_options(gcs_address), node_id)
+            return get_node(gcs_address, node_id)
 
-    params.RayParams = LeanParams
-    utils.get_dashboard_dependency_error = lambda: ImportError("a local cluster of rollout's own")
-    node.start_api_server = lambda self, **kwargs: dashboard.start(self, **kwargs)
-    services.get_node = get_node_once_registered
-    try:
-        yield
-    except BaseException:
-        dashboard.wait_started()  # a ray.init that failed leaves no start of it under way
-        raise
-    finally:
-        params.RayParams = base
-        utils.get_dashboard_dependency_error = dependency_error
-        node.start_api_server = start_api_server
-        services.get_node = get_node
+        return get_node_once_registered
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(
+            ray_private.patched("ray._private.parameter.RayParams", lambda _base: LeanParams)
+        )
+        patches.enter_context(
+            ray_private.patched(
+                "ray._private.utils.get_dashboard_dependency_error",
+                lambda _check: lambda: ImportError("a local cluster of rollout's own"),
+            )
+        )
+        patches.enter_context(
+            ray_private.patched(
+                "ray._private.node.Node.start_api_server",
+                lambda _start: lambda self, **kwargs: dashboard.start(self, **kwargs),
+            )
+        )
+        patches.enter_context(ray_private.patched("ray._private.services.get_node", once_registered))
+        try:
+            yield
+        except BaseException:
+            dashboard.wait_started()  # a ray.init that failed leaves no start of it under way
+            raise
+
+
+# What _lean_node changes in Ray's start of a node; without any one of them it changes nothing.
+_LEAN_NAMES = (
+    "ray._private.parameter.RayParams",
+    "ray._private.utils.get_dashboard_dependency_error",
+    "ray._private.node.Node.start_api_server",
+    "ray._private.worker.disconnect",
+    "ray._private.services.get_node",
+    "ray._private.services._get_gcs_client_options",
+)
 
 
 class _DashboardBeside:
@@ -211,8 +242,7 @@ class _DashboardBeside:
             log.warning("the Ray dashboard process did not start: %s", str(exc)[:500])
         finally:
             self._done.set()
-        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-        key = getattr(constants, "PROCESS_TYPE_DASHBOARD", "dashboard")
+        key = ray_private.resolve("ray._private.ray_constants.PROCESS_TYPE_DASHBOARD") or "dashboard"
         for info in node.all_processes.get(key, ()):
             info.process.wait()  # bounded by the node's life: its shutdown stops the process
 
@@ -223,9 +253,10 @@ def _registered_soon(gcs_options: Any, node_id: str) -> None:
     Ray's own wait for it asks the GCS, then sleeps a whole second before asking again, while the
     raylet's registration (its agents' start) takes 1-2 s; Ray's wait then follows at once and keeps
     its own bound and error. A GCS that does not answer is left to it as well."""
-    from ray._private.state import GlobalState
-
-    state = GlobalState()
+    global_state = ray_private.resolve("ray._private.state.GlobalState")
+    if global_state is None:
+        return
+    state = global_state()
     state._initialize_global_state(gcs_options)
     deadline = time.monotonic() + _RAYLET_START_S
     try:

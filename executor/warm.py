@@ -169,8 +169,7 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     os.utime(lease_path)  # idle from now
     # Its imports overlap the cluster's start.
     drivers = _DriverServer(directory)
-    from executor.driver import stop_own_ray
-    from executor.local_ray import start_local_ray
+    from executor.local_ray import start_local_ray, stop_local_ray
 
     gcs = start_local_ray()
     stop = threading.Event()
@@ -202,7 +201,7 @@ def serve(idle_timeout_s: float, ready_fd: int | None) -> int:
     (directory / RECORD).unlink(missing_ok=True)
     log.warning("warm executor stopping: %s", reason)
     drivers.stop()
-    stop_own_ray(named_workers())
+    stop_local_ray(named_workers())
     return 0
 
 
@@ -214,7 +213,7 @@ class _DriverServer:
         self.directory = directory
         # As `rollout up` was given them: Ray adds variables to this process's environment once it
         # starts, and raises its limit of open files.
-        from executor.driver_server import process_traits
+        from executor.driver_handover import process_traits
 
         self.env = dict(os.environ)
         self.limits = json.dumps(process_traits()["limits"])
@@ -439,26 +438,19 @@ def connect(record: Record) -> None:
     Ray finds the node a driver connects to by reading every process's command line on the machine for
     a raylet's ``--node_id`` (~10 ms of CPU with 200 processes; 1.8 s, profiled, with 4,900 on a loaded
     machine): the record names the node, so that scan is skipped. A record without it, or a node no
-    longer alive, gets Ray's own search (the scan, then GCS)."""
+    longer alive, gets Ray's own search (the scan, then GCS), as does a Ray without the scan's function
+    (executor/ray_private.py)."""
     import ray
 
+    from executor import ray_private
     from executor.local_ray import loopback_only
 
-    services = getattr(getattr(ray, "_private", None), "services", None)
-    scan = getattr(services, "find_node_ids", None)
-    answers = iter([[record.node_id]] if record.node_id and scan is not None else [])
+    def known_node_first(scan: Any) -> Any:
+        answers = iter([[record.node_id]] if record.node_id else [])
+        return lambda: next(answers, None) or scan()
 
-    def known_node_first() -> list[str]:
-        return next(answers, None) or scan()
-
-    if scan is not None:
-        services.find_node_ids = known_node_first
-    try:
-        with loopback_only():
-            ray.init(address=record.gcs_address, log_to_driver=False)
-    finally:
-        if scan is not None:
-            services.find_node_ids = scan
+    with ray_private.patched("ray._private.services.find_node_ids", known_node_first), loopback_only():
+        ray.init(address=record.gcs_address, log_to_driver=False)
 
 
 def prewarm(cfg: RunConfig, worker_class: Any, options: dict[str, Any]) -> list[str]:

@@ -143,7 +143,15 @@ def start_head(
     named (``HEAD_PORTS``), ``env`` over ours (no RAY_ADDRESS); its process, its ports and its log. End
     it with ``_end``, never `ray stop`."""
     ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS)), strict=True))
-    full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env}
+    # The dashboard spawns its nine modules at once, each importing Ray, and gives each 30 s to say it is
+    # ready, else exits: on a loaded 2-core machine one took longer (seen on Ray 2.49.2, MetricsHead), and
+    # the head had no dashboard to submit jobs to. The fixture's own bound on the dashboard is 120 s.
+    full_env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "120",
+        **env,
+    }
     full_env.pop("RAY_ADDRESS", None)
     log = root / "head.log"
     with log.open("wb") as out:
