@@ -19,7 +19,7 @@ from harnesses.registry import HARNESSES
 from policy import PolicyConfig
 from sandboxes.container import ContainerSandboxConfig
 from sandboxes.ecs import EcsSandboxConfig
-from sandboxes.local import LocalSandboxConfig
+from sandboxes.local_config import LocalSandboxConfig
 from sandboxes.slurm import SlurmSandboxConfig
 
 

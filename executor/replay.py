@@ -39,7 +39,7 @@ from executor.worker import build_provider, gateway_socket
 from harnesses.gateway import Gateway
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
-from sandboxes.local import LocalSandboxConfig
+from sandboxes.local_config import LocalSandboxConfig
 
 if TYPE_CHECKING:  # test machinery: loaded below only when the run used it
     from harnesses.testing.scripted_model import ScriptedModel

@@ -58,13 +58,6 @@ SUPERVISOR_SLACK_S = sup.SLACK_S
 MAX_ZYGOTE_STARTS = 3
 
 # The provider's parts, each a module of its own; their names stay importable from here.
-from sandboxes.local_config import (  # noqa: E402, F401
-    DEFAULT_MAX_DISK_MB,
-    DEFAULT_MAX_FILE_MB,
-    DEFAULT_MAX_MEMORY_MB,
-    LocalSandboxConfig,
-    Mount,
-)
 from sandboxes.local_files import confined_path, copy_tree, write_confined  # noqa: E402, F401
 from sandboxes.local_reap import (  # noqa: E402, F401
     _REMOVING_SUFFIX,
@@ -348,7 +341,7 @@ class LocalSandboxProvider:
         """Wait for the deletions of stopped sandboxes' directories begun so far."""
         await asyncio.gather(*self._removals, return_exceptions=True)
 
-    def _remove_later(self, session_dir: Path, owner_name: str) -> None:
+    def remove_later(self, session_dir: Path, owner_name: str) -> None:
         """Move a stopped sandbox's directory aside at once and delete it off the session's path: a
         harness's home holds hundreds of files, 10-40 ms of unlinking that no row needs to wait for. The
         aside's name says whose deletion it is, so only a dead owner's is finished by a reaper."""

@@ -18,7 +18,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sandboxes import diskbound, diskfs, identity, isolation, pidlimit, uidpool
 from sandboxes import supervisor as sup
@@ -43,8 +43,19 @@ from sandboxes.local_reap import DESCRIPTOR_NAME, _kill_tree
 from sandboxes.owner import boot_id, start_ticks
 from sandboxes.workspace import baseline_git_dir
 
-if TYPE_CHECKING:  # it imports this module
-    from sandboxes.local import LocalSandboxProvider
+
+class SandboxOwner(Protocol):
+    """What a local sandbox asks of the provider that started it (``LocalSandboxProvider``)."""
+
+    disk_fs: bool
+    max_processes: int | None
+    max_file_bytes: int | None
+    max_disk_bytes: int | None
+
+    def want_spare(self) -> None: ...
+
+    def remove_later(self, session_dir: Path, owner_name: str) -> None: ...
+
 
 # The provider's logger, whichever of its modules logs.
 log = logging.getLogger("sandboxes.local")
@@ -91,7 +102,7 @@ class LocalSandbox:
 
     def __init__(
         self,
-        provider: LocalSandboxProvider,
+        provider: SandboxOwner,
         spec: SandboxSpec,
         session_dir: Path,
         server: ExecServer,
@@ -546,7 +557,7 @@ class LocalSandbox:
                 self._lease.release()
             self.descriptor_path.unlink(missing_ok=True)
             if not self._keep:
-                self._provider._remove_later(self.root, self._owner)
+                self._provider.remove_later(self.root, self._owner)
             self._stopped = True
 
     def _unmount_disk(self) -> None:

@@ -30,7 +30,8 @@ from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import isolation, pidlimit, uidpool
 from sandboxes.base import SandboxSpec
-from sandboxes.local import LocalSandbox, LocalSandboxConfig, LocalSandboxProvider
+from sandboxes.local import LocalSandbox, LocalSandboxProvider
+from sandboxes.local_config import LocalSandboxConfig
 from tests.conftest import processes_under, session_context
 from tests.test_ray_job import _end, _until, start_head
 

@@ -36,7 +36,7 @@ from harnesses.testing.conformance import (
     check_cell,
 )
 from policy import PolicyConfig
-from sandboxes.local import LocalSandboxConfig
+from sandboxes.local_config import LocalSandboxConfig
 from tests.conftest import processes_under
 
 REPO = Path(__file__).parents[1]

@@ -28,7 +28,8 @@ from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import isolation, netns
 from sandboxes.base import SandboxLostError, SandboxSpec
-from sandboxes.local import LocalSandboxConfig, LocalSandboxProvider
+from sandboxes.local import LocalSandboxProvider
+from sandboxes.local_config import LocalSandboxConfig
 from tests.conftest import processes_under
 from tests.test_local_sandbox import Fifo, live_with, new_mark, tree_script, wait_exit
 

@@ -606,7 +606,7 @@ def sandbox_cpu(
     import uuid
 
     from sandboxes.base import SandboxSpec
-    from sandboxes.local import LocalSandboxConfig
+    from sandboxes.local_config import LocalSandboxConfig
 
     gateway = scratch / "gateway.sock"  # a listening socket; the probe's `true` never connects
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -54,7 +54,7 @@ from policy import Decision
 from sandboxes import netns
 from sandboxes.base import Sandbox, SandboxProvider
 from sandboxes.container import ContainerSandboxConfig, list_containers
-from sandboxes.local import LocalSandboxConfig
+from sandboxes.local_config import LocalSandboxConfig
 from sandboxes.testing.leaks import processes_under
 
 log = logging.getLogger(__name__)

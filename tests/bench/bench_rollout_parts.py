@@ -50,7 +50,7 @@ from harnesses.install import default_cache_root  # noqa: E402
 from harnesses.testing.scripted_model import parse_steps  # noqa: E402
 from policy import FailureKind, Outcome  # noqa: E402
 from sandboxes.base import SandboxSpec  # noqa: E402
-from sandboxes.local import LocalSandboxConfig  # noqa: E402
+from sandboxes.local_config import LocalSandboxConfig  # noqa: E402
 from sandboxes.workspace import lay_out  # noqa: E402
 from tests.conftest import session_context  # noqa: E402
 
