@@ -10,7 +10,7 @@ from aiohttp import web
 from harnesses.gateway import Gateway, GatewayConfig
 from harnesses.gateway.upstreams import Upstreams
 from policy import FailureKind
-from tests.test_gateway import FAST, ask, harness, upstream_server  # noqa: F401  (harness: a fixture)
+from tests.test_gateway import FAST, ask, upstream_server
 
 ANSWER = {
     "id": "c1",
@@ -46,7 +46,7 @@ def test_versions_in_place_and_moved_to_new_servers():
     assert up.announce(2) is False and up.current == 3  # an older announcement changes nothing
 
 
-async def test_sessions_spread_stay_on_their_replica_and_name_themselves(harness, tmp_path):  # noqa: F811
+async def test_sessions_spread_stay_on_their_replica_and_name_themselves(harness, tmp_path):
     seen: list[tuple[str, dict[str, str]]] = []
     async with upstream_server(recorder("a", seen)) as a, upstream_server(recorder("b", seen)) as b:
         up = Upstreams([a, b], "m", affinity_header="x-session-affinity")
@@ -68,7 +68,7 @@ async def test_sessions_spread_stay_on_their_replica_and_name_themselves(harness
         assert len(session.attempts) == 3 and replicas == {a if session.session_id in ("s0", "s2") else b}
 
 
-async def test_a_failing_replica_is_taken_out_and_comes_back(harness, tmp_path, monkeypatch):  # noqa: F811
+async def test_a_failing_replica_is_taken_out_and_comes_back(harness, tmp_path, monkeypatch):
     seen: list[tuple[str, dict[str, str]]] = []
     down, up_ = recorder("down", seen, status=503), recorder("up", seen)
     async with upstream_server(down) as bad, upstream_server(up_) as good:
