@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from executor.api import Executor
     from executor.config import RunConfig, load_config
-    from executor.driver import RunSummary
+    from executor.driver_types import RunSummary
     from executor.tasks import Task
 
 # Imported when first named: `rollout status` and the other commands import this package without

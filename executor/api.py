@@ -27,7 +27,8 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from executor.config import RunConfig, config_from, load_config
-from executor.driver import WAIT_S, Driver, RunSummary, Submission
+from executor.driver import WAIT_S, Driver
+from executor.driver_types import RunSummary, Submission
 from executor.tasks import InputError, Task, task_at
 from executor.worker import RemoteSandboxWorker
 from policy import GroupMode
