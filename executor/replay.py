@@ -29,7 +29,7 @@ import yaml
 from pydantic import ValidationError
 
 from executor.config import RunConfig
-from executor.driver import decide_row
+from executor.decisions import decide_row
 from executor.export import task_files
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import Location, Where, local_copy, locate

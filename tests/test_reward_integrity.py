@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from executor.config import RunConfig
-from executor.driver import decide_row
+from executor.decisions import decide_row
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.command import CommandHarness

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from executor.driver import decide_row
+from executor.decisions import decide_row
 from executor.grading import REWARD_FILE_VAR, VERIFIER_CANNOT_GRADE
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task

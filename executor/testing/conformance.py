@@ -26,7 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from executor.config import RunConfig
-from executor.driver import decide_row
+from executor.decisions import decide_row
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import locate
