@@ -373,16 +373,12 @@ def code_fingerprint() -> str:
 
 
 def worker_key(cfg: RunConfig) -> str:
-    """What a worker builds once and keeps: two runs with the same key can share warm workers."""
-    from executor.worker import built_once
-
+    """What a worker actor is created with (its concurrency and resources) and the code it runs: two runs
+    with the same key share warm workers. What a worker builds from the rest of the config (gateway,
+    provider, harness) it rebuilds in its process when a run brings another (SandboxWorker._rebind):
+    ~0.1 s, where a new actor's process and imports cost ~1.2 s (`rollout bench --parts e`)."""
     concurrency = cfg.concurrency
-    built = [
-        built_once(cfg),
-        concurrency.sessions_per_worker,
-        concurrency.worker_resources,
-        code_fingerprint(),
-    ]
+    built = [concurrency.sessions_per_worker, concurrency.worker_resources, code_fingerprint()]
     return hashlib.sha256(json.dumps(built, sort_keys=True).encode()).hexdigest()[:16]
 
 

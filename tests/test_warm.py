@@ -88,8 +88,19 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     own, _ = _run(tmp_path, env, "own", extra="ray_address: local\n")
     assert own.isdisjoint(first)
 
-    # Another config builds other workers: fresh ones, and the old set is ended.
-    changed, _ = _run(tmp_path, env, "changed", extra="gateway: {max_attempts_per_request: 2}\n")
+    # Another gateway (or sandbox, model, harness) section: the same worker process serves it, with a
+    # gateway built anew from it (this one keeps no bodies, where the first run's kept them).
+    rebuilt, _ = _run(tmp_path, env, "rebuilt", extra="gateway: {keep_bodies: false}\n")
+    assert rebuilt == first
+    assert list((tmp_path / "out" / "one").rglob("req-*.json.gz"))
+    assert not list((tmp_path / "out" / "rebuilt").rglob("req-*.json.gz"))
+
+    # Another shape of worker actor (sessions per worker): fresh workers, and the old set is ended.
+    config = _config(tmp_path, "changed", 2)
+    config.write_text(config.read_text().replace("sessions_per_worker: 2", "sessions_per_worker: 3"))
+    proc = rollout_run(config, env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    changed = set(read_table(tmp_path / "out" / "changed", ["worker_id"]).to_pydict()["worker_id"])
     assert changed.isdisjoint(first)
     # Ended by ray.kill, which returns before the process has gone.
     assert ended(worker_pid, bound_s=60)

@@ -194,6 +194,13 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             f"executor, median of {e['runs']} | {warm:.2f} s | {e['by_hand_median_s']:.2f} s by hand "
             f"| {warm / e['by_hand_median_s']:.2f} |"
         )
+    if e and "exit" in e.get("changed_median_s", {}):
+        changed = e["changed_median_s"]["exit"]
+        lines.append(
+            f"| (e) the same, each run's config changed since the run before (the workers built for "
+            f"another), median of {e['runs']} | {changed:.2f} s | {e['by_hand_median_s']:.2f} s by hand "
+            f"| {changed / e['by_hand_median_s']:.2f} |"
+        )
     for r in figures.get("b", []):
         lines.append(
             f"| (b) null harness, concurrency {r['concurrency']}, steady state "
@@ -232,20 +239,24 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             f"(fresh workspace and config, `codex exec`, the verifier, one after another): "
             f"{e['by_hand_median_s']:.2f} s.",
             "",
-            "| phase | cold | warm |",
-            "|---|---|---|",
+            "| phase | cold | warm | warm, config changed |",
+            "|---|---|---|---|",
         ]
-        cold, warm = e["median_s"], e.get("warm_median_s", {})
+        cold, warm, changed = e["median_s"], e.get("warm_median_s", {}), e.get("changed_median_s", {})
+
+        def cell(medians: dict[str, float], name: str) -> str:
+            return f"{medians[name]:.2f}" if name in medians else ""
+
         order = sorted((n for n in PHASES if n in cold), key=cold.__getitem__)
         lines += [
-            f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | {warm[n]:.2f} |"
-            if n in warm
-            else f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | |"
+            f"| {PHASE_NAMES.get(n, n)} | {cold[n]:.2f} | {cell(warm, n)} | {cell(changed, n)} |"
             for n in order
         ]
         if "cpu_s" in cold and "cpu_s" in warm:
-            warm_cpu = f"{warm['cpu_s']:.2f}{WARM_CPU_NOTE}"
-            lines.append(f"| the command's CPU (s) | {cold['cpu_s']:.2f} | {warm_cpu} |")
+            lines.append(
+                f"| the command's CPU (s) | {cold['cpu_s']:.2f} | {warm['cpu_s']:.2f}{WARM_CPU_NOTE} "
+                f"| {cell(changed, 'cpu_s')} |"
+            )
     return "\n".join(lines)
 
 

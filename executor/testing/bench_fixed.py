@@ -100,31 +100,48 @@ def fixed_costs(rollouts: int, runs: int, concurrency: int, scratch: Path) -> di
     codex_js = (
         CodexHarness().ensure_installed(default_cache_root()) / "node_modules/@openai/codex/bin/codex.js"
     )
+    # Configs that differ from each other in what a worker builds once (here the gateway's retry bound),
+    # so each attached run finds warm workers built for another config.
+    changed_configs = [
+        _write_config(
+            scratch, f"e-changed{i}", tasks, f"{extra}gateway: {{max_attempts_per_request: {2 + i % 2}}}\n"
+        )
+        for i in range(runs)
+    ]
     cold: list[dict[str, float]] = []
     warm: list[dict[str, float]] = []
+    changed: list[dict[str, float]] = []
     by_hand: list[float] = []
+    # A warm executor of its own for the changed series, so that the series interleave without one
+    # turning the other's runs into changed ones.
+    changed_env = {**os.environ, "ROLLOUT_WARM_DIR": str(scratch / "warm-changed")}
     _rollout(warm_env, "up", str(config), "--idle-timeout", "900")
     model = _ModelThread()
     try:
+        _rollout(changed_env, "up", str(changed_configs[-1]), "--idle-timeout", "900")
         # Interleaved, so the VM's drift hits all three alike.
         for i in range(runs):
             cold.append(_one_run(config, f"e{i}", scratch / "sb", cold_env))
             warm.append(_one_run(config, f"w{i}", scratch / "sb", warm_env))
+            changed.append(_one_run(changed_configs[i], f"c{i}", scratch / "sb", changed_env))
             t0 = time.perf_counter()
             _direct_runs(range(i * rollouts, (i + 1) * rollouts), model, codex_js, scratch, [], [])
             by_hand.append(time.perf_counter() - t0)
     finally:
         model.stop()
         _rollout(warm_env, "down")
+        _rollout(changed_env, "down")  # a no-op when its `up` failed
     return {
         "rollouts": rollouts,
         "runs": runs,
         "concurrency": concurrency,
         "median_s": _medians(cold),
         "warm_median_s": _medians(warm),
+        "changed_median_s": _medians(changed),
         "by_hand_median_s": statistics.median(by_hand),
         "all": cold,
         "all_warm": warm,
+        "all_changed": changed,
     }
 
 
@@ -135,7 +152,8 @@ WARM_CPU_NOTE = "; its driver, forked by the warm executor, not counted"
 
 def _phase_line(e: dict[str, Any]) -> str:
     # In the order they fell: phases that run side by side (the harness check, Ray's start) may swap.
-    left = max(m.get("left_sandbox_processes", 0) for m in (e["median_s"], e["warm_median_s"]))
+    series = (e["median_s"], e["warm_median_s"], e.get("changed_median_s", {}))
+    left = max(m.get("left_sandbox_processes", 0) for m in series)
 
     def marks(medians: dict[str, float], whose: str = "") -> str:
         order = sorted((n for n in PHASES if n in medians), key=medians.__getitem__)
@@ -146,7 +164,8 @@ def _phase_line(e: dict[str, Any]) -> str:
         f"(e) fixed costs, {e['runs']} `rollout run`s of {e['rollouts']} one-tool Codex rollouts at "
         f"concurrency {e['concurrency']}, each in a fresh process; median seconds after the spawn: "
         f"cold {marks(e['median_s'])}; attached to a warm executor "
-        f"{marks(e['warm_median_s'], WARM_CPU_NOTE)}; "
+        f"{marks(e['warm_median_s'], WARM_CPU_NOTE)}; attached, each run's config changed since the run "
+        f"before {marks(e.get('changed_median_s', {}), WARM_CPU_NOTE)}; "
         f"the same rollouts by hand {e['by_hand_median_s']:.2f} s; sandbox processes left "
         f"{left:.0f}"
     )
