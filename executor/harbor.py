@@ -301,22 +301,19 @@ with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
 async def prepare_agent(sandbox: Sandbox) -> None:
     """/logs/agent, /logs/verifier and /logs/artifacts, empty and the command user's (the agent gives
     what it unpacks to the user), before the agent starts: Harbor's agents and solutions write there."""
-    copy_in = getattr(sandbox, "copy_in", None)
-    if copy_in is None:
-        raise SandboxError(f"sandbox {sandbox.id} cannot lay out Harbor's /logs")
     with tempfile.TemporaryDirectory(prefix="rollout-harbor-logs-") as tmp:
         for name in LOG_DIRS:
             Path(tmp, name).mkdir()
-        await copy_in(Path(tmp), "/logs")
+        await sandbox.copy_in(Path(tmp), "/logs")
         # Empty, and emptied again before the tests come in: made now, while the agent (root) can, for a
         # verifier that runs as the command user.
-        await copy_in(Path(tmp, "agent"), TESTS_IN)
+        await sandbox.copy_in(Path(tmp, "agent"), TESTS_IN)
 
 
 async def keep_logs(sandbox: Sandbox, evidence_dir: Path) -> str | None:
     """/logs/agent and /logs/verifier (the tests' own output among it) as evidence, in
     ``evidence_dir``/harbor-logs.tar.gz; why they could not be kept, or None."""
-    python = list(getattr(sandbox, "python_argv", None) or ["python3"])
+    python = sandbox.python_argv or ["python3"]
     dirs = [f"/logs/{name}" for name in LOG_DIRS]
     try:
         res = await sandbox.exec(
@@ -347,17 +344,14 @@ async def prepare_verifier(sandbox: Sandbox, verify: Verifier) -> str | None:
     """Harbor's steps before its test: strays killed, /tests and /logs/verifier emptied, tests/ uploaded.
     Why it could not be done, or None. Runs in any image: through the sandbox's own python where it
     carries one (a container's, sandboxes/runtime.py), else the image's python3."""
-    copy_in = getattr(sandbox, "copy_in", None)
-    if copy_in is None:
-        return f"sandbox {sandbox.id} cannot take the task's tests/ in"
-    python = list(getattr(sandbox, "python_argv", None) or ["python3"])
+    python = sandbox.python_argv or ["python3"]
     res = await sandbox.exec(
         [*python, "-c", _RESET, TESTS_IN, REWARD_DIR], timeout=RESET_TIMEOUT_S, name="verify-reset"
     )
     if res.exit_code != 0:
         return f"could not empty {TESTS_IN} and {REWARD_DIR} (exit {res.exit_code}): {res.stderr_tail[-300:]}"
     assert verify.tests_dir is not None
-    await copy_in(Path(verify.tests_dir), TESTS_IN)
+    await sandbox.copy_in(Path(verify.tests_dir), TESTS_IN)
     return None
 
 

@@ -202,7 +202,7 @@ class CodexHarness:
         )
         entry = Path(ctx.install_dir) / ENTRY_SCRIPT
         extra_env: dict[str, str] = {}
-        if not getattr(sandbox, "shares_host_userland", True):
+        if not sandbox.shares_host_userland:
             # A container of the task's image: no node of ours there, so the native binary the entry
             # script would start, with what the script would set.
             command = [str(native_binary(Path(ctx.install_dir)))]

@@ -130,8 +130,8 @@ class RunsBefore(Protocol):
 class Sandbox(Protocol):
     """A started sandbox. All paths are inside the sandbox; ``workdir`` is the task's workspace.
 
-    The last three attributes are optional: ``None`` where the sandbox has no such part, and the session
-    then does without it."""
+    ``isolation_label``, ``gateway_url``, ``check_runs`` and ``python_argv`` are optional: ``None`` where
+    the sandbox has no such part, and the session then does without it."""
 
     id: str
     workdir: str
@@ -145,6 +145,12 @@ class Sandbox(Protocol):
     # ``check_runs(program, what)``: SandboxError, one line, unless ``program`` starts here; for a sandbox
     # of a task's own image, which may lack what a harness needs. None: the sandbox does not check.
     check_runs: Callable[[str, str], Awaitable[None]] | None
+    # The interpreter our in-sandbox scripts run with, where the sandbox carries one of its own (a
+    # container's, sandboxes/runtime.py). None: the image's ``python3``.
+    python_argv: list[str] | None
+    # Whether its commands see the worker's own userland (its node, its python): a harness then starts
+    # its entry script with them; a container of a task's image has only what the image has.
+    shares_host_userland: bool
 
     async def exec(
         self,
@@ -160,6 +166,8 @@ class Sandbox(Protocol):
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
 
     async def read_file(self, path: str, limit: int) -> bytes: ...
+
+    async def copy_in(self, src: Path, dest: str | None = None) -> None: ...
 
     async def stop(self) -> None: ...
 

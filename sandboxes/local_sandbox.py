@@ -97,8 +97,10 @@ class LocalSandbox:
     """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
 
     runs_before = True  # see sandboxes.base.RunsBefore
-    # sandboxes.base.Sandbox's optional parts: none of its own (its provider's label, the worker's URL).
-    isolation_label = gateway_url = check_runs = None
+    # sandboxes.base.Sandbox's optional parts: none of its own (its provider's label, the worker's URL,
+    # the host's python3).
+    isolation_label = gateway_url = check_runs = python_argv = None
+    shares_host_userland = True
 
     def __init__(
         self,

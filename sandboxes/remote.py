@@ -93,6 +93,8 @@ class RemoteSandbox:
     """A started remote sandbox. Build it through a provider; ``descriptor()`` names what to reap."""
 
     check_runs: Callable[[str, str], Awaitable[None]] | None = None  # a container's checks (container.py)
+    python_argv: list[str] | None = None  # a container's interpreter (container.py)
+    shares_host_userland = True  # a Slurm or ECS node runs our install; a container says otherwise
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ PROVIDERS = [
     FlakyStartProvider,
 ]
 SANDBOXES = [LocalSandbox, RemoteSandbox, ContainerSandbox]  # ECS and Slurm start RemoteSandboxes
-OPTIONAL = {"isolation_label", "gateway_url", "check_runs"}
+OPTIONAL = {"isolation_label", "gateway_url", "check_runs", "python_argv"}
 
 
 def protocol_members(protocol: type) -> set[str]:
