@@ -290,6 +290,9 @@ class LocalSandboxProvider:
             "log_path": self._server_log,
             "pid_namespace": isolation.server_pid_namespace(self.isolation),
             "network_forward": isolation.server_network(self.isolation),
+            # Every command builds its own view (from the fork server's base): the PID namespace needs
+            # no copy of the host's mount table for its /proc (namespaces.py).
+            "views": self.isolation.filesystem == "mounts",
         }
         while (zygote := self._live_zygote()) is not None:
             try:
