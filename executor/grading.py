@@ -470,12 +470,40 @@ async def _reward_of(
 
 
 async def stop_sandbox(sandbox: Sandbox) -> bool:
+    """Stop ``sandbox``: True once it is confirmed stopped within ``STOP_TIMEOUT_S``. The bound is on the
+    waiting, never on the stop: a stop cut short leaves the sandbox half-removed (its directory, disk,
+    uid), and an overloaded host is where stops run long. Past the bound (or when the session is
+    cancelled) the stop goes on by itself, its provider's to finish (the local provider waits for it at
+    its close), and the session's slot is free; the row says the cleanup was not confirmed."""
+    stopping = asyncio.ensure_future(sandbox.stop())
     try:
-        await asyncio.wait_for(sandbox.stop(), timeout=STOP_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.shield(stopping), timeout=STOP_TIMEOUT_S)
         return True
+    except TimeoutError:
+        log.warning("sandbox %s: still stopping after %.0f s; it goes on", sandbox.id, STOP_TIMEOUT_S)
+        _going_on(stopping, sandbox.id)
+        return False
+    except asyncio.CancelledError:
+        _going_on(stopping, sandbox.id)
+        raise
     except Exception as exc:
         log.warning("sandbox %s: cleanup failed: %s", sandbox.id, describe(exc))
         return False
+
+
+# Stops that outlived their caller's wait, held until they end (the loop keeps only weak references).
+_stops_going_on: set[asyncio.Future[None]] = set()
+
+
+def _going_on(stopping: asyncio.Future[None], sandbox_id: str) -> None:
+    def ended(done: asyncio.Future[None]) -> None:
+        _stops_going_on.discard(done)
+        if not done.cancelled() and (exc := done.exception()) is not None:
+            log.warning("sandbox %s: cleanup failed: %s", sandbox_id, describe(exc))
+
+    if not stopping.done():
+        _stops_going_on.add(stopping)
+    stopping.add_done_callback(ended)
 
 
 def describe(exc: BaseException) -> str:

@@ -271,9 +271,12 @@ def built_once(cfg: RunConfig) -> str:
 
 
 def _run_closers(ctx: SessionContext) -> list[Callable[[], Awaitable[None]]]:
-    """What of a context was its run's: the prepared workspaces and, for a run on an object store,
-    this node's evidence scratch (normally emptied as each launch's evidence is put)."""
+    """What of a context was its run's: its sandboxes' stops and directory removals still under way (a
+    stop its session gave up waiting for goes on), the prepared workspaces and, for a run on an object
+    store, this node's evidence scratch (normally emptied as each launch's evidence is put)."""
     closers: list[Callable[[], Awaitable[None]]] = []
+    if (finish := getattr(ctx.provider, "finish_removals", None)) is not None:
+        closers.append(finish)
     if ctx.workspaces is not None:
         closers.append(ctx.workspaces.aclose)
     if ctx.evidence_store is not None:

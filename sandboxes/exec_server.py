@@ -204,13 +204,15 @@ class ExecServer:
         pid_namespace: bool = False,
         network_forward: tuple[int, str] | None = None,
         zygote: Zygote | None = None,
+        views: bool = False,
     ) -> ExecServer:
         """Forked by ``zygote``, or else a new interpreter. ``env`` must carry the marker: /proc/PID/environ
         of the server and of every supervisor it forks shows it, which is how the sandbox finds its
         processes (a forked server writes it over its fork server's placeholder). ``pid_namespace``:
         every command runs in one PID namespace, made by the server at its start (see namespaces.py); with
-        ``network_forward`` (port, gateway socket), in one loopback-only network namespace too. Raises
-        ZygoteGone when ``zygote`` has died, OSError when the server cannot be started."""
+        ``network_forward`` (port, gateway socket), in one loopback-only network namespace too. ``views``:
+        every command has a filesystem view (a forked server's namespace then needs no mount namespace).
+        Raises ZygoteGone when ``zygote`` has died, OSError when the server cannot be started."""
         loop = asyncio.get_running_loop()
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
@@ -218,7 +220,12 @@ class ExecServer:
         try:
             if zygote is not None:
                 network = list(network_forward) if network_forward else None
-                request = {"marker": marker_token, "pid_namespace": pid_namespace, "network": network}
+                request = {
+                    "marker": marker_token,
+                    "pid_namespace": pid_namespace,
+                    "network": network,
+                    "views": views,
+                }
                 await zygote.fork(request, (stdin_r, stdout_w))
             else:
                 child = _spawn_server(env, log_path, pid_namespace, network_forward, stdin_r, stdout_w)

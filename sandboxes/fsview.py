@@ -190,7 +190,11 @@ class _Calls:
 
     def tmpfs(self, options: dict[str, str], attrs: int) -> int:
         """A new tmpfs, not yet attached anywhere: the descriptor of its mount."""
-        fs = _check(self.libc.syscall(_SYS_FSOPEN, b"tmpfs", 1), "fsopen", "tmpfs")  # FSOPEN_CLOEXEC
+        return self.detached(b"tmpfs", options, attrs)
+
+    def detached(self, fstype: bytes, options: dict[str, str], attrs: int) -> int:
+        """A new filesystem of ``fstype``, not attached anywhere: the descriptor of its mount."""
+        fs = _check(self.libc.syscall(_SYS_FSOPEN, fstype, 1), "fsopen", fstype.decode())  # FSOPEN_CLOEXEC
         try:
             for key, value in options.items():
                 result = self.libc.syscall(
@@ -203,7 +207,7 @@ class _Calls:
                 "create",
             )
             return _check(
-                self.libc.syscall(_SYS_FSMOUNT, fs, 1, attrs), "fsmount", "tmpfs"
+                self.libc.syscall(_SYS_FSMOUNT, fs, 1, attrs), "fsmount", fstype.decode()
             )  # FSMOUNT_CLOEXEC
         finally:
             os.close(fs)
@@ -270,6 +274,13 @@ def clone_sources(steps: list[list[str]]) -> Sources:
     for fd in (*clones.values(), *devices.values()):
         calls.setattr(fd, "", _AT_EMPTY_PATH | _AT_RECURSIVE, 0, propagation=_MS_PRIVATE)
     return clones, devices
+
+
+def detached_proc() -> int:
+    """A procfs of this process's PID namespace, mounted nowhere: the descriptor of its mount, which
+    another process of the namespace reads as its /proc (``/proc/self/fd/N``) from the host's mount
+    namespace. Root only; raises OSError."""
+    return _Calls().detached(b"proc", {}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
 
 
 def make_base() -> None:

@@ -56,6 +56,8 @@ DISK_SHARE = 0.75  # of the memory cap, at most, for a sandbox's tmpfs disk (dis
 SUPERVISOR_SLACK_S = sup.SLACK_S
 # Fork servers a provider starts before it starts each sandbox's server as a new interpreter instead.
 MAX_ZYGOTE_STARTS = 3
+# How long a provider's close waits for the stops and directory removals under way (each bounded itself).
+CLOSE_WAIT_S = 120.0
 
 # The provider's parts, each a module of its own; their names stay importable from here.
 from sandboxes.local_files import confined_path, copy_tree, write_confined  # noqa: E402, F401
@@ -119,6 +121,7 @@ class LocalSandboxProvider:
         # gets the normal one back when taken; False once this process turns out not to be allowed to.
         self._spare_nice = True
         self._removals: set[asyncio.Task[None]] = set()
+        self._stops: set[asyncio.Task[None]] = set()  # sandboxes' stops under way (LocalSandbox.stop)
         # pids/filesystem/user: see sandboxes/isolation.py. Raises IsolationUnavailable if the host cannot.
         # network_forward (port, unix socket): every command runs in a loopback-only network namespace of
         # its own, where 127.0.0.1:port reaches the gateway through that socket (sandboxes/netns.py).
@@ -287,6 +290,9 @@ class LocalSandboxProvider:
             "log_path": self._server_log,
             "pid_namespace": isolation.server_pid_namespace(self.isolation),
             "network_forward": isolation.server_network(self.isolation),
+            # Every command builds its own view (from the fork server's base): the PID namespace needs
+            # no copy of the host's mount table for its /proc (namespaces.py).
+            "views": self.isolation.filesystem == "mounts",
         }
         while (zygote := self._live_zygote()) is not None:
             try:
@@ -326,8 +332,8 @@ class LocalSandboxProvider:
         return self._zygote
 
     async def aclose(self) -> None:
-        """End the spare supervisor server, if any, and finish removing stopped sandboxes' directories.
-        Sandboxes still running are not affected."""
+        """End the spare supervisor server, if any, and finish the stops begun and the removal of stopped
+        sandboxes' directories. Sandboxes not being stopped are not affected."""
         spare, self._spare = self._spare, None
         if spare is not None and spare[0] is asyncio.get_running_loop():
             with contextlib.suppress(Exception):
@@ -338,8 +344,29 @@ class LocalSandboxProvider:
         await self.finish_removals()
 
     async def finish_removals(self) -> None:
-        """Wait for the deletions of stopped sandboxes' directories begun so far."""
-        await asyncio.gather(*self._removals, return_exceptions=True)
+        """Wait for the stops begun so far, whoever gave up waiting for them, and then for the deletions
+        of stopped sandboxes' directories (a stop's last step begins its sandbox's). Bounded: a stop is
+        bounded by its own steps; past ``CLOSE_WAIT_S`` what is left is said, and its descriptor leads a
+        reaper (``rollout gc``, the next run's start) to it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
+        for pending in (self._stops, self._removals):
+            tasks = {task for task in pending if task.get_loop() is loop}
+            if tasks:
+                _done, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+                if late:
+                    what = "sandbox stops" if pending is self._stops else "directory removals"
+                    log.warning("sandboxes: %d %s under way after %.0f s", len(late), what, CLOSE_WAIT_S)
+
+    def finish_at_close(self, task: asyncio.Task[None]) -> None:
+        """Hold a sandbox's stop until it ends: ``aclose`` waits for it, whoever else stopped waiting."""
+        self._stops.add(task)
+        task.add_done_callback(self._stop_ended)
+
+    def _stop_ended(self, task: asyncio.Task[None]) -> None:
+        self._stops.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:  # retrieved: a caller says it
+            log.debug("sandboxes: a stop failed: %s", str(exc)[:500])
 
     def remove_later(self, session_dir: Path, owner_name: str) -> None:
         """Move a stopped sandbox's directory aside at once and delete it off the session's path: a

@@ -56,6 +56,8 @@ class SandboxOwner(Protocol):
 
     def remove_later(self, session_dir: Path, owner_name: str) -> None: ...
 
+    def finish_at_close(self, task: asyncio.Task[None]) -> None: ...
+
 
 # The provider's logger, whichever of its modules logs.
 log = logging.getLogger("sandboxes.local")
@@ -171,6 +173,7 @@ class LocalSandbox:
         self._stopped = False
         self._reaped = False
         self._stop_lock = asyncio.Lock()
+        self._stop_task: asyncio.Task[None] | None = None
 
     # -- descriptor -------------------------------------------------------------------------------------
 
@@ -528,7 +531,19 @@ class LocalSandbox:
 
     async def stop(self) -> None:
         """Kill everything still running, remove the descriptor; idempotent. Keeps the directory unless
-        the provider was made with ``keep=False``. Raises SandboxError if processes could not be ended."""
+        the provider was made with ``keep=False``. Raises SandboxError if processes could not be ended.
+
+        Once begun, the stop runs to its end whoever waits for it: a caller that stops waiting (its bound
+        passed, its session was cancelled) would otherwise cut it short half-way, its directory, disk,
+        uid and caps left until a reaper came. What a caller gives up on is its provider's, which waits
+        for it at its close (``LocalSandboxProvider.aclose``)."""
+        task = self._stop_task
+        if task is None or (task.done() and not self._stopped):  # never begun, or failed: once more
+            task = self._stop_task = asyncio.ensure_future(self._stop())
+            self._provider.finish_at_close(task)
+        await asyncio.shield(task)
+
+    async def _stop(self) -> None:
         async with self._stop_lock:
             if self._stopped:
                 return

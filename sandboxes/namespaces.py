@@ -3,7 +3,14 @@
 The server (``supervisor_server.py --serve ... --pid-namespace``) unshares it, forks the namespace's init
 (which mounts the fresh /proc in a mount namespace of its own and then only reaps orphans), and each
 supervisor it forks after that is born inside, then joins the init's mount namespace. The server stays
-outside, so the pids it reports are the host's, and an isolated command costs what a host one does::
+outside, so the pids it reports are the host's, and an isolated command costs what a host one does.
+
+Where every command builds its own filesystem view from the fork server's base namespace (root's view,
+spawn._init), nothing needs that mount namespace but the supervisors' own reading of /proc; it was a copy
+of the host's whole mount table per sandbox (every mount of every sandbox in flight: ~11 ms of CPU to
+copy and tear down at 2,800 mounts, twice a session). There the init makes a procfs of the namespace
+mounted nowhere instead, and each supervisor reads it by descriptor (``proctree.use_proc``), staying in
+the host's mount namespace as the server is::
 
     server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
             └ supervisor ── command       (one per command, each inside the namespace)
@@ -24,8 +31,9 @@ import signal
 import time
 
 if __package__:
-    from sandboxes import netns, proctree
+    from sandboxes import fsview, netns, proctree
 else:  # imported by the server run by path, with its directory on sys.path
+    import fsview
     import netns
     import proctree
 
@@ -40,10 +48,14 @@ NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's pr
 class PidNamespace:
     """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
 
-    def __init__(self, network: tuple[int, str] | None = None, close: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, network: tuple[int, str] | None = None, close: tuple[int, ...] = (), *, own_mounts: bool = True
+    ) -> None:
         """``network`` (port, gateway socket): the init also makes the sandbox's loopback-only network
         namespace and runs its gateway forwarder (netns.py), which every supervisor joins. ``close``:
-        descriptors of the server's that the init must not hold."""
+        descriptors of the server's that the init must not hold. ``own_mounts``: the namespace's /proc
+        is mounted in a mount namespace of the init's, which supervisors join; else it is mounted
+        nowhere, and supervisors read it by descriptor (every command then makes its own view)."""
         # Takes effect for our children only: the first is the namespace's pid 1, every later one is
         # born inside it too.
         proctree.libc_call("unshare", CLONE_NEWPID)
@@ -55,7 +67,7 @@ class PidNamespace:
             try:
                 for fd in (ready_r, self.hold, *close):
                     os.close(fd)
-                code = _pid_namespace_init(ready_w, hold_r, network)
+                code = _pid_namespace_init(ready_w, hold_r, network, own_mounts)
             except BaseException as exc:  # a forked child must never return into the server
                 os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
             finally:
@@ -65,12 +77,17 @@ class PidNamespace:
         self.init_pid = pid
         self.init_reaped = False
         try:
-            ready = os.read(ready_r, 1)  # bounded: the init writes it, or dies and the pipe ends
+            ready = os.read(ready_r, 32).split()  # bounded: the init writes it, or dies and the pipe ends
         finally:
             os.close(ready_r)
-        if ready != b"1":
+        if not ready or ready[0] != b"1" or len(ready) != (1 if own_mounts else 2):
             raise OSError(f"the PID namespace's init (pid {pid}) failed to start")
-        self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.mount_ns: int | None = None
+        self.proc: int | None = None
+        if own_mounts:
+            self.mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        else:  # the init's descriptor of its procfs, opened again here: the init holds the mount
+            self.proc = os.open(f"/proc/{pid}/fd/{int(ready[1])}", os.O_PATH | os.O_CLOEXEC)
         self.net_ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC) if network else None
 
     def end(self, timeout: float, wake: int | None = None) -> bool:
@@ -103,31 +120,41 @@ class PidNamespace:
         keep CAP_SYS_ADMIN from every program started after this, or root inside could unmount that /proc
         and see the host's again."""
         os.close(self.hold)  # the init ends with the server, not with us
-        proctree.libc_call("setns", self.mount_ns, CLONE_NEWNS)
-        os.close(self.mount_ns)
+        if self.mount_ns is not None:
+            proctree.libc_call("setns", self.mount_ns, CLONE_NEWNS)
+            os.close(self.mount_ns)
+        else:
+            assert self.proc is not None
+            proctree.use_proc(self.proc)
         if self.net_ns is not None:
             proctree.libc_call("setns", self.net_ns, CLONE_NEWNET)
             os.close(self.net_ns)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
 
 
-def _pid_namespace_init(ready_w: int, hold_r: int, network: tuple[int, str] | None) -> int:
+def _pid_namespace_init(
+    ready_w: int, hold_r: int, network: tuple[int, str] | None, own_mounts: bool = True
+) -> int:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)  # the server's request pipe is not ours to hold open
     os.dup2(null, 1)
     os.close(null)
-    # A mount namespace of its own (the server's /proc must stay the host's), private so that nothing
-    # mounted here reaches the host.
-    proctree.libc_call("unshare", CLONE_NEWNS)
-    proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
-    proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    ready = b"1"
+    if own_mounts:
+        # A mount namespace of its own (the server's /proc must stay the host's), private so that
+        # nothing mounted here reaches the host.
+        proctree.libc_call("unshare", CLONE_NEWNS)
+        proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+        proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    else:  # held open until we exit, which ends the namespace and every reader of its /proc
+        ready += b" %d" % fsview.detached_proc()
     if network is not None:  # one namespace and one forwarder for all the sandbox's commands
         proctree.libc_call("unshare", CLONE_NEWNET)
         netns.start_forwarder(*network)
     proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
     # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
     signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
-    os.write(ready_w, b"1")
+    os.write(ready_w, ready)
     os.close(ready_w)
     # Until the server closes its end, by exiting or dying. Our exit ends the namespace: the kernel kills
     # whatever is left in it.

@@ -28,6 +28,16 @@ POLL_S = 0.02
 KILL_ROUNDS = 20  # bounds on every kill loop: a fork bomb must not keep us here forever
 FREEZE_ROUNDS = 50
 KILL_SETTLE_S = 0.5  # how long one SIGKILL round waits for the kernel to tear processes down
+# Where this process reads the processes it sees: the host's /proc, or its PID namespace's (``use_proc``).
+PROC = "/proc"
+
+
+def use_proc(fd: int) -> None:
+    """Read processes from the procfs mounted nowhere that ``fd`` holds (a PID namespace's, made by its
+    init: namespaces.py), through this process's own descriptor link; the mount namespace stays the
+    host's."""
+    global PROC
+    PROC = f"/proc/self/fd/{fd}"
 
 
 class ProcInfo:
@@ -49,7 +59,7 @@ class ProcInfo:
 
 def read_proc(pid: int) -> ProcInfo | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{PROC}/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
@@ -67,7 +77,7 @@ def read_proc(pid: int) -> ProcInfo | None:
 
 def snapshot() -> dict[int, ProcInfo]:
     procs: dict[int, ProcInfo] = {}
-    for name in os.listdir("/proc"):
+    for name in os.listdir(PROC):
         if name.isdigit():
             info = read_proc(int(name))
             if info is not None:
@@ -92,7 +102,7 @@ def descendants(procs: dict[int, ProcInfo], root: int) -> set[int]:
 def has_env_entry(pid: int, entry: bytes) -> bool:
     """Whether the process was started with ``entry`` (``NAME=value``) in its environment."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
+        with open(f"{PROC}/{pid}/environ", "rb") as f:
             data = f.read()
     except OSError:
         return False

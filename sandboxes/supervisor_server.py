@@ -122,7 +122,7 @@ class _Server:
             # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
             params["parent_pid"] = self.me
             if self.pid_namespace is not None:
-                if params.get("view"):
+                if params.get("view") and self.pid_namespace.mount_ns is not None:
                     # A view is built from the host's mounts (the session's own filesystem, mounted
                     # after this server started), not from the namespace's copy: the init joins them.
                     params["host_mounts_fd"] = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
@@ -209,10 +209,16 @@ def _hold_shared(path: str) -> int | None:
 
 
 def serve(
-    worker: int, pid_namespace: bool, network: tuple[int, str] | None, base_mounts: int | None = None
+    worker: int,
+    pid_namespace: bool,
+    network: tuple[int, str] | None,
+    base_mounts: int | None = None,
+    views: bool = False,
 ) -> int:
     """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd).
-    ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from."""
+    ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from.
+    ``views``: every command of the sandbox has a view; with ``base_mounts``, its PID namespace then
+    needs no mount namespace of its own (namespaces.py)."""
     write_line(1, {"ready": os.getpid()})
     # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
     # where a walk would copy every page it touches.
@@ -220,7 +226,8 @@ def serve(
     code = 1
     try:
         held = (worker,) if base_mounts is None else (worker, base_mounts)
-        namespace = namespaces.PidNamespace(network, close=held) if pid_namespace else None
+        own_mounts = not (views and base_mounts is not None)
+        namespace = namespaces.PidNamespace(network, held, own_mounts=own_mounts) if pid_namespace else None
         server = _Server(worker, namespace, base_mounts)
         server.install_signals()
         code = server.serve()

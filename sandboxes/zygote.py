@@ -9,7 +9,8 @@ process is well under one. The worker (sandboxes/exec_server.py) starts it as
 with the environment a server gets (only the sandbox marker variable, here a placeholder of a token's
 length), from /, every other descriptor closed: nothing of the worker's (its key, its sockets, another
 sandbox's pipes) is ever in this process. Each request is one message on CONTROL_FD (a SOCK_SEQPACKET
-socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null}`` with two
+socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null, "views": bool}``
+(views: every command of the sandbox has a filesystem view: supervisor_server.serve) with two
 descriptors, the read end of the new server's request pipe and the write end of its answer pipe. The
 child gets those as its stdin and stdout, a pidfd of the worker as fd 3, the base mount namespace (see
 ``_base_mounts``) as fd 4 where there is one, and nothing else; writes its
@@ -165,7 +166,8 @@ class _Zygote:
             token = str(req["marker"])
             if len(fds) != 2 or len(token) != len(self.placeholder) or not token.isalnum():
                 raise ValueError("a request takes a marker of the placeholder's length and two descriptors")
-            self.fork(token, bool(req.get("pid_namespace")), req.get("network"), fds[0], fds[1])
+            pid_ns, views = bool(req.get("pid_namespace")), bool(req.get("views"))
+            self.fork(token, pid_ns, req.get("network"), fds[0], fds[1], views)
         except (ValueError, KeyError, TypeError) as exc:
             os.write(2, f"zygote: bad request: {str(exc)[:200]}\n".encode())
         finally:
@@ -173,7 +175,13 @@ class _Zygote:
                 os.close(fd)
 
     def fork(
-        self, token: str, pid_namespace: bool, network: list[object] | None, stdin: int, out: int
+        self,
+        token: str,
+        pid_namespace: bool,
+        network: list[object] | None,
+        stdin: int,
+        out: int,
+        views: bool = False,
     ) -> None:
         gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
         try:
@@ -189,7 +197,7 @@ class _Zygote:
             self._become_server(token, stdin, out)
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
             base = BASE_FD if self.base is not None else None
-            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base)
+            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views)
         except BaseException as exc:  # a forked child must never return into the zygote
             os.write(2, f"zygote child: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
         finally:

@@ -41,3 +41,12 @@ class FlakyStartProvider:
         if failures_in(self.starts, self.fraction) > failures_in(self.starts - 1, self.fraction):
             raise SandboxStartError(f"injected start failure for {spec.session_id}")
         return await self.inner.start(spec)
+
+    async def aclose(self) -> None:
+        """The inner provider's close (its spare server, the stops and removals under way)."""
+        if (close := getattr(self.inner, "aclose", None)) is not None:
+            await close()
+
+    async def finish_removals(self) -> None:
+        if (finish := getattr(self.inner, "finish_removals", None)) is not None:
+            await finish()
