@@ -154,8 +154,11 @@ def list_containers(engine: str, run_id: str | None = None) -> list[tuple[str, d
 
 
 def _rm(engine: str, container: str) -> list[str]:
-    # docker rm has no stop timeout; podman's default (10 s) would wait on an agent already told to stop.
-    return ["rm", "-f", "-t", "1", container] if engine == "podman" else ["rm", "-f", container]
+    # No stop timeout: the agent has been told to stop (its commands' trees are ended) or its owner is
+    # dead, and nothing in the container is owed a grace. podman's default (10 s), or any grace, is
+    # paid in full by a PID 1 that ignores SIGTERM (1.2 s of `rm -f -t 1` against 0.2 s of `-t 0`).
+    # docker rm -f kills at once.
+    return ["rm", "-f", "-t", "0", container] if engine == "podman" else ["rm", "-f", container]
 
 
 def remove(engine: str, container: str) -> bool:
