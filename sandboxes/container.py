@@ -260,6 +260,8 @@ class ContainerSandboxProvider:
         self.cache_root = default_cache_root().resolve()
         runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
         self._runs: set[tuple[str, str]] = set()
+        # Removals of stopped sandboxes' containers, under way off their sessions' path (_teardown).
+        self._removals: set[asyncio.Task[None]] = set()
         # The --ulimit sets to try when the config names none, the first one known to work or untried.
         self._ulimits = _ulimit_choices()
         self.images = Images(
@@ -431,8 +433,9 @@ class ContainerSandboxProvider:
                 transport=AsyncHTTPTransport(uds=socket_path),
             )
 
+        # A start given up removes what it began before it raises: no row is waiting on it.
         return await ready_or_torn_down(
-            build, lambda: self._teardown(name, session_dir), f"container {name} ({image.ref})"
+            build, lambda: self._remove(name, session_dir), f"container {name} ({image.ref})"
         )
 
     def _cannot_run(self, image: str, stderr: str) -> str:
@@ -479,12 +482,31 @@ class ContainerSandboxProvider:
         return f"container {name} is {state} (exit {code}): {_one_line(logs.stdout + logs.stderr)}"
 
     async def _teardown(self, name: str, session_dir: Path) -> None:
+        """Begin removing the container and its directory, and return: a stopped sandbox's agent has
+        ended its commands (or never started any), and the engine's removal (0.2-0.8 s of podman's
+        unmounting, cgroup and storage work) is no part of its row. The removal is bounded
+        (``remove``'s attempts) and awaited by ``finish_removals``, which the worker's close and release
+        call; a worker killed meanwhile leaves the container to the reaper (its owner label)."""
+        task = asyncio.get_running_loop().create_task(self._remove(name, session_dir))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove(self, name: str, session_dir: Path) -> None:
         gone = await asyncio.to_thread(remove, self.engine, name)
         (_LINK_DIR / name).unlink(missing_ok=True)
         if not self.cfg.keep:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
-            raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+            log.warning("container %s still there after %s rm -f; left to the reaper", name, self.engine)
+
+    async def finish_removals(self) -> None:
+        """Wait for the removals of stopped sandboxes' containers begun so far."""
+        while self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Finish removing stopped sandboxes' containers; running ones are not affected."""
+        await self.finish_removals()
 
 
 def _ulimit_choices() -> list[list[str]]:

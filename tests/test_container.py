@@ -68,8 +68,12 @@ def config(tmp_path: Path, image: str, **extra: object) -> ContainerSandboxConfi
 
 
 @pytest.fixture
-async def provider(tmp_path: Path, test_images: TestImages, gateway_socket: str) -> ContainerSandboxProvider:
-    return config(tmp_path, test_images.base).build(Path(tmp_path / "root"), (4999, gateway_socket))
+async def provider(
+    tmp_path: Path, test_images: TestImages, gateway_socket: str
+) -> AsyncIterator[ContainerSandboxProvider]:
+    provider = config(tmp_path, test_images.base).build(Path(tmp_path / "root"), (4999, gateway_socket))
+    yield provider
+    await provider.aclose()  # stopped sandboxes' containers are removed off their sessions' path
 
 
 def spec(**extra: object) -> SandboxSpec:
@@ -89,7 +93,7 @@ async def sandbox(provider: ContainerSandboxProvider) -> AsyncIterator:
         await sb.stop()
 
 
-async def test_commands_files_and_stop(sandbox, test_images):
+async def test_commands_files_and_stop(sandbox, provider, test_images):
     res = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
     assert (res.exit_code, res.signal, res.stdout_tail, res.stderr_tail) == (3, None, "out\n", "err\n")
     res = await sandbox.exec(["sh", "-c", "kill -9 $$"], timeout=30)
@@ -113,7 +117,10 @@ async def test_commands_files_and_stop(sandbox, test_images):
     container = sandbox.descriptor()["container"]
     assert exists(container)
     await sandbox.stop()
+    # Its removal runs off the session's path, and is awaited by the provider's close.
+    await provider.finish_removals()
     assert not exists(container)
+    assert not (provider.root / "ctr-test" / sandbox.spec.session_id).exists()
 
 
 async def test_network_is_the_gateway_only(sandbox, gateway_socket):
@@ -160,6 +167,7 @@ async def test_api_key_never_inside(tmp_path, test_images, gateway_socket, monke
         assert inspect.returncode == 0 and secret not in inspect.stdout
     finally:
         await sb.stop()
+        await provider.aclose()
 
 
 _SEARCH = """
@@ -359,11 +367,13 @@ async def test_engine_limits_picked_or_named_in_one_line(tmp_path, test_images, 
     """No ulimits configured: the provider finds limits the engine can apply (as root here, podman's own
     ask more than runc may set). Ones it cannot apply: one line naming the setting and the fix."""
     picked = ContainerSandboxConfig(image=test_images.busybox, root=str(tmp_path / "root"), runtime="runc")
-    sb = await picked.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    provider = picked.build(tmp_path / "root", (4999, gateway_socket))
+    sb = await provider.start(spec())
     try:
         assert (await sb.exec(["sh", "-c", "ulimit -n"], timeout=30)).exit_code == 0
     finally:
         await sb.stop()
+        await provider.aclose()
     too_high = ContainerSandboxConfig(
         image=test_images.busybox,
         root=str(tmp_path / "root"),

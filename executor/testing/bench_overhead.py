@@ -69,14 +69,13 @@ def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | N
     from executor.worker import SandboxWorker
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
-    from sandboxes.local import LocalSandboxProvider
 
     class MeasuredWorker(SandboxWorker):
         async def finish_removals(self) -> None:
-            """Wait for the last sandbox's deletion, which runs after its row: not during the next direct
-            run, which must not share the machine with it."""
-            if isinstance(self.provider, LocalSandboxProvider):  # a container is removed at its stop
-                await self.provider.finish_removals()
+            """Wait for the last sandbox's deletion (a local one's directory, a container), which runs
+            after its row: not during the next direct run, which must not share the machine with it."""
+            if (finish := getattr(self.provider, "finish_removals", None)) is not None:
+                await finish()
 
     install = CodexHarness().ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
