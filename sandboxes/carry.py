@@ -60,7 +60,16 @@ def copy_untrusted_tree(src: str, dst: str, owner: tuple[int, int] | None = None
     """Copy what directory ``src`` holds into the existing directory ``dst`` as the module says.
     ``owner`` (uid, gid): the grading sandbox's user, given all that is made. Blocking."""
     done = Carried()
-    src_fd = os.open(src, _DIR_FLAGS)
+    try:
+        src_fd = os.open(src, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise
+        # The workspace itself is no directory: a container's agent, root in it, can replace its
+        # /rollout/work by a link or a file. Never followed, and no failure (a failed carry is masked,
+        # which must not be the agent's choice): nothing comes over, and the row says why.
+        done.skip(".", f"the workspace is no directory ({exc.strerror})")
+        return done
     dst_fd = os.open(dst, _DIR_FLAGS)
     try:
         _copy_dir(src_fd, dst_fd, "", 0, owner, done)

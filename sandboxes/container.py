@@ -216,11 +216,20 @@ class ContainerSandbox(RemoteSandbox):
         image: str,
         runs: set[tuple[str, str]],
         python_argv: list[str],
+        session_dir: Path,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        # Where the workspace is on the worker's host, for a carry between sandboxes done there
+        # (executor/grading.py): the session's directory is bind-mounted at /rollout, so a workspace at
+        # /rollout/work is its work/. Only as root, as the container's root is (rootful podman, docker):
+        # its commands' files are then the worker's to read, and the worker's its to use; and only
+        # where commands run as root (no image user to own what the worker writes).
+        self.host_workdir: Path | None = None
         if workdir:
             self.workdir = workdir
+        elif os.geteuid() == 0 and self.spec.user in (None, "", "root", "0"):
+            self.host_workdir = session_dir / "work"
         self.image = image
         # A python >= 3.11 in this container for our own helper scripts, whatever the image holds.
         self.python_argv = python_argv
@@ -418,6 +427,7 @@ class ContainerSandboxProvider:
                 image=image.ref,
                 runs=self._runs,
                 python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
+                session_dir=session_dir,
                 sandbox_id=name,
                 provider_name=self.name,
                 # The engine's cgroup enforces the memory limit; an address-space one too would break

@@ -138,6 +138,37 @@ async def test_network_is_the_gateway_only(sandbox, gateway_socket):
     assert res.stdout_tail.split() == ["gateway", "no", "internet"], res.stderr_tail
 
 
+async def test_workspace_carried_on_the_host_between_containers(sandbox, provider):
+    """The grading sandbox gets the agent's workspace copied on the worker's host, no command run in
+    either container: files and links as links, never followed; a workspace the agent replaced by a
+    link (root in its container, it can) carries nothing and says so, and is no failure."""
+    from executor.grading import carry_workspace
+
+    checker = await provider.start(spec())
+    try:
+        assert sandbox.host_workdir is not None and checker.host_workdir is not None
+        await checker.write_file("laid-out.txt", b"the task's")
+        res = await sandbox.exec(
+            ["sh", "-c", "mkdir -p sub && echo hi > sub/a.txt && ln -s /etc/passwd out && mkfifo fifo"],
+            timeout=30,
+        )
+        assert res.exit_code == 0, res.stderr_tail
+        carried = await carry_workspace(sandbox, checker)
+        assert carried.skipped == 1 and "fifo" in (carried.gap() or "")
+        listing = await checker.exec(["sh", "-c", "ls -A; cat sub/a.txt; readlink out"], timeout=30)
+        assert listing.stdout_tail.split() == ["out", "sub", "hi", "/etc/passwd"], listing.stdout_tail
+
+        moved = await sandbox.exec(
+            ["sh", "-c", "cd / && rm -rf /rollout/work && ln -s /etc /rollout/work"], timeout=30
+        )
+        assert moved.exit_code == 0, moved.stderr_tail
+        carried = await carry_workspace(sandbox, checker)
+        assert "the workspace is no directory" in (carried.gap() or "")
+        assert (await checker.exec(["sh", "-c", "ls -A | wc -l"], timeout=30)).stdout_tail.strip() == "0"
+    finally:
+        await checker.stop()
+
+
 async def test_container_removed_from_outside_is_lost(sandbox, provider):
     started = provider.root / "ctr-test" / sandbox.spec.session_id / "tmp" / "started"
     running = asyncio.ensure_future(
