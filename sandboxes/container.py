@@ -36,6 +36,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,6 +258,17 @@ class ContainerSandbox(RemoteSandbox):
         return await super().read_file(self._path(path), limit)
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """A container of ours, before or after its run: its name, directory, owner record, agent token."""
+
+    name: str
+    session_dir: Path
+    owner_name: str
+    token: str
+    socket_path: str
+
+
 class ContainerSandboxProvider:
     isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
 
@@ -387,6 +399,21 @@ class ContainerSandboxProvider:
                 runtime = await asyncio.to_thread(host_runtime, self.cache_root)
             except (RuntimeUnavailable, OSError) as exc:
                 raise SandboxStartError(f"cannot carry the worker's python into a container: {exc}") from exc
+        launch = await self._launch(spec, image, runtime)
+
+        async def build() -> ContainerSandbox:
+            await self._run(launch, spec, image, runtime)
+            return await self._adopt(spec, image, runtime, launch)
+
+        # A start given up removes what it began before it raises: no row is waiting on it.
+        return await ready_or_torn_down(
+            build,
+            functools.partial(self._remove, launch.name, launch.session_dir),
+            f"container {launch.name} ({image.ref})",
+        )
+
+    async def _launch(self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None) -> _Launch:
+        """A container's name, directory and token, before it is run."""
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             owner_name = await asyncio.to_thread(hold, self.root)
@@ -396,56 +423,60 @@ class ContainerSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         name = f"rollout-{uuid.uuid4().hex[:16]}"
-        argv = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
+        return _Launch(name, session_dir, owner_name, token, socket_path)
 
-        async def build() -> ContainerSandbox:
-            from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
-
+    async def _run(
+        self, launch: _Launch, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None
+    ) -> None:
+        """Run the container and wait for its agent's rendezvous."""
+        name, session_dir = launch.name, launch.session_dir
+        argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
+        tried = self._ulimits[0]
+        proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+        # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
+        # every later one (the error names no limit an operator could act on).
+        while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
+            if len(self._ulimits) == 1:
+                break
+            log.info("container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0])
+            await asyncio.to_thread(remove, self.engine, name)
+            if self._ulimits[0] is tried:  # a concurrent start may have moved on already
+                self._ulimits.pop(0)
             tried = self._ulimits[0]
+            argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
-            # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
-            # every later one (the error names no limit an operator could act on).
-            while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
-                if len(self._ulimits) == 1:
-                    break
-                log.info(
-                    "container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0]
-                )
-                await asyncio.to_thread(remove, self.engine, name)
-                if self._ulimits[0] is tried:  # a concurrent start may have moved on already
-                    self._ulimits.pop(0)
-                tried = self._ulimits[0]
-                argv[:] = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
-                proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
-            if proc.returncode != 0:
-                raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
-            await self._wait_ready(name, session_dir / "control")
-            workdir = spec.workdir or image.workdir
-            return ContainerSandbox(
-                workdir=workdir if workdir not in ("", "/") else None,
-                image=image.ref,
-                runs=self._runs,
-                python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
-                session_dir=session_dir,
-                sandbox_id=name,
-                provider_name=self.name,
-                # The engine's cgroup enforces the memory limit; an address-space one too would break
-                # runtimes that reserve more than they use (node).
-                spec=spec.model_copy(update={"memory_limit_mb": None}),
-                base_url="http://sandbox",
-                token=token,
-                root=ROOT_IN,
-                teardown=lambda: self._teardown(name, session_dir),
-                probe=lambda: self._probe(name),
-                marker_token=uuid.uuid4().hex,
-                extra={"container": name, "image": image.ref, "engine": self.engine},
-                transport=AsyncHTTPTransport(uds=socket_path),
-            )
+        if proc.returncode != 0:
+            raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
+        await self._wait_ready(name, session_dir / "control")
 
-        # A start given up removes what it began before it raises: no row is waiting on it.
-        return await ready_or_torn_down(
-            build, lambda: self._remove(name, session_dir), f"container {name} ({image.ref})"
+    async def _adopt(
+        self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None, launch: _Launch
+    ) -> ContainerSandbox:
+        """The sandbox of a container started for ``spec``, whose agent is ready."""
+        from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
+
+        name, session_dir = launch.name, launch.session_dir
+        workdir = spec.workdir or image.workdir
+        return ContainerSandbox(
+            workdir=workdir if workdir not in ("", "/") else None,
+            image=image.ref,
+            runs=self._runs,
+            python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
+            session_dir=session_dir,
+            sandbox_id=name,
+            provider_name=self.name,
+            # The engine's cgroup enforces the memory limit; an address-space one too would break
+            # runtimes that reserve more than they use (node).
+            spec=spec.model_copy(update={"memory_limit_mb": None}),
+            base_url="http://sandbox",
+            token=launch.token,
+            root=ROOT_IN,
+            teardown=functools.partial(self._teardown, name, session_dir),
+            probe=functools.partial(self._probe, name),
+            marker_token=uuid.uuid4().hex,
+            extra={"container": name, "image": image.ref, "engine": self.engine},
+            transport=AsyncHTTPTransport(uds=launch.socket_path),
         )
 
     def _cannot_run(self, image: str, stderr: str) -> str:
