@@ -65,6 +65,11 @@ ROOT_IN = "/rollout"  # the session's directory
 GATEWAY_SOCKET_IN = "/run/rollout-gateway.sock"
 ENTRY_PATH = Path(__file__).with_name("container_entry.py")
 COMMAND_TIMEOUT_S = 60.0
+# Containers started ahead, for the next sandboxes like the last one (an agent's and its grading one):
+# podman's run and the agent's start (0.3-0.6 s) are then off a session's path. A spare idle longer than
+# SPARE_IDLE_S is removed rather than used.
+SPARES = 2
+SPARE_IDLE_S = 60.0
 REMOVE_TIMEOUT_S = 60.0
 REMOVE_ATTEMPTS = 3
 POLL_S = 0.02
@@ -267,6 +272,14 @@ class _Launch:
     owner_name: str
     token: str
     socket_path: str
+    made: float  # monotonic
+
+
+def _spare_key(spec: SandboxSpec, image: ImageInfo) -> str:
+    """What of a spec a container is made with (its run argv, its agent's TTL): a spare made for one
+    spec serves another only where all of it is the same."""
+    fields = ("run_id", "allow_internet", "cpus", "memory_limit_mb", "storage_mb", "gpus", "workdir", "user")
+    return json.dumps([image.ref, spec.ttl_s, *(getattr(spec, f) for f in fields)], default=str)
 
 
 class ContainerSandboxProvider:
@@ -283,6 +296,9 @@ class ContainerSandboxProvider:
         self._runs: set[tuple[str, str]] = set()
         # Removals of stopped sandboxes' containers, under way off their sessions' path (_teardown).
         self._removals: set[asyncio.Task[None]] = set()
+        # Spare containers, oldest first: their loop, their key (_spare_key), their start.
+        self._spares: list[tuple[asyncio.AbstractEventLoop, str, asyncio.Future[_Launch]]] = []
+        self._closing = False
         # The --ulimit sets to try when the config names none, the first one known to work or untried.
         self._ulimits = _ulimit_choices()
         self.images = Images(
@@ -399,6 +415,16 @@ class ContainerSandboxProvider:
                 runtime = await asyncio.to_thread(host_runtime, self.cache_root)
             except (RuntimeUnavailable, OSError) as exc:
                 raise SandboxStartError(f"cannot carry the worker's python into a container: {exc}") from exc
+        spare = await self._claim(_spare_key(spec, image))
+        if spare is not None:
+            try:
+                return await ready_or_torn_down(
+                    functools.partial(self._adopt, spec, image, runtime, spare),
+                    functools.partial(self._remove, spare.name, spare.session_dir),
+                    f"container {spare.name} ({image.ref})",
+                )
+            except SandboxStartError as exc:  # gone while it waited: a container of its own, then
+                log.info("container: spare %s unusable (%s); starting another", spare.name, exc)
         launch = await self._launch(spec, image, runtime)
 
         async def build() -> ContainerSandbox:
@@ -424,7 +450,7 @@ class ContainerSandboxProvider:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         name = f"rollout-{uuid.uuid4().hex[:16]}"
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
-        return _Launch(name, session_dir, owner_name, token, socket_path)
+        return _Launch(name, session_dir, owner_name, token, socket_path, time.monotonic())
 
     async def _run(
         self, launch: _Launch, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None
@@ -453,7 +479,8 @@ class ContainerSandboxProvider:
     async def _adopt(
         self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None, launch: _Launch
     ) -> ContainerSandbox:
-        """The sandbox of a container started for ``spec``, whose agent is ready."""
+        """The sandbox of a container whose agent is ready (started for ``spec``, or a spare), as
+        ``spec`` says: its TTL, environment and teardown are the session's."""
         from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
 
         name, session_dir = launch.name, launch.session_dir
@@ -472,12 +499,75 @@ class ContainerSandboxProvider:
             base_url="http://sandbox",
             token=launch.token,
             root=ROOT_IN,
-            teardown=functools.partial(self._teardown, name, session_dir),
+            teardown=functools.partial(self._teardown, name, session_dir, (spec, image, runtime)),
             probe=functools.partial(self._probe, name),
             marker_token=uuid.uuid4().hex,
             extra={"container": name, "image": image.ref, "engine": self.engine},
             transport=AsyncHTTPTransport(uds=launch.socket_path),
         )
+
+    # -- spares -----------------------------------------------------------------------------------------
+
+    async def _claim(self, key: str) -> _Launch | None:
+        """A spare container started for sandboxes like this one, if one is ready or starting (waiting
+        for it is no slower than starting one); one idle past SPARE_IDLE_S is removed instead."""
+        loop = asyncio.get_running_loop()
+        # Those of a closed event loop: their removal is the reaper's (their agents' TTL ends them).
+        self._spares = [spare for spare in self._spares if spare[0] is loop]
+        while (spare := next((sp for sp in self._spares if sp[1] == key), None)) is not None:
+            self._spares.remove(spare)
+            try:
+                launch = await asyncio.shield(spare[2])
+            except Exception:
+                continue  # its start failed, and removed what it began
+            if time.monotonic() - launch.made > SPARE_IDLE_S:
+                self._remove_later(spare[2])
+                continue
+            return launch
+        return None
+
+    def _want_spare(self, template: tuple[SandboxSpec, ImageInfo, Runtime | None]) -> None:
+        """Start a spare like a sandbox that stopped, for the next one like it (its session's next, or
+        the next session's grading sandbox): off that session's path, and off the CPU its harness was
+        using. At most SPARES at once: a full set of others' makes room by its oldest; none beyond."""
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        spec, image, runtime = template
+        key = _spare_key(spec, image)
+        self._spares = [spare for spare in self._spares if spare[0] is loop]
+        if len(self._spares) >= SPARES:
+            oldest = self._spares[0]
+            if oldest[1] == key:
+                return
+            self._spares.pop(0)
+            self._remove_later(oldest[2])
+        self._spares.append((loop, key, loop.create_task(self._new_spare(spec, image, runtime))))
+
+    async def _new_spare(self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None) -> _Launch:
+        # Its own session directory and labels; it lives SPARE_IDLE_S longer than a session may, so that
+        # its agent's TTL (from its start) still covers the session that takes it.
+        spare_spec = spec.model_copy(
+            update={"session_id": f"spare-{uuid.uuid4().hex[:12]}", "ttl_s": spec.ttl_s + SPARE_IDLE_S}
+        )
+        launch = await self._launch(spare_spec, image, runtime)
+        try:
+            await self._run(launch, spare_spec, image, runtime)
+        except BaseException as exc:
+            await asyncio.shield(self._remove(launch.name, launch.session_dir))
+            log.info("container: a spare did not start: %s", str(exc)[:300])
+            raise
+        return launch
+
+    def _remove_later(self, future: asyncio.Future[_Launch]) -> None:
+        async def remove_spare() -> None:
+            with contextlib.suppress(Exception):
+                launch = await future
+                await self._remove(launch.name, launch.session_dir)
+
+        task = asyncio.get_running_loop().create_task(remove_spare())
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)
@@ -522,7 +612,9 @@ class ContainerSandboxProvider:
         logs = await asyncio.to_thread(_engine, self.engine, ["logs", "--tail", "5", name])
         return f"container {name} is {state} (exit {code}): {_one_line(logs.stdout + logs.stderr)}"
 
-    async def _teardown(self, name: str, session_dir: Path) -> None:
+    async def _teardown(
+        self, name: str, session_dir: Path, template: tuple[SandboxSpec, ImageInfo, Runtime | None]
+    ) -> None:
         """Begin removing the container and its directory, and return: a stopped sandbox's agent has
         ended its commands (or never started any), and the engine's removal (0.2-0.8 s of podman's
         unmounting, cgroup and storage work) is no part of its row. The removal is bounded
@@ -531,6 +623,7 @@ class ContainerSandboxProvider:
         task = asyncio.get_running_loop().create_task(self._remove(name, session_dir))
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
+        self._want_spare(template)
 
     async def _remove(self, name: str, session_dir: Path) -> None:
         gone = await asyncio.to_thread(remove, self.engine, name)
@@ -541,12 +634,30 @@ class ContainerSandboxProvider:
             log.warning("container %s still there after %s rm -f; left to the reaper", name, self.engine)
 
     async def finish_removals(self) -> None:
-        """Wait for the removals of stopped sandboxes' containers begun so far."""
+        """Remove the spares and wait for the removals of stopped sandboxes' containers begun so far:
+        a run is over (the worker's release), or the worker closes."""
+        spares, self._spares = self._spares, []
+        loop = asyncio.get_running_loop()
+        for spare_loop, _key, future in spares:
+            if spare_loop is loop:
+                self._remove_later(future)
         while self._removals:
             await asyncio.gather(*list(self._removals), return_exceptions=True)
 
+    async def settle(self) -> None:
+        """Wait until no removal and no spare's start is under way, spares kept (a benchmark's pause
+        between rollouts, so that neither shares the machine with what it compares)."""
+        while self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(f for spare_loop, _, f in self._spares if spare_loop is loop), return_exceptions=True
+        )
+
     async def aclose(self) -> None:
-        """Finish removing stopped sandboxes' containers; running ones are not affected."""
+        """Remove the spares and finish removing stopped sandboxes' containers; running ones are not
+        affected, and no spare is started from here on."""
+        self._closing = True
         await self.finish_removals()
 
 

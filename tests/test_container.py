@@ -138,6 +138,35 @@ async def test_network_is_the_gateway_only(sandbox, gateway_socket):
     assert res.stdout_tail.split() == ["gateway", "no", "internet"], res.stderr_tail
 
 
+async def test_a_spare_serves_the_next_start_and_goes_when_the_run_is_over(provider):
+    """A stopped sandbox leaves a spare like it started (off its session's path); the next start of the
+    same kind takes it, a fresh container, not the stopped one; the run's end removes the spares."""
+
+    def ours() -> dict[str, str]:
+        return {
+            name: labels["rollout.session_id"]
+            for name, labels in list_containers("podman", "ctr-test")
+            if labels["rollout.root"] == str(provider.root)
+        }
+
+    first = await provider.start(spec())
+    await first.stop()
+    await provider.settle()  # its removal done, the spare started
+    spares = [name for name, session in ours().items() if session.startswith("spare-")]
+    assert len(spares) == 1 and first.id not in ours()
+    second = await provider.start(spec())
+    try:
+        assert second.id == spares[0]
+        assert second.spec.session_id != ours()[second.id]  # the session's own, not the spare's label
+        assert (
+            await second.exec(["sh", "-c", "ls -A /rollout/work | wc -l"], timeout=30)
+        ).stdout_tail == "0\n"
+    finally:
+        await second.stop()
+    await provider.finish_removals()  # the run is over: the spare its stop began goes too
+    assert ours() == {}
+
+
 async def test_workspace_carried_on_the_host_between_containers(sandbox, provider):
     """The grading sandbox gets the agent's workspace copied on the worker's host, no command run in
     either container: files and links as links, never followed; a workspace the agent replaced by a
