@@ -229,15 +229,11 @@ class SandboxWorker:
         return hmac.compare_digest(key_digest(self.cfg.model.api_key_env, nonce), digest)
 
     async def release(self) -> None:
-        """The run is over (no session of it runs): let go of its prepared workspaces, and finish
-        removing its stopped sandboxes (a container's removal runs after its row); keep the rest."""
+        """The run is over (no session of it runs): let go of its prepared workspaces, keep the rest."""
         async with self._start_lock:
             ctx = self._ctx
         if ctx is not None:
-            closers = _run_closers(ctx)
-            if (finish := getattr(ctx.provider, "finish_removals", None)) is not None:
-                closers.append(finish)
-            await _close_all(closers)
+            await _close_all(_run_closers(ctx))
 
     @property
     def provider(self) -> SandboxProvider | None:
