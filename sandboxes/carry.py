@@ -60,7 +60,16 @@ def copy_untrusted_tree(src: str, dst: str, owner: tuple[int, int] | None = None
     """Copy what directory ``src`` holds into the existing directory ``dst`` as the module says.
     ``owner`` (uid, gid): the grading sandbox's user, given all that is made. Blocking."""
     done = Carried()
-    src_fd = os.open(src, _DIR_FLAGS)
+    try:
+        src_fd = os.open(src, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise
+        # The workspace itself is no directory: a container's agent, root in it, can replace its
+        # /rollout/work by a link or a file. Never followed, and no failure (a failed carry is masked,
+        # which must not be the agent's choice): nothing comes over, and the row says why.
+        done.skip(".", f"the workspace is no directory ({exc.strerror})")
+        return done
     dst_fd = os.open(dst, _DIR_FLAGS)
     try:
         _copy_dir(src_fd, dst_fd, "", 0, owner, done)
@@ -127,16 +136,11 @@ def _copy_dir(
 def _copy_file(
     src_fd: int, dst_fd: int, name: str, path: str, owner: tuple[int, int] | None, done: Carried
 ) -> None:
-    try:
-        fin = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src_fd)
-    except OSError as exc:
-        done.skip(path, exc.strerror or "file")
+    fin = _open_regular(src_fd, name, path, done)
+    if fin is None:
         return
     try:
         st = os.fstat(fin)
-        if not stat.S_ISREG(st.st_mode):  # swapped for a FIFO between the stat and the open
-            done.skip(path, "not a regular file")
-            return
         fout = os.open(
             name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst_fd
         )
@@ -149,6 +153,29 @@ def _copy_file(
         done.files += 1
     finally:
         os.close(fin)
+
+
+def _open_regular(src_fd: int, name: str, path: str, done: Carried) -> int | None:
+    """``name`` opened for reading if it is a regular file, else None (and skipped). Its type is checked
+    on an O_PATH descriptor, which opens nothing, and the file is then reopened through that very inode:
+    an entry swapped between the directory's stat and the open for a FIFO (which could hang the copy)
+    or a device node (a container's root may make one, and opening some has effects on the host, a
+    watchdog's arms it) is never opened."""
+    try:
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_fd)
+    except OSError as exc:
+        done.skip(path, exc.strerror or "file")
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            done.skip(path, "not a regular file")
+            return None
+        return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        done.skip(path, exc.strerror or "file")
+        return None
+    finally:
+        os.close(handle)
 
 
 def _copy_data(fin: int, fout: int, size: int, done: Carried) -> None:

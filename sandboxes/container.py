@@ -36,6 +36,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,6 +65,11 @@ ROOT_IN = "/rollout"  # the session's directory
 GATEWAY_SOCKET_IN = "/run/rollout-gateway.sock"
 ENTRY_PATH = Path(__file__).with_name("container_entry.py")
 COMMAND_TIMEOUT_S = 60.0
+# Containers started ahead, for the next sandboxes like the last one (an agent's and its grading one):
+# podman's run and the agent's start (0.3-0.6 s) are then off a session's path. A spare idle longer than
+# SPARE_IDLE_S is removed rather than used.
+SPARES = 2
+SPARE_IDLE_S = 60.0
 REMOVE_TIMEOUT_S = 60.0
 REMOVE_ATTEMPTS = 3
 POLL_S = 0.02
@@ -154,8 +160,11 @@ def list_containers(engine: str, run_id: str | None = None) -> list[tuple[str, d
 
 
 def _rm(engine: str, container: str) -> list[str]:
-    # docker rm has no stop timeout; podman's default (10 s) would wait on an agent already told to stop.
-    return ["rm", "-f", "-t", "1", container] if engine == "podman" else ["rm", "-f", container]
+    # No stop timeout: the agent has been told to stop (its commands' trees are ended) or its owner is
+    # dead, and nothing in the container is owed a grace. podman's default (10 s), or any grace, is
+    # paid in full by a PID 1 that ignores SIGTERM (1.2 s of `rm -f -t 1` against 0.2 s of `-t 0`).
+    # docker rm -f kills at once.
+    return ["rm", "-f", "-t", "0", container] if engine == "podman" else ["rm", "-f", container]
 
 
 def remove(engine: str, container: str) -> bool:
@@ -213,11 +222,20 @@ class ContainerSandbox(RemoteSandbox):
         image: str,
         runs: set[tuple[str, str]],
         python_argv: list[str],
+        session_dir: Path,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        # Where the workspace is on the worker's host, for a carry between sandboxes done there
+        # (executor/grading.py): the session's directory is bind-mounted at /rollout, so a workspace at
+        # /rollout/work is its work/. Only as root, as the container's root is (rootful podman, docker):
+        # its commands' files are then the worker's to read, and the worker's its to use; and only
+        # where commands run as root (no image user to own what the worker writes).
+        self.host_workdir: Path | None = None
         if workdir:
             self.workdir = workdir
+        elif os.geteuid() == 0 and self.spec.user in (None, "", "root", "0"):
+            self.host_workdir = session_dir / "work"
         self.image = image
         # A python >= 3.11 in this container for our own helper scripts, whatever the image holds.
         self.python_argv = python_argv
@@ -245,6 +263,25 @@ class ContainerSandbox(RemoteSandbox):
         return await super().read_file(self._path(path), limit)
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """A container of ours, before or after its run: its name, directory, owner record, agent token."""
+
+    name: str
+    session_dir: Path
+    owner_name: str
+    token: str
+    socket_path: str
+    made: float  # monotonic
+
+
+def _spare_key(spec: SandboxSpec, image: ImageInfo) -> str:
+    """What of a spec a container is made with (its run argv, its agent's TTL): a spare made for one
+    spec serves another only where all of it is the same."""
+    fields = ("run_id", "allow_internet", "cpus", "memory_limit_mb", "storage_mb", "gpus", "workdir", "user")
+    return json.dumps([image.ref, spec.ttl_s, *(getattr(spec, f) for f in fields)], default=str)
+
+
 class ContainerSandboxProvider:
     isolation_label: str | None = None  # each sandbox's agent says (RemoteSandbox)
 
@@ -257,6 +294,11 @@ class ContainerSandboxProvider:
         self.cache_root = default_cache_root().resolve()
         runtime = ["--runtime", config.runtime] if config.runtime and config.engine == "podman" else []
         self._runs: set[tuple[str, str]] = set()
+        # Removals of stopped sandboxes' containers, under way off their sessions' path (_teardown).
+        self._removals: set[asyncio.Task[None]] = set()
+        # Spare containers, oldest first: their loop, their key (_spare_key), their start.
+        self._spares: list[tuple[asyncio.AbstractEventLoop, str, asyncio.Future[_Launch]]] = []
+        self._closing = False
         # The --ulimit sets to try when the config names none, the first one known to work or untried.
         self._ulimits = _ulimit_choices()
         self.images = Images(
@@ -373,6 +415,31 @@ class ContainerSandboxProvider:
                 runtime = await asyncio.to_thread(host_runtime, self.cache_root)
             except (RuntimeUnavailable, OSError) as exc:
                 raise SandboxStartError(f"cannot carry the worker's python into a container: {exc}") from exc
+        spare = await self._claim(_spare_key(spec, image))
+        if spare is not None:
+            try:
+                return await ready_or_torn_down(
+                    functools.partial(self._adopt, spec, image, runtime, spare),
+                    functools.partial(self._remove, spare.name, spare.session_dir),
+                    f"container {spare.name} ({image.ref})",
+                )
+            except SandboxStartError as exc:  # gone while it waited: a container of its own, then
+                log.info("container: spare %s unusable (%s); starting another", spare.name, exc)
+        launch = await self._launch(spec, image, runtime)
+
+        async def build() -> ContainerSandbox:
+            await self._run(launch, spec, image, runtime)
+            return await self._adopt(spec, image, runtime, launch)
+
+        # A start given up removes what it began before it raises: no row is waiting on it.
+        return await ready_or_torn_down(
+            build,
+            functools.partial(self._remove, launch.name, launch.session_dir),
+            f"container {launch.name} ({image.ref})",
+        )
+
+    async def _launch(self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None) -> _Launch:
+        """A container's name, directory and token, before it is run."""
         session_dir = self.root / spec.run_id / spec.session_id
         try:
             owner_name = await asyncio.to_thread(hold, self.root)
@@ -382,55 +449,125 @@ class ContainerSandboxProvider:
         except OSError as exc:
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
         name = f"rollout-{uuid.uuid4().hex[:16]}"
-        argv = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
         socket_path = _socket_path(session_dir / "control" / "agent.sock", name)
+        return _Launch(name, session_dir, owner_name, token, socket_path, time.monotonic())
 
-        async def build() -> ContainerSandbox:
-            from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
-
+    async def _run(
+        self, launch: _Launch, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None
+    ) -> None:
+        """Run the container and wait for its agent's rendezvous."""
+        name, session_dir = launch.name, launch.session_dir
+        argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
+        tried = self._ulimits[0]
+        proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+        # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
+        # every later one (the error names no limit an operator could act on).
+        while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
+            if len(self._ulimits) == 1:
+                break
+            log.info("container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0])
+            await asyncio.to_thread(remove, self.engine, name)
+            if self._ulimits[0] is tried:  # a concurrent start may have moved on already
+                self._ulimits.pop(0)
             tried = self._ulimits[0]
+            argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
             proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
-            # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
-            # every later one (the error names no limit an operator could act on).
-            while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
-                if len(self._ulimits) == 1:
-                    break
-                log.info(
-                    "container: %s cannot apply --ulimit %s; trying lower", self.engine, self._ulimits[0]
-                )
-                await asyncio.to_thread(remove, self.engine, name)
-                if self._ulimits[0] is tried:  # a concurrent start may have moved on already
-                    self._ulimits.pop(0)
-                tried = self._ulimits[0]
-                argv[:] = self._run_argv(spec, image, name, session_dir, owner_name, runtime)
-                proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
-            if proc.returncode != 0:
-                raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
-            await self._wait_ready(name, session_dir / "control")
-            workdir = spec.workdir or image.workdir
-            return ContainerSandbox(
-                workdir=workdir if workdir not in ("", "/") else None,
-                image=image.ref,
-                runs=self._runs,
-                python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
-                sandbox_id=name,
-                provider_name=self.name,
-                # The engine's cgroup enforces the memory limit; an address-space one too would break
-                # runtimes that reserve more than they use (node).
-                spec=spec.model_copy(update={"memory_limit_mb": None}),
-                base_url="http://sandbox",
-                token=token,
-                root=ROOT_IN,
-                teardown=lambda: self._teardown(name, session_dir),
-                probe=lambda: self._probe(name),
-                marker_token=uuid.uuid4().hex,
-                extra={"container": name, "image": image.ref, "engine": self.engine},
-                transport=AsyncHTTPTransport(uds=socket_path),
-            )
+        if proc.returncode != 0:
+            raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
+        await self._wait_ready(name, session_dir / "control")
 
-        return await ready_or_torn_down(
-            build, lambda: self._teardown(name, session_dir), f"container {name} ({image.ref})"
+    async def _adopt(
+        self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None, launch: _Launch
+    ) -> ContainerSandbox:
+        """The sandbox of a container whose agent is ready (started for ``spec``, or a spare), as
+        ``spec`` says: its TTL, environment and teardown are the session's."""
+        from httpx import AsyncHTTPTransport  # here: a driver imports the provider configs only
+
+        name, session_dir = launch.name, launch.session_dir
+        workdir = spec.workdir or image.workdir
+        return ContainerSandbox(
+            workdir=workdir if workdir not in ("", "/") else None,
+            image=image.ref,
+            runs=self._runs,
+            python_argv=[*runtime.argv, "-E", "-s", "-S"] if runtime else [str(self.cfg.python)],
+            session_dir=session_dir,
+            sandbox_id=name,
+            provider_name=self.name,
+            # The engine's cgroup enforces the memory limit; an address-space one too would break
+            # runtimes that reserve more than they use (node).
+            spec=spec.model_copy(update={"memory_limit_mb": None}),
+            base_url="http://sandbox",
+            token=launch.token,
+            root=ROOT_IN,
+            teardown=functools.partial(self._teardown, name, session_dir, (spec, image, runtime)),
+            probe=functools.partial(self._probe, name),
+            marker_token=uuid.uuid4().hex,
+            extra={"container": name, "image": image.ref, "engine": self.engine},
+            transport=AsyncHTTPTransport(uds=launch.socket_path),
         )
+
+    # -- spares -----------------------------------------------------------------------------------------
+
+    async def _claim(self, key: str) -> _Launch | None:
+        """A spare container started for sandboxes like this one, if one is ready or starting (waiting
+        for it is no slower than starting one); one idle past SPARE_IDLE_S is removed instead."""
+        loop = asyncio.get_running_loop()
+        # Those of a closed event loop: their removal is the reaper's (their agents' TTL ends them).
+        self._spares = [spare for spare in self._spares if spare[0] is loop]
+        while (spare := next((sp for sp in self._spares if sp[1] == key), None)) is not None:
+            self._spares.remove(spare)
+            try:
+                launch = await asyncio.shield(spare[2])
+            except Exception:
+                continue  # its start failed, and removed what it began
+            if time.monotonic() - launch.made > SPARE_IDLE_S:
+                self._remove_later(spare[2])
+                continue
+            return launch
+        return None
+
+    def _want_spare(self, template: tuple[SandboxSpec, ImageInfo, Runtime | None]) -> None:
+        """Start a spare like a sandbox that stopped, for the next one like it (its session's next, or
+        the next session's grading sandbox): off that session's path, and off the CPU its harness was
+        using. At most SPARES at once: a full set of others' makes room by its oldest; none beyond."""
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        spec, image, runtime = template
+        key = _spare_key(spec, image)
+        self._spares = [spare for spare in self._spares if spare[0] is loop]
+        if len(self._spares) >= SPARES:
+            oldest = self._spares[0]
+            if oldest[1] == key:
+                return
+            self._spares.pop(0)
+            self._remove_later(oldest[2])
+        self._spares.append((loop, key, loop.create_task(self._new_spare(spec, image, runtime))))
+
+    async def _new_spare(self, spec: SandboxSpec, image: ImageInfo, runtime: Runtime | None) -> _Launch:
+        # Its own session directory and labels; it lives SPARE_IDLE_S longer than a session may, so that
+        # its agent's TTL (from its start) still covers the session that takes it.
+        spare_spec = spec.model_copy(
+            update={"session_id": f"spare-{uuid.uuid4().hex[:12]}", "ttl_s": spec.ttl_s + SPARE_IDLE_S}
+        )
+        launch = await self._launch(spare_spec, image, runtime)
+        try:
+            await self._run(launch, spare_spec, image, runtime)
+        except BaseException as exc:
+            await asyncio.shield(self._remove(launch.name, launch.session_dir))
+            log.info("container: a spare did not start: %s", str(exc)[:300])
+            raise
+        return launch
+
+    def _remove_later(self, future: asyncio.Future[_Launch]) -> None:
+        async def remove_spare() -> None:
+            with contextlib.suppress(Exception):
+                launch = await future
+                await self._remove(launch.name, launch.session_dir)
+
+        task = asyncio.get_running_loop().create_task(remove_spare())
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)
@@ -475,13 +612,53 @@ class ContainerSandboxProvider:
         logs = await asyncio.to_thread(_engine, self.engine, ["logs", "--tail", "5", name])
         return f"container {name} is {state} (exit {code}): {_one_line(logs.stdout + logs.stderr)}"
 
-    async def _teardown(self, name: str, session_dir: Path) -> None:
+    async def _teardown(
+        self, name: str, session_dir: Path, template: tuple[SandboxSpec, ImageInfo, Runtime | None]
+    ) -> None:
+        """Begin removing the container and its directory, and return: a stopped sandbox's agent has
+        ended its commands (or never started any), and the engine's removal (0.2-0.8 s of podman's
+        unmounting, cgroup and storage work) is no part of its row. The removal is bounded
+        (``remove``'s attempts) and awaited by ``finish_removals``, which the worker's close and release
+        call; a worker killed meanwhile leaves the container to the reaper (its owner label)."""
+        task = asyncio.get_running_loop().create_task(self._remove(name, session_dir))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+        self._want_spare(template)
+
+    async def _remove(self, name: str, session_dir: Path) -> None:
         gone = await asyncio.to_thread(remove, self.engine, name)
         (_LINK_DIR / name).unlink(missing_ok=True)
         if not self.cfg.keep:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
-            raise SandboxError(f"container {name} still there after {self.engine} rm -f")
+            log.warning("container %s still there after %s rm -f; left to the reaper", name, self.engine)
+
+    async def finish_removals(self) -> None:
+        """Remove the spares and wait for the removals of stopped sandboxes' containers begun so far:
+        a run is over (the worker's release), or the worker closes."""
+        spares, self._spares = self._spares, []
+        loop = asyncio.get_running_loop()
+        for spare_loop, _key, future in spares:
+            if spare_loop is loop:
+                self._remove_later(future)
+        while self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
+
+    async def settle(self) -> None:
+        """Wait until no removal and no spare's start is under way, spares kept (a benchmark's pause
+        between rollouts, so that neither shares the machine with what it compares)."""
+        while self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(f for spare_loop, _, f in self._spares if spare_loop is loop), return_exceptions=True
+        )
+
+    async def aclose(self) -> None:
+        """Remove the spares and finish removing stopped sandboxes' containers; running ones are not
+        affected, and no spare is started from here on."""
+        self._closing = True
+        await self.finish_removals()
 
 
 def _ulimit_choices() -> list[list[str]]:

@@ -68,8 +68,12 @@ def config(tmp_path: Path, image: str, **extra: object) -> ContainerSandboxConfi
 
 
 @pytest.fixture
-async def provider(tmp_path: Path, test_images: TestImages, gateway_socket: str) -> ContainerSandboxProvider:
-    return config(tmp_path, test_images.base).build(Path(tmp_path / "root"), (4999, gateway_socket))
+async def provider(
+    tmp_path: Path, test_images: TestImages, gateway_socket: str
+) -> AsyncIterator[ContainerSandboxProvider]:
+    provider = config(tmp_path, test_images.base).build(Path(tmp_path / "root"), (4999, gateway_socket))
+    yield provider
+    await provider.aclose()  # stopped sandboxes' containers are removed off their sessions' path
 
 
 def spec(**extra: object) -> SandboxSpec:
@@ -89,7 +93,7 @@ async def sandbox(provider: ContainerSandboxProvider) -> AsyncIterator:
         await sb.stop()
 
 
-async def test_commands_files_and_stop(sandbox, test_images):
+async def test_commands_files_and_stop(sandbox, provider, test_images):
     res = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
     assert (res.exit_code, res.signal, res.stdout_tail, res.stderr_tail) == (3, None, "out\n", "err\n")
     res = await sandbox.exec(["sh", "-c", "kill -9 $$"], timeout=30)
@@ -113,7 +117,10 @@ async def test_commands_files_and_stop(sandbox, test_images):
     container = sandbox.descriptor()["container"]
     assert exists(container)
     await sandbox.stop()
+    # Its removal runs off the session's path, and is awaited by the provider's close.
+    await provider.finish_removals()
     assert not exists(container)
+    assert not (provider.root / "ctr-test" / sandbox.spec.session_id).exists()
 
 
 async def test_network_is_the_gateway_only(sandbox, gateway_socket):
@@ -129,6 +136,66 @@ async def test_network_is_the_gateway_only(sandbox, gateway_socket):
     """)
     res = await sandbox.exec(["python3", "-c", probe], timeout=30)
     assert res.stdout_tail.split() == ["gateway", "no", "internet"], res.stderr_tail
+
+
+async def test_a_spare_serves_the_next_start_and_goes_when_the_run_is_over(provider):
+    """A stopped sandbox leaves a spare like it started (off its session's path); the next start of the
+    same kind takes it, a fresh container, not the stopped one; the run's end removes the spares."""
+
+    def ours() -> dict[str, str]:
+        return {
+            name: labels["rollout.session_id"]
+            for name, labels in list_containers("podman", "ctr-test")
+            if labels["rollout.root"] == str(provider.root)
+        }
+
+    first = await provider.start(spec())
+    await first.stop()
+    await provider.settle()  # its removal done, the spare started
+    spares = [name for name, session in ours().items() if session.startswith("spare-")]
+    assert len(spares) == 1 and first.id not in ours()
+    second = await provider.start(spec())
+    try:
+        assert second.id == spares[0]
+        assert second.spec.session_id != ours()[second.id]  # the session's own, not the spare's label
+        assert (
+            await second.exec(["sh", "-c", "ls -A /rollout/work | wc -l"], timeout=30)
+        ).stdout_tail == "0\n"
+    finally:
+        await second.stop()
+    await provider.finish_removals()  # the run is over: the spare its stop began goes too
+    assert ours() == {}
+
+
+async def test_workspace_carried_on_the_host_between_containers(sandbox, provider):
+    """The grading sandbox gets the agent's workspace copied on the worker's host, no command run in
+    either container: files and links as links, never followed; a workspace the agent replaced by a
+    link (root in its container, it can) carries nothing and says so, and is no failure."""
+    from executor.grading import carry_workspace
+
+    checker = await provider.start(spec())
+    try:
+        assert sandbox.host_workdir is not None and checker.host_workdir is not None
+        await checker.write_file("laid-out.txt", b"the task's")
+        res = await sandbox.exec(
+            ["sh", "-c", "mkdir -p sub && echo hi > sub/a.txt && ln -s /etc/passwd out && mkfifo fifo"],
+            timeout=30,
+        )
+        assert res.exit_code == 0, res.stderr_tail
+        carried = await carry_workspace(sandbox, checker)
+        assert carried.skipped == 1 and "fifo" in (carried.gap() or "")
+        listing = await checker.exec(["sh", "-c", "ls -A; cat sub/a.txt; readlink out"], timeout=30)
+        assert listing.stdout_tail.split() == ["out", "sub", "hi", "/etc/passwd"], listing.stdout_tail
+
+        moved = await sandbox.exec(
+            ["sh", "-c", "cd / && rm -rf /rollout/work && ln -s /etc /rollout/work"], timeout=30
+        )
+        assert moved.exit_code == 0, moved.stderr_tail
+        carried = await carry_workspace(sandbox, checker)
+        assert "the workspace is no directory" in (carried.gap() or "")
+        assert (await checker.exec(["sh", "-c", "ls -A | wc -l"], timeout=30)).stdout_tail.strip() == "0"
+    finally:
+        await checker.stop()
 
 
 async def test_container_removed_from_outside_is_lost(sandbox, provider):
@@ -160,6 +227,7 @@ async def test_api_key_never_inside(tmp_path, test_images, gateway_socket, monke
         assert inspect.returncode == 0 and secret not in inspect.stdout
     finally:
         await sb.stop()
+        await provider.aclose()
 
 
 _SEARCH = """
@@ -359,11 +427,13 @@ async def test_engine_limits_picked_or_named_in_one_line(tmp_path, test_images, 
     """No ulimits configured: the provider finds limits the engine can apply (as root here, podman's own
     ask more than runc may set). Ones it cannot apply: one line naming the setting and the fix."""
     picked = ContainerSandboxConfig(image=test_images.busybox, root=str(tmp_path / "root"), runtime="runc")
-    sb = await picked.build(tmp_path / "root", (4999, gateway_socket)).start(spec())
+    provider = picked.build(tmp_path / "root", (4999, gateway_socket))
+    sb = await provider.start(spec())
     try:
         assert (await sb.exec(["sh", "-c", "ulimit -n"], timeout=30)).exit_code == 0
     finally:
         await sb.stop()
+        await provider.aclose()
     too_high = ContainerSandboxConfig(
         image=test_images.busybox,
         root=str(tmp_path / "root"),

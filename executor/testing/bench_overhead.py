@@ -69,14 +69,17 @@ def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | N
     from executor.worker import SandboxWorker
     from harnesses.codex import CodexHarness
     from harnesses.install import default_cache_root
-    from sandboxes.local import LocalSandboxProvider
 
     class MeasuredWorker(SandboxWorker):
         async def finish_removals(self) -> None:
-            """Wait for the last sandbox's deletion, which runs after its row: not during the next direct
-            run, which must not share the machine with it."""
-            if isinstance(self.provider, LocalSandboxProvider):  # a container is removed at its stop
-                await self.provider.finish_removals()
+            """Wait for the last sandbox's deletion (a local one's directory, a container), which runs
+            after its row, and for the spares started then (containers): not during the next direct
+            run, which must not share the machine with them."""
+            provider = self.provider
+            if (settle := getattr(provider, "settle", None)) is not None:
+                await settle()
+            elif (finish := getattr(provider, "finish_removals", None)) is not None:
+                await finish()
 
     install = CodexHarness().ensure_installed(default_cache_root())
     codex_js = install / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
@@ -93,6 +96,7 @@ def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | N
     rows: list[dict[str, Any]] = []
     connect_ray(cfg)
     model = _ModelThread()
+    worker = None
     try:
         # The actor the driver would start for this config, able to wait for deletions; its row's
         # t_total_s is the session's time.
@@ -106,6 +110,8 @@ def overhead(runs: int, scratch: Path, container: Any = None, isolation: str | N
             rows.extend(batch_from_wire(ray.get(worker.run.remote(task.model_dump_json(), 0, 1))).to_pylist())
             ray.get(worker.finish_removals.remote())
     finally:
+        if worker is not None:  # what it holds (a container provider's spares) goes before the cluster
+            ray.get(worker.close.remote(), timeout=120)
         model.stop()
         ray.shutdown()
     if any(r["reward"] != 1.0 for r in rows):
