@@ -57,6 +57,8 @@ EVIDENCE_UPLOAD_PAUSE_S = 0.5
 EVIDENCE_UPLOAD_TIMEOUT_S = 120.0
 DEADLINE_STALL_SHARE = 0.25
 AGENT_TIME_TICK_S = 0.05  # the shortest wait of the agent-time watch
+# How long a harness whose gateway session was closed may take to end on its own before it is stopped.
+CLOSED_SESSION_GRACE_S = 2.0
 # Launch directories of one rollout id: a fresh random tag each, so this many collisions never happen.
 EVIDENCE_DIR_TRIES = 16
 
@@ -279,8 +281,11 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         review.begin_beside_harness()
 
         expire = asyncio.Event() if wall > deadline else None  # limits.deadline_counts: agent
+        # A local sandbox's exec can be ended early (its expire event): the harness is stopped once the
+        # gateway has closed its session. Other providers' harnesses end on their own or at the deadline.
+        stoppable = ctx.provider.name == "local"
         try:
-            result = await _run_harness(sandbox, launch, deadline, wall, gw, expire)
+            result = await _run_harness(sandbox, launch, deadline, wall, gw, expire, stoppable)
         except SandboxLostError as exc:
             timer.lap("agent")
             return _finish(row, Outcome.of(FailureKind.SANDBOX_LOST, describe(exc)), timer)
@@ -320,21 +325,56 @@ async def _run_harness(
     wall: float,
     gw: GatewaySession,
     expire: asyncio.Event | None,
+    stoppable: bool,
 ) -> ExecResult:
     """The harness to its end. With ``expire`` (agent time), it may run ``wall`` seconds, and ends as
     timed out once its own time, the wall time less the time a model request was outstanding, reaches
-    ``deadline``."""
-    if expire is None:
+    ``deadline``. ``stoppable`` (the sandbox's exec takes an expire event): the harness is stopped
+    CLOSED_SESSION_GRACE_S after the gateway closes its session, and its result is then not timed out."""
+    if expire is None and not stoppable:
         return await sandbox.exec(
             launch.argv, timeout=deadline, env=launch.env, stdin=launch.stdin, name="harness"
         )
-    watch = asyncio.ensure_future(_charge_agent_time(gw, deadline, expire))
+    stop = asyncio.Event()
+    closed_first: list[bool] = []
+    watches = [asyncio.ensure_future(_stop_when_closed(gw, stop, closed_first))] if stoppable else []
+    if expire is not None:
+        watches.append(asyncio.ensure_future(_charge_agent_time(gw, deadline, expire)))
+        watches.append(asyncio.ensure_future(_relay_event(expire, stop)))
     try:
-        return await sandbox.exec(  # type: ignore[call-arg]  # local sandboxes only (config validator)
-            launch.argv, timeout=wall, env=launch.env, stdin=launch.stdin, name="harness", expire=expire
+        result = await sandbox.exec(  # type: ignore[call-arg]  # local sandboxes only (see the caller)
+            launch.argv,
+            timeout=wall if expire is not None else deadline,
+            env=launch.env,
+            stdin=launch.stdin,
+            name="harness",
+            expire=stop,
         )
     finally:
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
+    if closed_first and result.timed_out and result.limit is None:
+        # Stopped because the gateway closed the session, not by its deadline (classify: the gateway's
+        # cause decides either way; the row's timed_out stays the deadline's).
+        return result.model_copy(update={"timed_out": False})
+    return result
+
+
+async def _stop_when_closed(gw: GatewaySession, stop: asyncio.Event, closed_first: list[bool]) -> None:
+    """Set ``stop`` once the gateway has closed the session, after a grace in which a harness that got the
+    closing answer ends on its own (its exit and its last words kept): one that would wait out its own
+    reconnect backoff before its next request (OpenCode: about 17 s a time) holds its sandbox for
+    nothing, since every request of a closed session is refused."""
+    await gw.wait_closed()
+    await asyncio.sleep(CLOSED_SESSION_GRACE_S)
+    if not stop.is_set():
+        closed_first.append(True)
+        stop.set()
+
+
+async def _relay_event(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
 
 
 async def _charge_agent_time(gw: GatewaySession, budget_s: float, expire: asyncio.Event) -> None:

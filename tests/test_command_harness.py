@@ -10,7 +10,7 @@ from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.command import CommandHarness
 from harnesses.registry import make_harness
-from tests.conftest import session_context
+from tests.conftest import processes_under, session_context
 
 # A tiny agent: one Chat Completions call through the gateway with the session's own URL and token.
 AGENT = """python3 - <<'PY'
@@ -102,3 +102,46 @@ async def test_a_hostile_agent_gets_the_runs_model_and_bounded_requests(tmp_path
     assert all(entry.body["model"] == "scripted-model" for entry in upstream)
     pinned = json.loads(row["error_detail"])["gateway"]["pinned_fields"]  # the row says what was changed
     assert pinned["model"] == 5 and {"n", "service_tier", "max_tokens"} <= set(pinned)
+
+
+# An agent that asks once, is refused (the endpoint answers 503 to every attempt, so the gateway closes
+# the session), then either ends at once or, like a harness sitting out its own reconnect backoff, waits.
+_ASK_THEN = """python3 - <<'PY'
+import json, os, urllib.error, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": os.environ["ROLLOUT_MODEL"], "messages": [{"role": "user", "content": "hi"}]}
+    ).encode(), headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+try:
+    urllib.request.urlopen(req, timeout=30)
+except urllib.error.HTTPError as exc:
+    print("refused", exc.code, flush=True)
+PY
+"""
+
+
+@pytest.mark.parametrize("then", ["exit 1", "exec sleep 600"])
+async def test_a_harness_whose_session_the_gateway_closed_is_stopped_and_classified_as_one_that_quit(
+    tmp_path, then
+):
+    task = Task.model_validate(
+        {
+            "id": "cmd",
+            "prompt": "p",
+            "model_script": [{"type": "error", "status": 503}],
+            "verify": "true",
+            "deadline_s": 300,  # far past the pytest timeout: only the stop can end the waiting agent
+        }
+    )
+    config = {"gateway": {"max_attempts_per_request": 2, "backoff_base_s": 0.1, "backoff_cap_s": 0.2}}
+    async with session_context(tmp_path, config) as ctx:
+        ctx.harness = CommandHarness(command=_ASK_THEN + then)
+        row = await run_session(SessionRequest("t", task, 0, 1), ctx)
+    # The gateway's cause classifies the row whether the harness quit or was stopped.
+    assert (row["status"], row["failure_kind"]) == ("failed", "provider_unavailable"), row["error_message"]
+    assert row["error_message"].startswith("gateway gave up on request 0"), row["error_message"]
+    assert row["reward"] is None and row["timed_out"] is False
+    assert "refused 400" in row["stdout_tail"]  # the closing answer reached the agent before any stop
+    signal = json.loads(row["error_detail"])["signal"]
+    # The agent that waited was stopped (a signal of ours, not its deadline); the other exited itself.
+    assert (row["exit_code"], signal) == ((1, None) if then == "exit 1" else (None, 15))
+    assert not processes_under(str(tmp_path / "sandboxes"))

@@ -15,6 +15,7 @@ import pytest
 from executor.store import read_table
 from executor.tasks import InputError
 from executor.testing.conformance import (
+    DEFAULT_CONCURRENCY,
     Target,
     parse_scenarios,
     parse_targets,
@@ -64,6 +65,16 @@ def _assert_matrix(matrix, out: Path, targets: int) -> None:
 # A whole matrix of one harness: 16 sessions, 4 at a time; OpenCode's alone passed 300 s on a loaded
 # 2-core machine, so these get their own bound.
 MATRIX_TIMEOUT_S = 1200
+# Cells at once. Codex's and Pi's sessions are light (a matrix used ~32 s and ~53 s of CPU against 42 s
+# and 62 s of wall at 4 at a time on 2 cores): their cells mostly wait on the scenarios' stalls, backoffs
+# and deadlines, so 8 at a time (31 s and 34 s, the same CPU, every cell passed) wait together. OpenCode's
+# and Hermes's starts are CPU-heavy (OpenCode's matrix ~305 s of CPU): more at once would only make each
+# start later, and agent_hang needs the first model request within its deadline.
+CONCURRENCY = {"codex": 8, "pi": 8}
+
+
+def _concurrency(harness: str) -> int:
+    return CONCURRENCY.get(harness, DEFAULT_CONCURRENCY)
 
 
 @pytest.mark.integration
@@ -71,7 +82,7 @@ MATRIX_TIMEOUT_S = 1200
 @pytest.mark.parametrize("harness", AGENTS)
 async def test_matrix_at_the_default_pin(harness, tmp_path):
     out = tmp_path / "conformance"
-    matrix = await run_matrix([Target(harness)], SCENARIOS, out)
+    matrix = await run_matrix([Target(harness)], SCENARIOS, out, concurrency=_concurrency(harness))
     _assert_matrix(matrix, out, 1)
     assert not processes_under(str(out))
 
@@ -81,7 +92,8 @@ async def test_matrix_at_the_default_pin(harness, tmp_path):
 @pytest.mark.parametrize("harness", [h for h in AGENTS if h in NEMO_GYM_VERSIONS])
 async def test_matrix_at_the_nemo_gym_version(harness, tmp_path):
     out = tmp_path / "conformance"
-    matrix = await run_matrix([Target(harness, NEMO_GYM_VERSIONS[harness])], SCENARIOS, out)
+    target = Target(harness, NEMO_GYM_VERSIONS[harness])
+    matrix = await run_matrix([target], SCENARIOS, out, concurrency=_concurrency(harness))
     _assert_matrix(matrix, out, 1)
     assert {c.version for c in matrix.cells} == {NEMO_GYM_VERSIONS[harness]}
 

@@ -53,16 +53,13 @@ def _rollout(*args: str) -> list[str]:
     return [sys.executable, "-m", "executor.cli", *args]
 
 
-def test_demo_tasks_through_ray(tmp_path):
-    cfg = _config(tmp_path, "demo", REPO / "examples" / "tasks.jsonl")
-    proc = subprocess.run(
-        _rollout("run", str(cfg)), capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_demo_outcomes(read_table(tmp_path / "out" / "demo").to_pylist())
+def test_demo_tasks_through_ray(demo_run):
+    # The session's one `rollout run` of the demo tasks (tests/conftest.py demo_run, this module's CONFIG
+    # less its run id), which the operator commands' tests read too: a second run would assert the same.
+    assert_demo_outcomes(read_table(demo_run).to_pylist())
 
     status = subprocess.run(
-        _rollout("status", str(tmp_path / "out" / "demo")),
+        _rollout("status", str(demo_run)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -70,7 +67,7 @@ def test_demo_tasks_through_ray(tmp_path):
     )
     assert status.returncode == 0
     assert "rate_limit_exceeded" in status.stdout and "model_timeout" in status.stdout
-    assert not processes_under(str(tmp_path / "sandboxes"))
+    assert not processes_under(str(demo_run.parents[1] / "sandboxes"))
 
 
 def assert_demo_outcomes(rows: list[dict]) -> None:

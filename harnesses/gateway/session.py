@@ -133,6 +133,8 @@ class GatewaySession:
     _failures: int = field(default=0, init=False, repr=False)  # against max_attempts_per_session
     _overflows: int = field(default=0, init=False, repr=False)
     _ended: bool = field(default=False, init=False, repr=False)  # end() was called
+    # Set by close(): what the session's owner waits on to stop a harness the gateway no longer serves.
+    _closed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     # The session's own bounds (GatewayConfig's max_* per session), each reached one counted for the row.
     _at_gateway: int = field(default=0, init=False, repr=False)  # its requests being served now
     _claimed: int = field(default=0, init=False, repr=False)  # model calls let in, against the count bound
@@ -362,6 +364,11 @@ class GatewaySession:
         if self.closed_kind is None:  # the first cause is the one that explains the row
             self.closed_kind = kind
             self.closed_message = bound_text(message)
+            self._closed.set()
+
+    async def wait_closed(self) -> None:
+        """Returns once the gateway has closed the session (``close``; not the owner's ``end``)."""
+        await self._closed.wait()
 
     # -- the owner's end ----------------------------------------------------------------------------------
 

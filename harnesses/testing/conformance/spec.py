@@ -50,7 +50,7 @@ BASE_CONFIG: dict[str, Any] = {
 HANG_DEADLINE_S = 30.0
 HANG_SLACK_S = 8.0
 # late_start: the harness never reaches the model, so any deadline will do; a short one keeps the cell short.
-LATE_START_DEADLINE_S = 8.0
+LATE_START_DEADLINE_S = 3.0
 # agent_hang: a request unanswered when the harness was stopped counts against the model unless it was
 # sent within this long before the stop (or after it): cut by the stop, not left waiting by the model.
 KILL_WINDOW_S = 1.0
