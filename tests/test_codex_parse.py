@@ -43,6 +43,7 @@ class FakeSandbox:
     id = "fake"
     workdir = "/sandbox/work"
     home = "/sandbox/home"
+    shares_host_userland = True  # as a local sandbox: the harness starts with the worker's node
 
     def __init__(self, files: dict[str, bytes] | None = None, *, listing: bool = True) -> None:
         self.files = dict(files or {})
