@@ -134,24 +134,37 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     return 0
 
 
-def _own_session_keyring() -> None:
+def _own_session_keyring(fresh_uid: bool) -> None:
     """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
     processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
     alike), with the uid's user keyring linked in as a login session has it, so that the sandbox's keys
-    are its own to read in its later commands. Best effort: a kernel without keyrings has nothing to
-    share."""
+    are its own to read in its later commands. ``fresh_uid`` (the sandbox's first command): the uid's
+    keyrings that outlive a sandbox (its user, user-session and persistent keyrings, kept by the kernel
+    per uid) are emptied first, since the pool gives the uid to another sandbox later and what an earlier
+    one stored there must not reach it. Best effort: a kernel without keyrings has nothing to share."""
     import ctypes
 
     number = _KEYCTL.get(os.uname().machine)
-    if number is not None:
-        libc = ctypes.CDLL(None)
-        if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
-            libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+    if number is None:
+        return
+    libc = ctypes.CDLL(None)
+    if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        return
+    if fresh_uid:
+        for ring in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+            libc.syscall(number, _KEYCTL_CLEAR, ring)
+        # Linked into the new session keyring to be named, emptied, then unlinked again.
+        persistent = libc.syscall(number, _KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
+        if persistent >= 0:
+            libc.syscall(number, _KEYCTL_CLEAR, persistent)
+            libc.syscall(number, _KEYCTL_UNLINK, persistent, _KEY_SPEC_SESSION_KEYRING)
+    libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
 
 
 _KEYCTL = {"x86_64": 250, "aarch64": 219}
-_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_LINK = 1, 8
-_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING = -3, -4
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_UNLINK = 1, 7, 8, 9
+_KEYCTL_GET_PERSISTENT = 22
+_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 
 
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
@@ -197,7 +210,7 @@ def _exec_command(
             os.setgroups([])
             os.setresgid(user[1], user[1], user[1])
             os.setresuid(user[0], user[0], user[0])
-            _own_session_keyring()
+            _own_session_keyring(bool(p.get("fresh_uid")))
         os.closerange(3, MAX_FD)
         failed: OSError | None = None
         for path in candidates:  # as execvpe: a later directory may still hold a runnable one

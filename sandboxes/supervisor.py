@@ -355,6 +355,7 @@ def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
     if before:
         step = {**params, **before, "before": None}
         result["before"], previous, failure = _supervise(step, before.get("env", env))
+        params = {**params, "fresh_uid": False}  # the step emptied the uid's keyrings, if it was to
     if failure is None:
         main, _sup, failure = _supervise(params, env, previous)
         result.update(main)

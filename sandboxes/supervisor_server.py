@@ -70,6 +70,7 @@ class _Server:
         # Held shared until we exit, after our PID namespace is empty: the sandbox's uid is not leased
         # again while a process of it may be left (sandboxes/identity.py).
         self.busy: int | None = None
+        self.uid_taken = False  # a command of the sandbox has run under its leased uid
         self.children: dict[int, int] = {}  # supervisor pid -> request id
         self.stop_signal: int | None = None
         self.stdin_open = True
@@ -100,7 +101,11 @@ class _Server:
         # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
         # one sent right after the fork is not lost.
         busy = req.get("params", {}).get("uid_busy") if isinstance(req.get("params"), dict) else None
-        if busy and self.busy is None:
+        if busy and req["params"].get("user") and not self.uid_taken:
+            # The sandbox's first command under its leased uid: it empties what the uid's keyrings kept
+            # from the sandbox that held the uid before (sandboxes/spawn.py, _own_session_keyring).
+            self.uid_taken = True
+            req["params"]["fresh_uid"] = True
             self.busy = _hold_shared(str(busy))
         signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
         try:

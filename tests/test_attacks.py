@@ -414,6 +414,43 @@ async def test_a_key_in_one_sessions_keyring_is_not_the_others(world, keyring):
     assert uid_a != uid_b and min(uid_a, uid_b) >= uidpool.POOL_BASE
 
 
+# The pool's first uids, where a test's sandboxes land: each gets a planted key.
+PLANTED_UIDS = 64
+
+
+async def test_a_key_an_earlier_tenant_of_its_uid_left_is_gone(world):
+    """The pool gives a uid to sandbox after sandbox, and the kernel keeps a uid's user and user-session
+    keyrings past its processes. What an earlier tenant stored there (planted here, as each of the pool's
+    first uids) is emptied before the next sandbox's first command: c finds none of it, and its own key
+    stays for its later commands."""
+    planted = f"k_{uuid.uuid4().hex}"
+    for uid in range(uidpool.POOL_BASE, uidpool.POOL_BASE + PLANTED_UIDS):
+        for ring in ("-4", "-5"):
+            subprocess.run(
+                ["python3", "-c", KEYRING, "store", planted, ring],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                cwd="/",
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+    c = await world.provider.start(SandboxSpec(run_id="r", session_id="c", ttl_s=300))
+    try:
+        uid = await c.exec(["id", "-u"], timeout=30)
+        assert int(uid.stdout_tail) < uidpool.POOL_BASE + PLANTED_UIDS, uid  # one that was planted
+        found = [await c.exec(["python3", "-c", KEYRING, "find", "-1", r], timeout=30) for r in ("-4", "-5")]
+        for res in found:
+            assert planted not in res.stdout_tail, res.stdout_tail
+            assert "search Required key not available" in res.stdout_tail, res.stdout_tail
+        stored = await c.exec(["python3", "-c", KEYRING, "store", "mine", "-4"], timeout=30)
+        again = await c.exec(["python3", "-c", KEYRING, "find", stored.stdout_tail.strip(), "-4"], timeout=30)
+        assert "read mine" in again.stdout_tail, again
+    finally:
+        await c.stop()
+
+
 async def test_one_session_cannot_signal_the_others_processes(world):
     """b signals everything it may (``kill -1``: every process of its uid, itself included) and every pid
     it sees while a command of a runs: a's command ends as it would have."""
