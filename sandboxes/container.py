@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -565,9 +565,7 @@ class ContainerSandboxProvider:
                 launch = await future
                 await self._remove(launch.name, launch.session_dir)
 
-        task = asyncio.get_running_loop().create_task(remove_spare())
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._remove_in_background(remove_spare())
 
     def _cannot_run(self, image: str, stderr: str) -> str:
         said = _one_line(stderr)
@@ -620,10 +618,14 @@ class ContainerSandboxProvider:
         unmounting, cgroup and storage work) is no part of its row. The removal is bounded
         (``remove``'s attempts) and awaited by ``finish_removals``, which the worker's close and release
         call; a worker killed meanwhile leaves the container to the reaper (its owner label)."""
-        task = asyncio.get_running_loop().create_task(self._remove(name, session_dir))
+        self._remove_in_background(self._remove(name, session_dir))
+        self._want_spare(template)
+
+    def _remove_in_background(self, removal: Coroutine[Any, Any, None]) -> None:
+        """Run ``removal`` off the caller's path, held in ``_removals`` until ``finish_removals``."""
+        task = asyncio.get_running_loop().create_task(removal)
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
-        self._want_spare(template)
 
     async def _remove(self, name: str, session_dir: Path) -> None:
         gone = await asyncio.to_thread(remove, self.engine, name)
