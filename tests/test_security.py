@@ -85,7 +85,9 @@ async def test_no_credential_reaches_the_sandbox_environment_files_cmdlines_or_e
         for _ in range(600):  # bounded: the session's own deadline ends it well before
             if session.done():
                 break
-            scanned += _scan_processes(marker, seen)
+            # In a thread: a process in its exec or exit is watched until it settles, which must not
+            # hold up the event loop the gateway and the session run on.
+            scanned += await asyncio.to_thread(_scan_processes, marker, seen)
             await asyncio.sleep(0.05)  # polling the live processes while the session runs
         row = await asyncio.wait_for(session, 60)
     assert scanned > 0, "no sandbox process was seen while the session ran"
@@ -98,10 +100,23 @@ async def test_no_credential_reaches_the_sandbox_environment_files_cmdlines_or_e
                     seen.setdefault(str(path), []).append(secret)
     assert not seen, seen
     assert files > 5
-    assert list((tmp_path / "sandboxes").rglob("environs.txt")), "the in-sandbox dump never ran"
+    outcome = {
+        k: row.get(k)
+        for k in (
+            "status",
+            "failure_kind",
+            "error_message",
+            "exit_code",
+            "t_setup_s",
+            "t_agent_s",
+            "t_cleanup_s",
+            "stderr_tail",
+        )
+    }
+    assert list((tmp_path / "sandboxes").rglob("environs.txt")), f"the in-sandbox dump never ran: {outcome}"
     assert list((tmp_path / "evidence").rglob("req-*.json.gz")), "the gateway recorded no request body"
     assert not any(s in repr(row) for s in SECRETS)
-    assert row["failure_kind"] == "model_timeout"  # the script's last step stalls until the deadline
+    assert row["failure_kind"] == "model_timeout", outcome  # the script's last step stalls until the deadline
     shutil.rmtree(tmp_path / "sandboxes", ignore_errors=True)
 
 
