@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from executor.admission import AdmissionConfig
+from executor.input_text import load_yaml
 from executor.storage import is_object_uri
 from executor.tasks import InputError, location_of
 from harnesses.gateway import GatewayConfig
@@ -224,7 +225,7 @@ def _keys_at(loc: tuple[Any, ...]) -> list[str] | None:
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read and validate a run config; relative paths in it are relative to the file."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except FileNotFoundError:
         raise InputError(f"{path}: config file not found") from None
     except yaml.YAMLError as exc:

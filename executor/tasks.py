@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from executor.input_text import unique_json_object
 from executor.task import InputError, Task, Verifier
 
 # What one task is lives in executor/task.py (executor/harbor.py's loader builds them too); these names
@@ -52,7 +53,7 @@ def load_tasks(path: Path) -> Iterator[Task]:
             if not raw.strip():
                 continue
             try:
-                data = json.loads(raw)
+                data = json.loads(raw, object_pairs_hook=unique_json_object)
             except (ValueError, RecursionError) as exc:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({str(exc)[:120]})") from None
             yield task_at(data, f"{path}:{lineno}", seen)

@@ -28,6 +28,18 @@ def test_defaults_and_relative_paths(tmp_path):
         ("tasks: t.jsonl\nmodel: {provider: openai}\n", "model.base_url is required"),
         ("tasks: [unclosed\n", "not valid YAML"),
         ("- a list\n", "must be a mapping"),
+        (
+            "tasks: t.jsonl\nsamples: 2\nharness: {name: codex}\nsamples: 3\n",
+            "line 4: key 'samples' appears twice (first on line 2)",
+        ),
+        (
+            "tasks: t.jsonl\ngateway:\n  backoff_base_s: 1\n  backoff_base_s: 2\n",
+            "line 4: key 'backoff_base_s' appears twice (first on line 3)",
+        ),
+        (
+            "tasks: t.jsonl\nharness: {name: codex, name: pi}\n",
+            "line 2: key 'name' appears twice (first on line 2)",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, text, message):
@@ -36,6 +48,16 @@ def test_bad_config_is_one_clear_line(tmp_path, text, message):
     assert message in str(info.value)
     assert str(info.value).startswith(str(tmp_path / "run.yaml"))
     assert "\n" not in str(info.value)
+
+
+def test_a_key_may_override_what_a_yaml_merge_brought_in(tmp_path):
+    """Refusing a key written twice must not refuse YAML's own override: a key after a ``<<`` merge."""
+    path = _cfg(
+        tmp_path,
+        "tasks: t.jsonl\ngateway:\n  <<: {max_attempts_per_request: 2, backoff_base_s: 1}\n  backoff_base_s: 3\n",
+    )
+    cfg = load_config(path)
+    assert (cfg.gateway.max_attempts_per_request, cfg.gateway.backoff_base_s) == (2, 3)
 
 
 def test_overrides(tmp_path):

@@ -35,6 +35,14 @@ def test_loads_tasks_with_verifier_shorthand(tmp_path):
         ('{"id": "b", "prompt": "p", "colour": 1}', "tasks.jsonl:2: colour: Extra inputs are not permitted"),
         ('{"id": "a", "prompt": "p"}', "tasks.jsonl:2: duplicate task id 'a'"),
         ('{"id": "../x", "prompt": "p"}', "tasks.jsonl:2: id: Value error"),
+        (
+            '{"id": "b", "prompt": "p", "prompt": "q"}',
+            "tasks.jsonl:2: not valid JSON (key 'prompt' appears twice",
+        ),
+        (
+            '{"id": "b", "prompt": "p", "verify": {"command": "true", "command": "false"}}',
+            "key 'command' appears twice",
+        ),
     ],
 )
 def test_bad_line_names_file_and_line(tmp_path, line, message):

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from executor.config import RunConfig
 from executor.decisions import decide_row
+from executor.input_text import load_yaml
 from executor.schema import rows_to_batch, with_decisions
 from executor.session import SessionContext, SessionRequest, run_session
 from executor.storage import locate
@@ -394,7 +395,7 @@ def container_config(provider: str, image: str | None, path: Path | None) -> Con
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = load_yaml(path.read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise InputError(f"--container-config {path}: {' '.join(str(exc).split())[:200]}") from None
         if not isinstance(data, dict):
