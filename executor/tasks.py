@@ -73,7 +73,12 @@ def _load_parquet(path: Path) -> Iterator[Task]:
             row += 1
             for key in ("workspace", "verify", "model_script", "metadata"):
                 if isinstance(data.get(key), str):
-                    data[key] = json.loads(data[key])
+                    try:
+                        data[key] = json.loads(data[key], object_pairs_hook=unique_json_object)
+                    except (ValueError, RecursionError) as exc:
+                        raise InputError(
+                            f"{path}: row {row}: {key}: not valid JSON ({str(exc)[:120]})"
+                        ) from None
             data = {k: v for k, v in data.items() if v is not None}
             yield task_at(data, f"{path}: row {row}", seen)
 

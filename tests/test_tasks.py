@@ -70,3 +70,27 @@ def test_parquet_tasks(tmp_path):
     tasks = list(load_tasks(path))
     assert [t.id for t in tasks] == ["a", "b"]
     assert tasks[0].verify.command == "true" and tasks[1].verify is None
+
+
+@pytest.mark.parametrize(
+    ("verify", "message"),
+    [
+        ("{not json", "tasks.parquet: row 2: verify: not valid JSON"),
+        (
+            '{"command": "true", "command": "false"}',
+            "row 2: verify: not valid JSON (key 'command' appears twice",
+        ),
+    ],
+)
+def test_a_bad_json_column_of_a_parquet_task_names_the_row_and_column(tmp_path, verify, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "tasks.parquet"
+    pq.write_table(
+        pa.table({"id": ["a", "b"], "prompt": ["p", "q"], "verify": ['{"command": "true"}', verify]}), path
+    )
+    with pytest.raises(InputError) as info:
+        list(load_tasks(path))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
