@@ -135,19 +135,20 @@ async def test_matrix_at_the_nemo_gym_version(harness, tmp_path):
     What these cells guard is our side (adapter, gateway, classification, policy) against what a pinned
     binary does; the binary does not change, so a scenario whose stimulus and recorded behaviour are the
     same at both pins feeds our code the same input twice. The two pins' full matrices, compared row by
-    row (status, kind, exit code, timed out, the upstream attempts' statuses and kinds, tool calls, usage;
+    row (status, kind, timed out, the upstream attempts' statuses and kinds, tool calls, usage, exit code;
     both pins' ``rollout conformance`` of 2026-12-03), differed only in OpenCode's in_stream_error
-    (1.18.33 re-asks until the session's budget is spent, 1.17.11 gives up at the first error event),
-    Codex's agent_hang (exit code) and output_limit (request count), and Pi's agent_hang (the killed tool
-    call's status); all four are here. Besides those, every classification a scenario asks for (the
-    (status, failure kind) pairs, checked by the test above) is proven against the real binary at this
-    pin by one scenario where the binary's own behaviour decides it, and the parse of its record by the
-    three completed ones. Left out are the scenarios whose stimulus, as the binary sees it, is one kept
-    here and which differ only on our side: the same 400 under another policy (model_error_masked), the
-    same work under other verifiers or gateway bookkeeping (verifier_flaky, verifier_failure,
-    bodies_not_kept), errors the gateway absorbs before the binary sees them (retry_429, retry_500,
-    html_200_recovers, model_slow_first_byte's stall), and the other stimuli of a kind kept here. The full
-    matrix at these pins stays one command away (``rollout conformance --harness all --version
+    (1.18.33 re-asks until the session's budget is spent, 1.17.11 gives up at the first error event; seen
+    again in a second pair of runs), Codex's agent_hang (exit code, which also varies between two runs of
+    one pin) and output_limit (request count), and Pi's agent_hang (the killed tool call's status); all
+    four are here. Besides those, every classification a scenario asks for (the (status, failure kind)
+    pairs, checked by the test above) is proven against the real binary at this pin by one scenario where
+    the binary's own behaviour decides it, and the parse of its record by the three completed ones. Left
+    out are the scenarios whose stimulus, as the binary sees it, is that of one kept here and which differ
+    only on our side: the same 400 under another policy (model_error_masked), the same work under other
+    verifiers or gateway bookkeeping (verifier_flaky, verifier_failure, bodies_not_kept), errors the
+    gateway absorbs before the binary sees them (retry_429, retry_500, html_200_recovers; in
+    model_slow_first_byte the stall only delays the answer), and the other stimuli of a kind kept here.
+    The full matrix at these pins stays one command away (``rollout conformance --harness all --version
     nemo-gym``); run it when a NeMo Gym pin or an adapter's parse changes."""
     out = tmp_path / "conformance"
     target = Target(harness, NEMO_GYM_VERSIONS[harness])
