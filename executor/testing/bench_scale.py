@@ -52,6 +52,7 @@ class Sampler:
         self.marker = str(sandbox_root).encode()
         self.expected_workers = expected_workers
         self._thread_cpu = 0.0
+        self._mover_cpu = 0.0
         self.peak: dict[str, float] = {}
         self._cpu = cpu
         self._samples = 0
@@ -101,9 +102,11 @@ class Sampler:
                         # What it forked before we saw it (a spare server, its namespace's init).
                         for child in _descendants({pid}, parent) - {pid}:
                             self._cpu.move(child, "sandboxes")
+            self._mover_cpu = time.thread_time()
 
     def thread_cpu_s(self) -> float:
-        return self._thread_cpu
+        """The CPU of the sampler's and the mover's threads: this process's, and no part of the run."""
+        return self._thread_cpu + self._mover_cpu
 
     def _note(self, name: str, value: float) -> None:
         self.peak[name] = max(self.peak.get(name, 0), value)
@@ -277,6 +280,12 @@ class TreeCpu:
             pass
 
 
+def _own_cpu_s() -> float:
+    """CPU of this process, every thread of it (those ended too)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
 def _tree_cpu_s() -> float:
     """CPU of this process and of the children it reaped (the cluster it started, once stopped, and
     through them the workers and what they reaped)."""
@@ -318,6 +327,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     sandbox_root = scratch / "sb"
     command_ms = _command_by_hand_ms(command)
     cpu0, tree0, t0 = _machine_cpu_s(), _tree_cpu_s(), time.monotonic()
+    own0 = _own_cpu_s()
     with TreeCpu() as ours, Sampler(sandbox_root, ours, workers) as sampler:
         with contextlib.ExitStack() as stack:
             if nodes:
@@ -326,6 +336,8 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
             config = _write_config(scratch, "f", tasks, extra)
             summary, wall = _run_driver(config)
         sampler_cpu = sampler.thread_cpu_s()
+    # The driver is this process (its loop, its Ray client's threads), less the sampler's threads.
+    driver_cpu = _own_cpu_s() - own0 - sampler_cpu
     cpu, tree = _machine_cpu_s() - cpu0, _tree_cpu_s() - tree0
     left = _left_behind(sandbox_root) + ours.left
     phases = ["t_setup_s", "t_agent_s", "t_verify_s", "t_cleanup_s"]
@@ -343,7 +355,11 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     rows = max(len(starts), 1)
     parts_ms = {k: v / rows * 1000 for k, v in ours.parts.items()}
     if ours.seconds is not None and ours.parts:
-        parts_ms["driver_and_cluster"] = (ours.seconds - sum(ours.parts.values())) / rows * 1000
+        # What is neither a worker's nor a sandbox's: the driver, and Ray's own processes (GCS, raylets,
+        # their agents, the `ray start` processes and the workers Ray starts idle).
+        rest = ours.seconds - sum(ours.parts.values())
+        parts_ms["driver"] = driver_cpu / rows * 1000
+        parts_ms["cluster"] = (rest - driver_cpu) / rows * 1000
     return {
         "sessions": sessions,
         "workers": workers,
@@ -368,7 +384,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
         "run_cpu_ms_per_rollout": ours.seconds / rows * 1000 if ours.seconds else None,
         # The run's CPU by part, per rollout: the worker actors (sessions, gateway, rows), the sandboxes'
         # processes (fork server, supervisor servers, supervisors, inits, and the harness's commands),
-        # and the rest (the driver, Ray's processes).
+        # the driver (this process less the sampler), and the cluster (Ray's processes).
         "parts_cpu_ms_per_rollout": parts_ms,
         # What the harness's commands themselves take, by hand: to take from the sandboxes' part.
         "command_by_hand_cpu_ms": command_ms,
