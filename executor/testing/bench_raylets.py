@@ -63,7 +63,15 @@ def raylets(n: int, slots: int, env: dict[str, str]) -> Iterator[str]:
     given: set[int] = set()
     procs: list[subprocess.Popen[bytes]] = []
     ray_bin = str(Path(sys.executable).parent / "ray")
-    node_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", **env}
+    # Loopback only and no token to hand out, as every cluster of ours on one machine (local_ray.py): a
+    # token left in ~/.ray by another cluster would otherwise turn token auth on for these nodes.
+    node_env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        **env,
+    }
     node_env.pop("RAY_ADDRESS", None)
     head_ports = dict(zip(_HEAD_PORTS, _free_ports(len(_HEAD_PORTS), given), strict=True))
     address = f"127.0.0.1:{head_ports['port']}"
@@ -145,7 +153,11 @@ def _until_nodes(address: str, n: int, node: subprocess.Popen[bytes]) -> bool:
         "    time.sleep(0.5)\n"  # a condition, asked again; bounded
         f"sys.exit(0 if sum(x['Alive'] for x in ray.nodes()) >= {n} else 1)\n"
     )
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
     env.pop("RAY_ADDRESS", None)
     asker = subprocess.Popen(
         [sys.executable, "-c", ask], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
