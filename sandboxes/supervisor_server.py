@@ -13,7 +13,8 @@ start (namespaces.py); with ``--network PORT SOCKET`` also, in one loopback-only
 death ends the sandbox (every supervisor is told to end its tree), whoever the server's parent is.
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
-supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to). Out (stdout):
+supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); or {"view": STEPS}
+(no answer): build the sandbox's filesystem view now, before a command needs it. Out (stdout):
 {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
 could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
 PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
@@ -101,6 +102,10 @@ class _Server:
     def handle(self, line: bytes) -> None:
         try:
             req = json.loads(line)
+            if isinstance(req, dict) and "view" in req and "id" not in req:  # {"view": STEPS}: no answer
+                if self.pid_namespace is not None and isinstance(req["view"], list) and req["view"]:
+                    self._view(req["view"])
+                return
             req_id = int(req["id"])
         except (ValueError, KeyError, TypeError):
             return  # not from our worker; nothing to answer
@@ -166,14 +171,14 @@ class _Server:
             os._exit(code)
 
     def _view(self, steps: list[list[str]]) -> tuple[int, int] | None:
-        """The mount and IPC namespaces of the sandbox's view ``steps`` (sandboxes/fsview.py), built on
-        its first command by a child born in the sandbox's PID namespace (the view's /proc is that
-        namespace's), held here by descriptor for each later command's init to join: a view costs
-        ~25 clones and mounts, and their tear-down at the command's exit, once per sandbox rather than
-        once per command. What commands may write in it (/tmp, /dev/shm, IPC objects) then lasts
-        across the sandbox's commands, as its work, home and tmp do; no other sandbox joins it, and
-        no command can change its mounts (each runs without CAP_SYS_ADMIN or a way to regain it).
-        None where it could not be built: each command's init then builds its own, and says why not."""
+        """The mount and IPC namespaces of the sandbox's view ``steps`` (sandboxes/fsview.py), built at the
+        sandbox's start (or else its first command) by a child born in the sandbox's PID namespace (the view's
+        /proc is that namespace's), held here by descriptor for each command's init to join: a view costs ~25
+        clones and mounts, and their tear-down at the command's exit, once per sandbox rather than once per
+        command. What commands may write in it (/tmp, /dev/shm, IPC objects) then lasts across the sandbox's
+        commands, as its work, home and tmp do; no other sandbox joins it, and no command can change its
+        mounts (each runs without CAP_SYS_ADMIN or a way to regain it). None where it could not be built: each
+        command's init then builds its own, and says why not."""
         key = json.dumps(steps)
         if key not in self.views:
             self.views[key] = _build_view(steps, self.base_mounts, (self.wake_r, self.wake_w, self.worker))
