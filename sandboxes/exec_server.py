@@ -317,6 +317,13 @@ class ExecServer:
         finally:
             self._starting.pop(req_id, None)
 
+    def prepare_view(self, steps: list[list[str]]) -> None:
+        """Have the server build the sandbox's filesystem view now, which its commands then join
+        (supervisor_server.py); no answer, and nothing lost if it cannot: each command's init then
+        builds its own."""
+        if not self._closed:
+            self._stdin.write(json.dumps({"view": steps}).encode() + b"\n")
+
     async def _read(self) -> None:
         try:
             while line := await self._stdout.readline():

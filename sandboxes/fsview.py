@@ -16,11 +16,12 @@ A view is a list of steps, applied outermost path first (``plan`` orders them)::
     [RO, path(, source)]   a host path bound in read-only (at ``path``, from ``source`` if given)
     [RW, path]             a host path bound in writable: the session's work, home and tmp
 
-Two ways to apply one. Root applies it per command in a fresh mount namespace with a few dozen system
-calls (``apply``: under a millisecond, where bubblewrap and its two helper interpreters cost ~30 ms an
-exec): the binds are cloned from the host's tree first, a new tmpfs goes on top of ``/``, the clones are
-moved into it, and it becomes the root (``pivot_root``), the host's tree detached. Without root,
-bubblewrap does it (``bwrap_args``, sandboxes/isolation.py), which also starts from an empty root.
+Two ways to apply one. Root applies it in a fresh mount namespace with a few dozen system calls
+(``apply``), once per sandbox, by its supervisor server, whose commands each join that namespace
+(supervisor_server.py; bubblewrap and its two helper interpreters cost ~30 ms an exec): the binds
+are cloned from the host's tree first, a new tmpfs goes on top of ``/``, the clones are moved into it,
+and it becomes the root (``pivot_root``), the host's tree detached. Without root, bubblewrap does it
+(``bwrap_args``, sandboxes/isolation.py), which also starts from an empty root.
 Standard library only, python3 >= 3.8: the supervisor, run by path, and the in-sandbox agent import it.
 """
 

@@ -1,10 +1,10 @@
 """The isolation layers of a local sandbox's commands: network, PID and filesystem namespaces.
 
 As root, every layer is made by the supervisor's server and the supervisor themselves: a sandbox's PID
-namespace and its network namespace once, by its server (sandboxes/namespaces.py), and each command's
-filesystem view (sandboxes/fsview.py), process cap and user by the init its supervisor forks
-(sandboxes/supervisor.py). Without root, the view needs bubblewrap, and ``wrap`` turns the command's
-argv into this chain::
+namespace, its network namespace and its filesystem view (sandboxes/fsview.py) once, by its server
+(sandboxes/namespaces.py, sandboxes/supervisor_server.py), and each command's process cap and user by
+the init its supervisor forks, which joins the view (sandboxes/spawn.py). Without root, the view
+needs bubblewrap, and ``wrap`` turns the command's argv into this chain::
 
     supervisor
      └ isolation.py outer    host PID namespace: dies of the command's signal, or exits with its code

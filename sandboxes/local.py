@@ -206,6 +206,7 @@ class LocalSandboxProvider:
             if isinstance(exc, FileExistsError):
                 raise SandboxStartError(f"sandbox directory {session_dir} already exists") from exc
             raise SandboxStartError(f"cannot lay out sandbox directory {session_dir}: {exc}") from exc
+        sandbox.prepare_view()
         return sandbox
 
     async def _take_server(self) -> ExecServer:

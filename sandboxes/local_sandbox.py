@@ -175,6 +175,15 @@ class LocalSandbox:
         self._stop_lock = asyncio.Lock()
         self._stop_task: asyncio.Task[None] | None = None
 
+    def prepare_view(self) -> None:
+        """Start the build of the filesystem view that every command of this sandbox joins (root's view:
+        supervisor_server.py), now that the directories it binds are made: it then overlaps the rest of
+        the sandbox's set-up (or, for a grading sandbox started beside the harness, the harness) instead
+        of delaying the first command."""
+        view = isolation.supervisor_params(self._isolation, self._view, self._user).get("view")
+        if view:
+            self._server.prepare_view(view)
+
     # -- descriptor -------------------------------------------------------------------------------------
 
     def descriptor(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ the host's mount namespace as the server is::
 
 With a network forward, the init also unshares the sandbox's loopback-only network namespace and runs the
 gateway forwarder in it (netns.py), and each supervisor joins that namespace too. The filesystem view
-and the sandbox user are per command (supervisor.py); the layers bubblewrap adds, and which layers a
+is built once by the server, and joined by each command's init (supervisor_server.py, spawn.py); the
+sandbox user is taken per command (spawn.py); the layers bubblewrap adds, and which layers a
 sandbox gets, are in isolation.py. Standard library only: the server
 imports this module.
 """

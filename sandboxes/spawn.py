@@ -1,6 +1,7 @@
 """How a supervisor starts its command: posix_spawn (or Popen, where a limit needs a hook before exec),
-or, where the sandbox has namespaces per command (a loopback-only network, root's filesystem view), a
-process cap or the sandbox user, by a fork into an init that makes them and then becomes the command (or
+or, where the sandbox has namespaces per command (a loopback-only network, root's filesystem view: the
+sandbox's, which its server built once, or one of the command's own), a process cap or the sandbox user,
+by a fork into an init that makes or joins them and then becomes the command (or
 forks it, and reports its wait status on a pipe). supervisor.py, which owns the command from there on,
 is this module's only user.
 
@@ -91,6 +92,11 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
 
             if not pidlimit.member(p[procs], controller):  # born there, from the server it adopted: no move
                 pidlimit.join(p[procs], int(p[limit]), controller)
+    shared = p.get("view_fds") if view else None
+    if shared:  # the sandbox's view, built once by its server (supervisor_server._build_view)
+        proctree.libc_call("setns", int(shared[0]), CLONE_NEWNS)
+        proctree.libc_call("setns", int(shared[1]), CLONE_NEWIPC)
+        view = None  # nothing left to make of it here
     if view and p.get("host_mounts_fd") is not None:  # the server's, made before the session's mounts
         proctree.libc_call("setns", int(p["host_mounts_fd"]), CLONE_NEWNS)
         os.close(int(p["host_mounts_fd"]))
@@ -115,7 +121,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         import netns
 
         listener = netns.listen(int(forward[0]))
-    if view or user:
+    if shared or view or user:
         # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)

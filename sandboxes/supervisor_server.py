@@ -13,7 +13,8 @@ start (namespaces.py); with ``--network PORT SOCKET`` also, in one loopback-only
 death ends the sandbox (every supervisor is told to end its tree), whoever the server's parent is.
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
-supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to). Out (stdout):
+supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); or {"view": STEPS}
+(no answer): build the sandbox's filesystem view now, before a command needs it. Out (stdout):
 {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
 could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
 PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
@@ -34,9 +35,10 @@ import sys
 import time
 
 if __package__:
-    from sandboxes import namespaces, proctree, supervisor
+    from sandboxes import fsview, namespaces, proctree, supervisor
 else:  # run by path: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fsview
     import namespaces
     import proctree
     import supervisor
@@ -48,6 +50,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+CLONE_NEWIPC = 0x08000000
 MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
 
 
@@ -71,6 +74,10 @@ class _Server:
         # again while a process of it may be left (sandboxes/identity.py).
         self.busy: int | None = None
         self.uid_taken = False  # a command of the sandbox has run under its leased uid
+        # The sandbox's filesystem view, built once (``_view``): its mount and IPC namespaces by the
+        # view's steps, which every command of the sandbox joins. A view that could not be built is
+        # built by each command's init instead, which reports why.
+        self.views: dict[str, tuple[int, int] | None] = {}
         self.children: dict[int, int] = {}  # supervisor pid -> request id
         self.stop_signal: int | None = None
         self.stdin_open = True
@@ -95,6 +102,10 @@ class _Server:
     def handle(self, line: bytes) -> None:
         try:
             req = json.loads(line)
+            if isinstance(req, dict) and "view" in req and "id" not in req:  # {"view": STEPS}: no answer
+                if self.pid_namespace is not None and isinstance(req["view"], list) and req["view"]:
+                    self._view(req["view"])
+                return
             req_id = int(req["id"])
         except (ValueError, KeyError, TypeError):
             return  # not from our worker; nothing to answer
@@ -107,6 +118,11 @@ class _Server:
             self.uid_taken = True
             req["params"]["fresh_uid"] = True
             self.busy = _hold_shared(str(busy))
+        params = req.get("params")
+        if isinstance(params, dict) and params.get("view") and self.pid_namespace is not None:
+            shared = self._view(params["view"])
+            if shared is not None:
+                params["view_fds"] = list(shared)
         signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
         try:
             pid = os.fork()
@@ -126,14 +142,15 @@ class _Server:
             params = req["params"]
             # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
             params["parent_pid"] = self.me
+            per_command_view = params.get("view") and not params.get("view_fds")
             if self.pid_namespace is not None:
-                if params.get("view") and self.pid_namespace.mount_ns is not None:
+                if per_command_view and self.pid_namespace.mount_ns is not None:
                     # A view is built from the host's mounts (the session's own filesystem, mounted
                     # after this server started), not from the namespace's copy: the init joins them.
                     params["host_mounts_fd"] = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
                 self.pid_namespace.enter()
                 params["parent_pid"] = 0
-            if params.get("view") and self.base_mounts is not None:
+            if per_command_view and self.base_mounts is not None:
                 params["base_mounts_fd"] = self.base_mounts
             for fd in (self.wake_r, self.wake_w, self.worker):
                 os.close(fd)
@@ -152,6 +169,20 @@ class _Server:
                 err.write(f"supervisor: {type(exc).__name__}: {exc}\n")
         finally:
             os._exit(code)
+
+    def _view(self, steps: list[list[str]]) -> tuple[int, int] | None:
+        """The mount and IPC namespaces of the sandbox's view ``steps`` (sandboxes/fsview.py), built at the
+        sandbox's start (or else its first command) by a child born in the sandbox's PID namespace (the view's
+        /proc is that namespace's), held here by descriptor for each command's init to join: a view costs ~25
+        clones and mounts, and their tear-down at the command's exit, once per sandbox rather than once per
+        command. What commands may write in it (/tmp, /dev/shm, IPC objects) then lasts across the sandbox's
+        commands, as its work, home and tmp do; no other sandbox joins it, and no command can change its
+        mounts (each runs without CAP_SYS_ADMIN or a way to regain it). None where it could not be built: each
+        command's init then builds its own, and says why not."""
+        key = json.dumps(steps)
+        if key not in self.views:
+            self.views[key] = _build_view(steps, self.base_mounts, (self.wake_r, self.wake_w, self.worker))
+        return self.views[key]
 
     def read_requests(self) -> None:
         try:
@@ -201,6 +232,62 @@ class _Server:
         return 0
 
 
+def _build_view(
+    steps: list[list[str]], base_mounts: int | None, close: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """Fork a child (born in our PID namespace) that builds the view in a mount and IPC namespace of
+    its own, as a command's init would (spawn._init), and waits; open its namespaces, then let it go.
+    Bounded: the child says it is ready, or dies and its pipe ends."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in (ready_r, ready_w, hold_r, hold_w):
+            os.close(fd)
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours to write
+            for fd in (ready_r, hold_w, *close):
+                os.close(fd)
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)  # the server's request and answer pipes are not ours
+            os.dup2(null, 1)
+            os.close(null)
+            sources = None
+            if base_mounts is not None:  # the binds from the host's tree, the namespace from the base
+                sources = fsview.clone_sources(steps)
+                proctree.libc_call("setns", base_mounts, namespaces.CLONE_NEWNS)
+            proctree.libc_call("unshare", namespaces.CLONE_NEWNS | CLONE_NEWIPC)
+            fsview.apply(steps, sources)
+            os.write(ready_w, b"1")
+            os.read(hold_r, 1)  # until the server has opened our namespaces (or died)
+            code = 0
+        except BaseException as exc:  # a forked child must never return into the server
+            os.write(2, f"sandbox view: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(hold_r)
+    opened: list[int] = []
+    try:
+        if os.read(ready_r, 1) == b"1":
+            for kind in ("mnt", "ipc"):
+                opened.append(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    finally:
+        os.close(ready_r)
+        os.close(hold_w)  # the child exits; reaped with the supervisors
+    if len(opened) == 2:
+        return opened[0], opened[1]
+    for fd in opened:
+        os.close(fd)
+    return None
+
+
 def _hold_shared(path: str) -> int | None:
     for _ in range(1000):  # a leaser holds it exclusively for microseconds at a time
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -247,6 +334,9 @@ def serve(
 def main(argv: list[str]) -> int:
     # What an isolated command's init imports (spawn._init), once here rather than in every init:
     # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
+    # (os.get_exec_path imports warnings, in the init past its view: ~1 ms a command.)
+    import warnings  # noqa: F401
+
     import fsview  # noqa: F401
     import netns  # noqa: F401
     import pidlimit  # noqa: F401

@@ -1,0 +1,81 @@
+"""A local sandbox's filesystem view, built once by its supervisor server and joined by each of its commands
+(sandboxes/supervisor_server.py): one view per sandbox, never another sandbox's, and no command of it can
+change the view the next one joins. Real mounts, as root; skipped where root's view cannot be made."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxes import isolation, uidpool
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+from tests.conftest import processes_under
+
+pytestmark = pytest.mark.skipif(
+    isolation.mounts_unavailable() is not None, reason=f"no root view: {isolation.mounts_unavailable()}"
+)
+
+NAMESPACES = "readlink /proc/self/ns/mnt /proc/self/ns/ipc"
+# The first command leaves what a command can leave in the view: a file in /tmp and /dev/shm, and a
+# shared memory segment in its IPC namespace; then tries to change the view itself.
+FIRST = f"""{NAMESPACES}
+echo a > /tmp/left && echo a > /dev/shm/left && ipcmk -M 4096 >/dev/null && echo made
+umount -l /tmp 2>/dev/null && echo unmounted
+mount -t tmpfs none /usr 2>/dev/null && echo mounted
+mount -o remount,rw / 2>/dev/null && echo remounted
+echo x > /usr/planted 2>/dev/null && echo planted
+"""
+LATER = f"""{NAMESPACES}
+cat /tmp/left /dev/shm/left 2>/dev/null
+ipcs -m | grep -c 4096
+ls /usr/planted 2>/dev/null
+test -e {{hidden}} && echo host-visible
+echo done
+"""
+
+
+def _provider(tmp_path: Path) -> LocalSandboxProvider:
+    return LocalSandboxProvider(
+        tmp_path / "sandboxes",
+        kill_grace_s=0.5,
+        keep=False,
+        pids="isolated",
+        filesystem="readonly",
+        user=uidpool.pool_unavailable() is None,
+    )
+
+
+async def test_a_sandboxs_commands_join_one_view_that_none_of_them_can_change(tmp_path):
+    hidden = tmp_path / "host-only"
+    hidden.mkdir()
+    provider = _provider(tmp_path)
+    one = await provider.start(SandboxSpec(run_id="r", session_id="one", ttl_s=300))
+    other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
+    later = LATER.format(hidden=hidden)
+    try:
+        first = await one.exec(["sh", "-c", FIRST], timeout=60)
+        again = await one.exec(["sh", "-c", later], timeout=60)
+        beside = await other.exec(["sh", "-c", later], timeout=60)
+    finally:
+        await one.stop()
+        await other.stop()
+        await provider.aclose()
+    host_ns = [os.readlink(f"/proc/self/ns/{kind}") for kind in ("mnt", "ipc")]
+    first_lines, again_lines = first.stdout_tail.split(), again.stdout_tail.split()
+    # One view for the sandbox's commands, neither the host's nor the other sandbox's.
+    assert first_lines[:2] == again_lines[:2], (first.stdout_tail, again.stdout_tail)
+    assert not set(first_lines[:2]) & set(host_ns)
+    assert not set(beside.stdout_tail.split()[:2]) & set(first_lines[:2])
+    # What a command wrote lasts for the sandbox's later commands (as its work, home and tmp do); the
+    # view itself does not change: no unmount, mount, remount or write outside it took.
+    assert first_lines[2:] == ["made"], first.stdout_tail
+    assert again_lines[2:] == ["a", "a", "1", "done"], again.stdout_tail
+    # The other sandbox sees none of it, and nothing of the host's outside the view.
+    assert beside.stdout_tail.split()[2:] == ["0", "done"], beside.stdout_tail
+    # Nothing is left of either: each server exited once its PID namespace was empty (the child that
+    # built the view included), and no process runs under the sandboxes' root.
+    assert one._server.emptied_its_namespace and other._server.emptied_its_namespace
+    assert not processes_under(str(tmp_path / "sandboxes"))
