@@ -37,6 +37,8 @@ from sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
     SandboxStartError,
+    StartsInMilliseconds,
+    StopsOnEvent,
 )
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import lay_out
@@ -234,7 +236,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             )
             return _finish(row, Outcome.of(kind, describe(exc)), timer)
         row.sandbox_id = sandbox.id
-        if ctx.provider.name != "local":
+        if not isinstance(ctx.provider, StartsInMilliseconds):
             # A start that takes a while (a container, a job) is made beside the agent's run, not after it.
             review.begin()
         # A remote sandbox's layers are made on its node, and known once its agent has answered.
@@ -281,9 +283,9 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         review.begin_beside_harness()
 
         expire = asyncio.Event() if wall > deadline else None  # limits.deadline_counts: agent
-        # A local sandbox's exec can be ended early (its expire event): the harness is stopped once the
-        # gateway has closed its session. Other providers' harnesses end on their own or at the deadline.
-        stoppable = ctx.provider.name == "local"
+        # Where the sandbox's exec can be ended early, the harness is stopped once the gateway has closed
+        # its session. Elsewhere harnesses end on their own or at the deadline.
+        stoppable = isinstance(sandbox, StopsOnEvent)
         try:
             result = await _run_harness(sandbox, launch, deadline, wall, gw, expire, stoppable)
         except SandboxLostError as exc:
@@ -342,7 +344,7 @@ async def _run_harness(
         watches.append(asyncio.ensure_future(_charge_agent_time(gw, deadline, expire)))
         watches.append(asyncio.ensure_future(_relay_event(expire, stop)))
     try:
-        result = await sandbox.exec(  # type: ignore[call-arg]  # local sandboxes only (see the caller)
+        result = await sandbox.exec(  # type: ignore[call-arg]  # a StopsOnEvent sandbox (see the caller)
             launch.argv,
             timeout=wall if expire is not None else deadline,
             env=launch.env,

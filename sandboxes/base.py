@@ -127,6 +127,22 @@ class RunsBefore(Protocol):
 
 
 @runtime_checkable
+class StopsOnEvent(Protocol):
+    """A sandbox whose ``exec`` takes ``expire`` (an ``asyncio.Event``): the command is stopped once it is
+    set, its result timed out. Other sandboxes' commands end on their own or at their timeout."""
+
+    stops_on_event: bool
+
+
+@runtime_checkable
+class StartsInMilliseconds(Protocol):
+    """A provider whose sandboxes start in milliseconds: a session starts its grading sandbox beside the
+    harness, where one that takes a while (a container, a job) is started as soon as the agent's is up."""
+
+    starts_in_milliseconds: bool
+
+
+@runtime_checkable
 class Sandbox(Protocol):
     """A started sandbox. All paths are inside the sandbox; ``workdir`` is the task's workspace.
 

@@ -73,6 +73,8 @@ from sandboxes.local_sandbox import LocalSandbox  # noqa: E402
 class LocalSandboxProvider:
     """Starts local sandboxes under ``root``. ``keep=False`` removes a session's directory at stop."""
 
+    starts_in_milliseconds = True  # see sandboxes.base.StartsInMilliseconds
+
     def __init__(
         self,
         root: Path,

@@ -99,6 +99,7 @@ class LocalSandbox:
     """One session's sandbox on this host. Build it with ``LocalSandboxProvider.start``."""
 
     runs_before = True  # see sandboxes.base.RunsBefore
+    stops_on_event = True  # see sandboxes.base.StopsOnEvent
     # sandboxes.base.Sandbox's optional parts: none of its own (its provider's label, the worker's URL,
     # the host's python3).
     isolation_label = gateway_url = check_runs = python_argv = None

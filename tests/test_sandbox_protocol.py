@@ -76,3 +76,20 @@ def test_the_optional_parts_are_named_as_optional() -> None:
     assert LocalSandbox.isolation_label is None and LocalSandbox.gateway_url is None
     assert LocalSandbox.check_runs is None and RemoteSandbox.check_runs is None
     assert callable(ContainerSandbox.check_runs) and callable(RemoteSandbox.gateway_url)
+
+
+def test_the_session_reads_capabilities_from_the_classes_not_a_provider_name(tmp_path) -> None:
+    """What a session may do with a sandbox (stop its harness early, run two commands in one exec, start
+    the grading sandbox beside the harness) is a capability its class says it has: a local provider by
+    another name keeps them, and no other provider claims them."""
+    from sandboxes.base import RunsBefore, StartsInMilliseconds, StopsOnEvent
+
+    renamed = LocalSandboxProvider(tmp_path, name="node-a")
+    assert isinstance(renamed, StartsInMilliseconds)
+    sandbox = LocalSandbox.__new__(LocalSandbox)
+    assert isinstance(sandbox, StopsOnEvent) and isinstance(sandbox, RunsBefore)
+    assert isinstance(FlakyStartProvider(renamed, 0.5), StartsInMilliseconds)  # a wrapper keeps it
+    others = [cls for cls in PROVIDERS if cls not in (LocalSandboxProvider, FlakyStartProvider)]
+    assert not any("starts_in_milliseconds" in class_members(cls) for cls in others)
+    others = [cls for cls in SANDBOXES if cls is not LocalSandbox]
+    assert not any({"stops_on_event", "runs_before"} & class_members(cls) for cls in others)

@@ -11,6 +11,7 @@ from sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
     SandboxStartError,
+    StartsInMilliseconds,
 )
 
 
@@ -32,6 +33,8 @@ class FlakyStartProvider:
         self.fraction = fraction
         self.name = inner.name
         self.isolation_label = inner.isolation_label
+        if isinstance(inner, StartsInMilliseconds):  # a wrapper keeps what its provider can do
+            self.starts_in_milliseconds = True
         self.starts = 0
 
     async def start(self, spec: SandboxSpec) -> Sandbox:
