@@ -54,7 +54,9 @@ def test_a_key_may_override_what_a_yaml_merge_brought_in(tmp_path):
     """Refusing a key written twice must not refuse YAML's own override: a key after a ``<<`` merge."""
     path = _cfg(
         tmp_path,
-        "tasks: t.jsonl\ngateway:\n  <<: {max_attempts_per_request: 2, backoff_base_s: 1}\n  backoff_base_s: 3\n",
+        "tasks: t.jsonl\ngateway:\n"
+        "  <<: {max_attempts_per_request: 2, backoff_base_s: 1}\n"
+        "  backoff_base_s: 3\n",
     )
     cfg = load_config(path)
     assert (cfg.gateway.max_attempts_per_request, cfg.gateway.backoff_base_s) == (2, 3)
