@@ -28,6 +28,7 @@ from harnesses.gateway import GatewayConfig
 from harnesses.install import default_cache_root
 from harnesses.registry import HARNESSES
 from harnesses.testing.conformance import (
+    BASE_CONFIG,
     HANG_DEADLINE_S,
     MAX_REASON_CHARS,
     NEMO_GYM_VERSIONS,
@@ -36,6 +37,7 @@ from harnesses.testing.conformance import (
     CheckContext,
     agent_harnesses,
     check_cell,
+    merged_config,
 )
 from policy import PolicyConfig
 from sandboxes.local_config import LocalSandboxConfig
@@ -122,6 +124,15 @@ def test_the_nemo_gym_scenarios_hold_every_classification_the_matrix_has():
     chosen = [SCENARIOS_BY_NAME[name] for name in NEMO_GYM_SCENARIOS]
     assert len(set(NEMO_GYM_SCENARIOS)) == len(NEMO_GYM_SCENARIOS)
     assert {(s.status, s.failure_kind) for s in chosen} == {(s.status, s.failure_kind) for s in SCENARIOS}
+
+
+def test_only_cells_that_fail_every_time_get_a_smaller_session_budget():
+    """A smaller budget (STREAM_FAILS_CONFIG) shortens the cells where the harness re-asks until it is
+    spent; a cell that must recover within a session (retry_429, html_200_recovers...) keeps the base."""
+    base = BASE_CONFIG["gateway"]["max_attempts_per_session"]
+    smaller = {s.name for s in SCENARIOS if merged_config(s)["gateway"]["max_attempts_per_session"] < base}
+    assert smaller == {"transport_drop", "stream_truncated", "in_stream_error"}
+    assert all(SCENARIOS_BY_NAME[name].decisions == ("retry", "mask") for name in smaller)
 
 
 @pytest.mark.integration

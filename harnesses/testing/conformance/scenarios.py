@@ -46,6 +46,7 @@ from harnesses.testing.conformance.spec import (
     MODEL_ERROR_BODY,
     MODEL_NOT_FOUND_BODY,
     STREAM_ERROR_MESSAGE,
+    STREAM_FAILS_CONFIG,
     Scenario,
 )
 from policy import FailureKind
@@ -214,6 +215,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.TRANSPORT_ERROR,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("stream_cut", _stream_cuts),),
     ),
     Scenario(
@@ -314,6 +316,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.PROVIDER_UNAVAILABLE,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("in_stream_error", _in_stream_error_recorded),),
     ),
     Scenario(
@@ -488,6 +491,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.TRANSPORT_ERROR,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("cut", _bad_answers_recorded("terminal event", FailureKind.TRANSPORT_ERROR)),),
     ),
     Scenario(
