@@ -126,12 +126,20 @@ def test_the_nemo_gym_scenarios_hold_every_classification_the_matrix_has():
     assert {(s.status, s.failure_kind) for s in chosen} == {(s.status, s.failure_kind) for s in SCENARIOS}
 
 
-def test_only_cells_that_fail_every_time_get_a_smaller_session_budget():
-    """A smaller budget (STREAM_FAILS_CONFIG) shortens the cells where the harness re-asks until it is
-    spent; a cell that must recover within a session (retry_429, html_200_recovers...) keeps the base."""
-    base = BASE_CONFIG["gateway"]["max_attempts_per_session"]
-    smaller = {s.name for s in SCENARIOS if merged_config(s)["gateway"]["max_attempts_per_session"] < base}
-    assert smaller == {"transport_drop", "stream_truncated", "in_stream_error"}
+@pytest.mark.parametrize(
+    ("budget", "cells"),
+    [
+        ("max_attempts_per_session", {"transport_drop", "stream_truncated", "in_stream_error"}),
+        ("max_attempts_per_request", {"model_stall", "stall_after_tools", "keepalive_stall"}),
+    ],
+)
+def test_only_cells_that_fail_every_time_get_a_smaller_budget(budget, cells):
+    """A smaller gateway budget (STREAM_FAILS_CONFIG, STALLS_CONFIG) shortens the cells that fail until
+    it is spent; a cell that must recover within a session (retry_429, model_slow_first_byte,
+    html_200_recovers...) keeps the base one."""
+    base = BASE_CONFIG["gateway"][budget]
+    smaller = {s.name for s in SCENARIOS if merged_config(s)["gateway"][budget] < base}
+    assert smaller == cells
     assert all(SCENARIOS_BY_NAME[name].decisions == ("retry", "mask") for name in smaller)
 
 

@@ -45,6 +45,7 @@ from harnesses.testing.conformance.spec import (
     LATE_START_DEADLINE_S,
     MODEL_ERROR_BODY,
     MODEL_NOT_FOUND_BODY,
+    STALLS_CONFIG,
     STREAM_ERROR_MESSAGE,
     STREAM_FAILS_CONFIG,
     Scenario,
@@ -253,6 +254,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("stall", _stall_recorded),),
     ),
     Scenario(
@@ -277,6 +279,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("never_graded", _never_graded), ("stall", _stall_recorded)),
     ),
     Scenario(
@@ -455,6 +458,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("keepalives_no_progress", _bad_answers_recorded("no content", FailureKind.MODEL_TIMEOUT)),),
     ),
     Scenario(

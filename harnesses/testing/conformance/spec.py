@@ -49,6 +49,10 @@ BASE_CONFIG: dict[str, Any] = {
 # session's budget ends that. A budget of 2 proves the same bound after one re-ask and spares the
 # waits after it, at every pin and harness; the recovering cells keep BASE_CONFIG's 4.
 STREAM_FAILS_CONFIG: dict[str, Any] = {"gateway": {"max_attempts_per_session": 2}}
+# The cells whose every attempt stalls: each attempt waits out the stall bound, and the gateway closes the
+# session once a request's attempts are spent. Two attempts prove the stall retried, then given up, a
+# stall bound sooner than three; model_slow_first_byte, answered on its retry, keeps BASE_CONFIG's 3.
+STALLS_CONFIG: dict[str, Any] = {"gateway": {"max_attempts_per_request": 2}}
 # The agent_hang deadline, and how far past deadline + grace the session may end (supervisor start-up, kill
 # rounds, the parse of what the harness left). Long enough for a harness to reach its first model request
 # on a loaded machine (OpenCode and Hermes took more than 8 s with four cells at once on two cores): a
