@@ -82,6 +82,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
     logs = root / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
+    markers: dict[int, Path] = {}  # a started process's pid: the dir every process of its own names
     with s3_server(logs / "moto.log") as s3:
         s3.client().create_bucket(Bucket="runs")
         for key, value in s3.env().items():  # this process reads the run back from the same store
@@ -110,6 +111,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                     base_env,
                 )
             )
+            markers[procs[-1].pid] = root / "head"
             dashboard = f"http://127.0.0.1:{head_ports['dashboard-port']}"
             _wait("dashboard", lambda: _dashboard_up(dashboard), procs, logs)
             nodes: dict[str, Path] = {}
@@ -132,6 +134,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                     )
                 )
                 nodes[name], starts[name] = temp, procs[-1]
+                markers[procs[-1].pid] = temp
             for temp in nodes.values():
                 _wait(f"raylet under {temp}", lambda t=temp: _raylet_pid(t) is not None, procs, logs)
 
@@ -161,6 +164,7 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
                 start_new_session=True,
             )
             procs.append(submit)
+            markers[submit.pid] = job
             sandboxes = str(root / "sandboxes")
             # Mid-run for certain: all four sessions (two per worker actor) are inside the agent.
             _wait("four sessions mid-run", lambda: _gated_sessions(sandboxes) >= 4, procs, logs)
@@ -192,9 +196,12 @@ def test_a_worker_raylet_killed_mid_run_loses_no_row_and_no_evidence(monkeypatch
             assert not left, f"evidence left on a node's disk: {left}"
             assert not _gated_sessions(sandboxes), processes_under(sandboxes)
         finally:
-            for proc in procs:
+            # Each process ended with its own node's dir as the marker, the workers before the head: with
+            # the whole root as the marker, ending the head waited out _end's bound on the surviving
+            # node's processes, which only their own `ray start` ends.
+            for proc in reversed(procs):
                 if proc.poll() is None:
-                    _end(proc, str(root))
+                    _end(proc, str(markers.get(proc.pid, root)))
             for leftover in processes_under(str(root)):
                 os.kill(int(leftover.split(":", 1)[0]), signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)

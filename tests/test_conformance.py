@@ -28,6 +28,7 @@ from harnesses.gateway import GatewayConfig
 from harnesses.install import default_cache_root
 from harnesses.registry import HARNESSES
 from harnesses.testing.conformance import (
+    BASE_CONFIG,
     HANG_DEADLINE_S,
     MAX_REASON_CHARS,
     NEMO_GYM_VERSIONS,
@@ -36,6 +37,7 @@ from harnesses.testing.conformance import (
     CheckContext,
     agent_harnesses,
     check_cell,
+    merged_config,
 )
 from policy import PolicyConfig
 from sandboxes.local_config import LocalSandboxConfig
@@ -122,6 +124,23 @@ def test_the_nemo_gym_scenarios_hold_every_classification_the_matrix_has():
     chosen = [SCENARIOS_BY_NAME[name] for name in NEMO_GYM_SCENARIOS]
     assert len(set(NEMO_GYM_SCENARIOS)) == len(NEMO_GYM_SCENARIOS)
     assert {(s.status, s.failure_kind) for s in chosen} == {(s.status, s.failure_kind) for s in SCENARIOS}
+
+
+@pytest.mark.parametrize(
+    ("budget", "cells"),
+    [
+        ("max_attempts_per_session", {"transport_drop", "stream_truncated", "in_stream_error"}),
+        ("max_attempts_per_request", {"model_stall", "stall_after_tools", "keepalive_stall"}),
+    ],
+)
+def test_only_cells_that_fail_every_time_get_a_smaller_budget(budget, cells):
+    """A smaller gateway budget (STREAM_FAILS_CONFIG, STALLS_CONFIG) shortens the cells that fail until
+    it is spent; a cell that must recover within a session (retry_429, model_slow_first_byte,
+    html_200_recovers...) keeps the base one."""
+    base = BASE_CONFIG["gateway"][budget]
+    smaller = {s.name for s in SCENARIOS if merged_config(s)["gateway"][budget] < base}
+    assert smaller == cells
+    assert all(SCENARIOS_BY_NAME[name].decisions == ("retry", "mask") for name in smaller)
 
 
 @pytest.mark.integration

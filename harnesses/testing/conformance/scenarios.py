@@ -45,7 +45,9 @@ from harnesses.testing.conformance.spec import (
     LATE_START_DEADLINE_S,
     MODEL_ERROR_BODY,
     MODEL_NOT_FOUND_BODY,
+    STALLS_CONFIG,
     STREAM_ERROR_MESSAGE,
+    STREAM_FAILS_CONFIG,
     Scenario,
 )
 from policy import FailureKind
@@ -214,6 +216,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.TRANSPORT_ERROR,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("stream_cut", _stream_cuts),),
     ),
     Scenario(
@@ -251,6 +254,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("stall", _stall_recorded),),
     ),
     Scenario(
@@ -275,6 +279,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("never_graded", _never_graded), ("stall", _stall_recorded)),
     ),
     Scenario(
@@ -314,6 +319,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.PROVIDER_UNAVAILABLE,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("in_stream_error", _in_stream_error_recorded),),
     ),
     Scenario(
@@ -452,6 +458,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.MODEL_TIMEOUT,
         _INFRA,
         None,
+        config=STALLS_CONFIG,
         checks=(("keepalives_no_progress", _bad_answers_recorded("no content", FailureKind.MODEL_TIMEOUT)),),
     ),
     Scenario(
@@ -488,6 +495,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         FailureKind.TRANSPORT_ERROR,
         _INFRA,
         None,
+        config=STREAM_FAILS_CONFIG,
         checks=(("cut", _bad_answers_recorded("terminal event", FailureKind.TRANSPORT_ERROR)),),
     ),
     Scenario(

@@ -18,8 +18,9 @@ ANY = "any"  # an expectation that accepts whatever the row holds
 STALL_S = 3.0
 # The run settings every cell starts from (RunConfig keys): fast retries, so the matrix stays short, and
 # the infrastructure kinds retried once by the driver, so "retried, then masked" shows in two attempts.
-# A session budget of 4 failed upstream attempts ends a harness's own reconnect loop (OpenCode re-sends a
-# cut stream 5 times over about a minute of backoff) after its fourth cut, as the gateway is meant to.
+# A session budget of 4 failed upstream attempts leaves room for the recoveries (a 429 twice, a stall, a
+# page) within one session, and ends a harness's own reconnect loop after its fourth failure, as the
+# gateway is meant to.
 _FAST_RETRY = {"retry": True, "max_attempts": 2, "backoff_base_s": 0.2, "backoff_cap_s": 1.0}
 BASE_CONFIG: dict[str, Any] = {
     "gateway": {
@@ -43,6 +44,15 @@ BASE_CONFIG: dict[str, Any] = {
     },
     "limits": {"deadline_s": 180, "grace_s": 2},
 }
+# The cells whose stream fails after bytes reached the harness, every time: the harness re-asks on its
+# own (OpenCode re-sends a cut stream 5 times, waiting about 2.5, 4, 10 s between them) and only the
+# session's budget ends that. A budget of 2 proves the same bound after one re-ask and spares the
+# waits after it, at every pin and harness; the recovering cells keep BASE_CONFIG's 4.
+STREAM_FAILS_CONFIG: dict[str, Any] = {"gateway": {"max_attempts_per_session": 2}}
+# The cells whose every attempt stalls: each attempt waits out the stall bound, and the gateway closes the
+# session once a request's attempts are spent. Two attempts prove the stall retried, then given up, a
+# stall bound sooner than three; model_slow_first_byte, answered on its retry, keeps BASE_CONFIG's 3.
+STALLS_CONFIG: dict[str, Any] = {"gateway": {"max_attempts_per_request": 2}}
 # The agent_hang deadline, and how far past deadline + grace the session may end (supervisor start-up, kill
 # rounds, the parse of what the harness left). Long enough for a harness to reach its first model request
 # on a loaded machine (OpenCode and Hermes took more than 8 s with four cells at once on two cores): a
