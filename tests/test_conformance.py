@@ -380,3 +380,17 @@ def test_an_auth_error_stops_the_run_early_with_one_clear_message(tmp_path):
     assert summary["pending"] == 1  # the hanging task was cut short, not waited for
     assert summary["by_failure_kind"] == {"provider_auth_error": 1}
     assert not processes_under(str(tmp_path / "sandboxes"))
+
+
+def test_a_starved_start_retried_as_a_launch_problem_does_not_fail_the_cell_but_the_next_attempt_must_hold():
+    from harnesses.testing.conformance.verdict import _check_kind
+
+    check = _check_kind(SCENARIOS_BY_NAME["agent_hang"])
+    starved = {"failure_kind": "agent_no_model_call", "decision": "retry"}
+    hung = {"failure_kind": "agent_timeout", "decision": "accept"}
+    assert check([starved, hung], None) is None
+    assert check([hung], None) is None
+    assert check([starved], None) is not None  # the scenario's own kind never shown
+    assert check([hung, starved], None) is not None
+    assert check([{**starved, "decision": "mask"}, hung], None) is not None
+    assert _check_kind(SCENARIOS_BY_NAME["no_model_call"])([starved, starved], None) is None
