@@ -24,6 +24,7 @@ import ray
 
 from executor.config import RunConfig
 from executor.placement import snapshot
+from executor.priority import take_normal_priority
 from executor.reaper import GATEWAY_SOCKET_PREFIX, new_evidence_scratch, reap_quietly
 from executor.schema import batch_to_wire, refuse_pandas, rows_to_batch, warm_up
 from executor.session import SessionContext, SessionRequest, run_session
@@ -54,6 +55,7 @@ class SandboxWorker:
 
     def __init__(self, config_json: str, run_dir: str, worker_index: int) -> None:
         refuse_pandas()  # the actor's process is its own: pyarrow's first conversion, 0.2 s lighter
+        take_normal_priority()  # not Ray's worker niceness: its steps are on its sessions' paths
         self._bind(config_json, run_dir)
         self.worker_id = f"w{worker_index}-{os.getpid()}"
         self._ctx: SessionContext | None = None

@@ -4,6 +4,7 @@ nothing left running. How fast an attached run is, is `rollout bench --parts e`'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -83,6 +84,9 @@ def test_runs_attach_to_the_warm_workers_and_down_leaves_nothing(tmp_path, env):
     assert _connected_drivers(record) == []
     (worker_id,) = first
     worker_pid = int(worker_id.rsplit("-", 1)[1])
+    # Ray starts its workers at nice 15; a rollout worker's steps are on its sessions' paths, so each of
+    # its threads runs at the normal priority (executor/priority.py), as a harness by hand would.
+    assert _thread_priorities(worker_pid) == {0}
 
     # A run that asks for a cluster of its own gets one, warm executor or not.
     own, _ = _run(tmp_path, env, "own", extra="ray_address: local\n")
@@ -167,6 +171,15 @@ def _released(lock: Path, bound_s: float) -> bool:
 
 # Ray's bound on an agent's last report (publish_error_to_driver's 60 s), and some.
 _AGENTS_LAST_REPORT_S = 90.0
+
+
+def _thread_priorities(pid: int) -> set[int]:
+    """The nice values of ``pid``'s threads (a thread that ended meanwhile aside)."""
+    values = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return values
 
 
 def test_it_stops_itself_when_idle_and_a_killed_one_is_never_attached(tmp_path, env):
