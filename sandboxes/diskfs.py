@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,7 @@ _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
 
 
+@functools.cache  # a CDLL(None) costs ~50 us, two per sandbox
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]

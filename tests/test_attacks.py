@@ -418,11 +418,12 @@ async def test_a_key_in_one_sessions_keyring_is_not_the_others(world, keyring):
 PLANTED_UIDS = 64
 
 
-async def test_a_key_an_earlier_tenant_of_its_uid_left_is_gone(world):
+async def test_a_key_an_earlier_tenant_of_its_uid_left_is_gone(world, monkeypatch):
     """The pool gives a uid to sandbox after sandbox, and the kernel keeps a uid's user and user-session
     keyrings past its processes. What an earlier tenant stored there (planted here, as each of the pool's
-    first uids) is emptied before the next sandbox's first command: c finds none of it, and its own key
-    stays for its later commands."""
+    first uids, where this process's next lease is made to look first) is emptied before the next
+    sandbox's first command: c finds none of it, and its own key stays for its later commands."""
+    monkeypatch.setattr(uidpool, "_cursor", [uidpool.POOL_BASE])
     planted = f"k_{uuid.uuid4().hex}"
     for uid in range(uidpool.POOL_BASE, uidpool.POOL_BASE + PLANTED_UIDS):
         for ring in ("-4", "-5"):
