@@ -10,6 +10,7 @@ import hmac
 import io
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -44,6 +45,25 @@ SUBDIRS = ("work", "home", "tmp", "logs", "run")
 # What a command user (--run-as) owns: its workspace, home and tmp, and the baseline's git directory
 # beside the workspace (sandboxes/workspace.py), made here since the user cannot write the root.
 USER_DIRS = ("work", "home", "tmp", "baseline.git")
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> None:
+    """``proc.wait(timeout)``, returning as soon as the process ends: Popen's own wait with a timeout
+    polls, sleeping up to 50 ms between looks, which made every command through an agent ~30 ms late
+    (an exec of `true` 68 ms). A pidfd (Linux 5.3, Python 3.9) is readable once the process has ended."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # older Python or kernel; or already reaped, and wait is at once
+        proc.wait(timeout)
+        return
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout * 1000))):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    proc.wait()
 
 
 class AgentError(Exception):
@@ -286,7 +306,7 @@ class Agent:
         try:
             budget = min(float(timeout), max(0.0, deadline - time.time())) + STOP_GRACE_S + SUPERVISOR_SLACK_S
             try:
-                proc.wait(budget)
+                wait_exit(proc, budget)
             except subprocess.TimeoutExpired:
                 killed = True
                 self._kill_tree([proc.pid], marker)
@@ -381,7 +401,7 @@ class Agent:
         end = time.monotonic() + STOP_GRACE_S + sup.DRAIN_S + 2.0
         for proc, _marker in running:
             try:
-                proc.wait(max(0.0, end - time.monotonic()))
+                wait_exit(proc, max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         clean = True

@@ -533,3 +533,26 @@ async def test_an_agent_that_is_not_root_isolates_its_commands_with_bubblewrap()
     assert int(lines[1]) < 10, out  # isolation.py's two, bwrap's and the command's own: not the host's
     assert lines[2:4] == ["refused 111", "the gateway answered"], out
     assert lines[4] == "cannot plant" and not Path("/etc/planted-by-agent-test").exists()
+
+
+def test_an_agents_wait_for_a_command_ends_with_it_or_at_its_bound():
+    """The agent's wait for a supervisor (agent_commands.wait_exit): the exit status once it has ended,
+    also for one already reaped; TimeoutExpired, with the process left running, past the bound."""
+    from sandboxes.agent_commands import wait_exit
+
+    # The process ends once the test writes to its stdin: the wait sees an exit the test caused.
+    proc = subprocess.Popen(["sh", "-c", "read _; exit 7"], stdin=subprocess.PIPE)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            wait_exit(proc, 0.2)
+        assert proc.poll() is None
+        proc.communicate(b"go\n", timeout=30)  # ends it, and reaps it: no pidfd can be opened now
+        wait_exit(proc, 30)
+        assert proc.returncode == 7
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    ended = subprocess.Popen(["sh", "-c", "exit 3"])
+    wait_exit(ended, 30)
+    assert ended.returncode == 3
