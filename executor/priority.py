@@ -4,7 +4,7 @@ Ray starts every worker process at nice 15 (its ``worker_niceness``), so that co
 the raylet and the GCS room. A rollout worker is the opposite: it spends its time waiting on sandboxes and
 the model, and each of its steps (a sandbox's start, the diff and the verifier, the row) is on a session's
 path. At nice 15 each of them waits behind any process at the normal priority on a busy machine: with two
-CPU-bound processes on 2 cores, a rollout's own steps took 0.45 s instead of 0.03 s beside a harness
+CPU-bound processes on 2 cores, a rollout's own steps took 0.45 s instead of 0.07 s beside a harness
 that ran at the normal priority (`rollout bench --parts a`). So the worker takes the normal priority
 back, for every thread it has (a Linux nice value is per thread; threads made later inherit their
 maker's), where it is allowed to (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows it).
