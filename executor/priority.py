@@ -20,14 +20,13 @@ log = logging.getLogger(__name__)
 NORMAL = 0
 
 
-def take_normal_priority() -> int:
-    """Give every thread of this process that runs below the normal CPU priority the normal one; returns
-    how many were raised. A process that is not allowed to raise its priority keeps it, with a log line."""
+def take_normal_priority() -> None:
+    """Give every thread of this process that runs below the normal CPU priority the normal one. A process
+    that is not allowed to raise its priority keeps it, with a log line."""
     try:
         tids = [int(name) for name in os.listdir("/proc/self/task")]
     except OSError:  # no /proc: not Linux, where this matters
-        return 0
-    raised = 0
+        return
     for tid in tids:
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) <= NORMAL:
@@ -35,8 +34,6 @@ def take_normal_priority() -> int:
             os.setpriority(os.PRIO_PROCESS, tid, NORMAL)
         except PermissionError:
             log.info("worker: cannot take the normal CPU priority back from Ray's worker niceness")
-            return raised
+            return
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
-        raised += 1
-    return raised

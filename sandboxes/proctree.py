@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import time
 
@@ -158,6 +159,23 @@ def wait_gone(find: Callable[[], set[int]], timeout: float, idle: Callable[[floa
             return False
         idle(min(POLL_S, remaining))
     return True
+
+
+def ended_within(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (not necessarily our child) has ended within ``timeout`` seconds, waited
+    for on its pidfd: readable once it has ended, so at once rather than at the next look of a poll.
+    True for a process already gone (or reaped). Raises AttributeError or OSError where there are no
+    pidfds (Python < 3.9, Linux < 5.3)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()  # not select(): a busy agent's descriptors may pass FD_SETSIZE
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(fd)
 
 
 def exited_children() -> Iterator[tuple[int, int]]:

@@ -33,7 +33,7 @@ def test_held_uids_are_never_handed_out_twice_and_a_lease_looks_past_its_last(po
         os.close(other)
 
 
-def test_the_search_goes_back_to_the_start_past_its_span_and_round_the_pool(pool, monkeypatch):
+def test_the_search_goes_back_to_the_start_past_its_span_and_round_the_pool(pool):
     end = uidpool.POOL_BASE + uidpool.CURSOR_SPAN
     uidpool._cursor[0] = end - 1
     last = uidpool.lease(pool)

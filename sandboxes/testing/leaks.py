@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from sandboxes import proctree
 
 # How long a process whose command line reads empty is watched: that is one in the middle of an exec,
 # or of an exit (its memory gone, its working directory not yet), which ends as a zombie in moments.
@@ -52,14 +53,7 @@ def processes_under(marker: str) -> list[str]:
 def ended(pid: int, bound_s: float) -> bool:
     """Whether process ``pid`` (not necessarily our child) has ended within ``bound_s``: waited for by its
     pidfd, readable once it has ended, so after its files are closed and it has left its cgroup."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([pidfd], [], [], bound_s)[0])
-    finally:
-        os.close(pidfd)
+    return proctree.ended_within(pid, bound_s)
 
 
 def signal_state(pid: int) -> str:
