@@ -1,12 +1,14 @@
-"""A local sandbox's own filesystem: one tmpfs of ``max_disk_mb`` under the directories its commands
-write (work, home, tmp), so that the bound holds as writes happen: past it a write fails with ENOSPC
-(a ``fallocate`` of more than is left fails whole), where a watcher (sandboxes/diskbound.py) can only
-stop a command after it has written past the bound.
+"""A local sandbox's own filesystem: one tmpfs of ``max_disk_mb`` holding the directories its commands
+write (work, home, tmp, the baseline's git directory), so that the bound holds as writes happen: past it
+a write fails with ENOSPC (a ``fallocate`` of more than is left fails whole), where a watcher
+(sandboxes/diskbound.py) can only stop a command after it has written past the bound.
 
-The tmpfs is mounted at ``<session>/.disk`` in the worker's mount namespace, and each writable directory
-``<session>/<name>`` is a bind of ``.disk/<name>``: the paths stay what they were, the worker reads and
-writes them as before, and each command's view (sandboxes/fsview.py, built from the host's mounts) binds
-them in. A mount and a bind per directory: microseconds, where a filesystem image would need a mkfs.
+The tmpfs is mounted at ``<session>/disk`` in the worker's mount namespace and the writable directories
+are made in it (``<session>/disk/work`` ...), as are the passwd and group files of the sandbox's user: one
+mount and one unmount a sandbox, and nothing of them allocated on the host's disk, where each inode made
+and freed under a run's churn costs the kernel a search (an ext4 without a journal skips every inode freed
+in the last minutes, one lookup each). Each command's view (sandboxes/fsview.py) binds the directories
+in; the tmpfs's root is in no view. A mount: microseconds, where a filesystem image would need a mkfs.
 
 Its pages are memory: what the sandbox's commands write counts toward the sandbox's memory cap
 (sandboxes/pidlimit.py), so the tighter of the two bounds holds; what the worker copies in counts toward
@@ -21,10 +23,14 @@ import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-DISK_DIR = ".disk"
-_MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
+DISK_DIR = "disk"
+# An older version's layout: the tmpfs at <session>/.disk, bound at each of these (a reaper still undoes it).
+_LEGACY_DISK_DIR = ".disk"
+_LEGACY_BINDS = ("work", "home", "tmp", "baseline.git")
+_KEPT_SUFFIX = ".kept"
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
 
@@ -56,35 +62,43 @@ def unavailable() -> str | None:
     return None if os.geteuid() == 0 else "a filesystem of the sandbox's own needs root (mount)"
 
 
-def mount(session_dir: str, dirs: Sequence[str], size_bytes: int) -> None:
-    """Mount the session's tmpfs of ``size_bytes`` and bind ``dirs`` (existing, empty directories directly
-    in ``session_dir``) from it. Raises OSError; whatever was mounted is then unmounted."""
-    libc = _libc()
+def mount(session_dir: str, size_bytes: int) -> str:
+    """Mount the session's tmpfs of ``size_bytes`` at ``<session_dir>/disk`` and return that path, where
+    the caller then makes the writable directories. Raises OSError; nothing is then left mounted."""
     disk = os.path.join(session_dir, DISK_DIR)
     os.mkdir(disk, 0o700)
     try:
-        _mount(libc, "tmpfs", disk, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_bytes},mode=0700")
-        for path in dirs:
-            inside = os.path.join(disk, os.path.basename(path))
-            os.mkdir(inside, 0o700)
-            _mount(libc, inside, path, None, _MS_BIND, None)
+        _mount(_libc(), "tmpfs", disk, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_bytes},mode=0700")
     except OSError:
-        unmount(session_dir, dirs)
-        raise
-
-
-def unmount(session_dir: str, dirs: Sequence[str], keep: Callable[[str, str], None] | None = None) -> None:
-    """Detach the session's binds and its tmpfs (idempotent; lazily, so a process still holding a file
-    open cannot keep the mount from going). ``keep(src, dst)``: called for each directory once its bind
-    is gone and before the tmpfs goes, to copy what it holds onto the disk (a kept session). Blocking."""
-    libc = _libc()
-    disk = os.path.join(session_dir, DISK_DIR)
-    for path in [*dirs, disk]:
-        if libc.umount2(path.encode(), _MNT_DETACH):
-            err = ctypes.get_errno()
-            if err not in (_EINVAL, _ENOENT):  # not mounted, or not there: nothing to undo
-                raise OSError(err, f"umount {path}: {os.strerror(err)}")
-        elif keep is not None and path != disk:
-            keep(os.path.join(disk, os.path.basename(path)), path)
-    with contextlib.suppress(OSError):
         os.rmdir(disk)
+        raise
+    return disk
+
+
+def unmount(session_dir: str, keep: Callable[[str, str], None] | None = None) -> None:
+    """Detach the session's tmpfs (idempotent; lazily, so a process still holding a file open cannot keep
+    the mount from going), and an older version's binds of it. ``keep(src, dst)``: copies what the tmpfs
+    holds into a directory on the disk before it goes (a kept session), which then takes its place, so the
+    kept files are where the sandbox had them. Blocking."""
+    disk = os.path.join(session_dir, DISK_DIR)
+    kept = None
+    if keep is not None and os.path.ismount(disk):
+        kept = disk + _KEPT_SUFFIX
+        os.mkdir(kept, 0o700)
+        keep(disk, kept)
+    legacy = os.path.join(session_dir, _LEGACY_DISK_DIR)
+    for path in [*(os.path.join(session_dir, name) for name in _LEGACY_BINDS), legacy, disk]:
+        _detach(path)
+    for path in (legacy, disk):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+    if kept is not None:
+        with contextlib.suppress(OSError):  # else the kept files stay in disk.kept
+            os.rename(kept, disk)
+
+
+def _detach(path: str) -> None:
+    if _libc().umount2(path.encode(), _MNT_DETACH):
+        err = ctypes.get_errno()
+        if err not in (_EINVAL, _ENOENT):  # not mounted, or not there: nothing to undo
+            raise OSError(err, f"umount {path}: {os.strerror(err)}")

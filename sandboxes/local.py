@@ -387,17 +387,17 @@ class LocalSandboxProvider:
     def _make_tree(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
-        for sub in ("work", "home", "tmp", "logs", "run"):
+        for sub in ("logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
-        for path in sandbox.writable_dirs:
-            os.makedirs(path, mode=0o700, exist_ok=True)
         if self.disk_fs:
             assert self.max_disk_bytes
             # Its pages count toward the memory cap: a disk filling the cap would end in kills, not
             # ENOSPC, so it is at most DISK_SHARE of the cap, the rest left to the processes.
             cap = int(sandbox.memory_max * DISK_SHARE) if sandbox.memory_max else self.max_disk_bytes
             size = min(self.max_disk_bytes, cap)
-            diskfs.mount(str(session_dir), sandbox.writable_dirs, size)
+            diskfs.mount(str(session_dir), size)
+        for path in sandbox.writable_dirs:  # on the sandbox's own filesystem, where it has one
+            os.mkdir(path, mode=0o700)
         for path in sandbox.xdg_dirs:
             os.makedirs(path, exist_ok=True)
         user = sandbox._user
@@ -407,5 +407,5 @@ class LocalSandboxProvider:
             # its own passwd and group files name it.
             passwd, group = uidpool.account_files(user.uid, user.gid, sandbox.home)
             for name, text in (("passwd", passwd), ("group", group)):
-                (session_dir / name).write_text(text, encoding="utf-8")
+                (sandbox.files_dir / name).write_text(text, encoding="utf-8")
             identity.give([Path(p) for p in sandbox.writable_dirs], user)

@@ -31,7 +31,6 @@ log = logging.getLogger("sandboxes.local")
 DESCRIPTOR_NAME = "sandbox.json"
 _REMOVING_SUFFIX = ".removing"  # a stopped sandbox's directory, moved aside until it is deleted
 DEFAULT_KILL_GRACE_S = 1.0
-_DISK_DIRS = ("work", "home", "tmp", "baseline.git")  # what a reaper unmounts (diskfs.py)
 
 
 def _kill_tree(roots: Sequence[int], marker: bytes, *, sweep: bool, grace_s: float) -> bool:
@@ -108,7 +107,7 @@ def reap_stale(
             pidlimit.remove(desc.get("memory_cgroup"), 2.0)
             if desc.get("disk_fs"):
                 with contextlib.suppress(OSError):
-                    diskfs.unmount(str(path.parent), [str(path.parent / sub) for sub in _DISK_DIRS])
+                    diskfs.unmount(str(path.parent))
         elif desc.get("host") != host:
             continue  # another machine's
         else:

@@ -118,9 +118,12 @@ class LocalSandbox:
         self.spec = spec
         self.id = f"local-{spec.session_id}"
         self.root = session_dir
-        self.workdir = str(session_dir / "work")
-        self.home = str(session_dir / "home")
-        self.tmpdir = str(session_dir / "tmp")
+        # What its commands write, and its user's passwd and group: on its own filesystem where it has
+        # one (diskfs.py), else in the session directory itself.
+        self.files_dir = session_dir / diskfs.DISK_DIR if provider.disk_fs else session_dir
+        self.workdir = str(self.files_dir / "work")
+        self.home = str(self.files_dir / "home")
+        self.tmpdir = str(self.files_dir / "tmp")
         self._logs = session_dir / "logs"
         self._run = session_dir / "run"
         self._keep = provider.keep
@@ -140,7 +143,7 @@ class LocalSandbox:
             self.writable_dirs.append(baseline_git_dir(self.workdir))
         files = None
         if self._user is not None:  # programs that look their user up find the sandbox's uid
-            files = {"/etc/passwd": str(session_dir / "passwd"), "/etc/group": str(session_dir / "group")}
+            files = {f"/etc/{name}": str(self.files_dir / name) for name in ("passwd", "group")}
         self._view = isolation.view(
             provider.isolation, self.writable_dirs, provider.hidden, provider.mounts, files
         )
@@ -589,7 +592,7 @@ class LocalSandbox:
 
     def _unmount_disk(self) -> None:
         if self._provider.disk_fs:
-            diskfs.unmount(str(self.root), self.writable_dirs, self._keep_files if self._keep else None)
+            diskfs.unmount(str(self.root), self._keep_files if self._keep else None)
 
     def _keep_files(self, src: str, dst: str) -> None:
         """A kept session's files, copied off its tmpfs before it goes (links as links)."""

@@ -9,6 +9,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from sandboxes.base import (
 )
 from sandboxes.environment import DEFAULT_PATH
 from sandboxes.local import LocalSandbox, LocalSandboxProvider, reap_stale
+from sandboxes.local_config import LocalSandboxConfig
 from sandboxes.owner import hold
 from sandboxes.proctree import read_proc
 from tests.test_shared_root import dead_owner
@@ -211,6 +213,37 @@ async def sandbox(provider: LocalSandboxProvider):
 
 
 # -- environment and layout ------------------------------------------------------------------------------
+@pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox's own filesystem is a mount: root only")
+@pytest.mark.parametrize("keep", [False, True])
+async def test_the_defaults_keep_a_sandboxs_files_on_its_own_filesystem(tmp_path: Path, keep: bool) -> None:
+    """What its commands write and its user's account files are on the sandbox's tmpfs (one mount), not
+    in inodes of the host's disk; a kept session's files outlive it where they were, and nothing stays
+    mounted either way."""
+    gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listening; nothing here connects
+    gateway.bind(str(tmp_path / "gw.sock"))
+    gateway.listen()
+    provider = LocalSandboxConfig(keep=keep).build(tmp_path / "sb", (8, str(tmp_path / "gw.sock")))
+    sandbox = await provider.start(spec())
+    disk = sandbox.root / "disk"
+    try:
+        assert os.path.ismount(disk)
+        files = [*sandbox.writable_dirs, str(disk / "passwd"), str(disk / "group")]
+        assert {os.stat(path).st_dev for path in files} == {os.stat(disk).st_dev}
+        assert os.stat(disk).st_dev != os.stat(sandbox.root).st_dev
+        assert sorted(os.listdir(sandbox.root)) == ["disk", "logs", "run", "sandbox.json"]
+        # `id -un` fails without a passwd entry for the sandbox's uid: its view finds the file there.
+        res = await sandbox.exec(["sh", "-c", "echo mine > note && id -un"], timeout=30)
+        assert res.exit_code == 0 and res.stdout_tail.strip(), res
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+        gateway.close()
+    assert str(sandbox.root) not in Path("/proc/self/mountinfo").read_text()
+    if keep:
+        assert Path(sandbox.workdir, "note").read_text() == "mine\n"
+        assert not os.path.ismount(disk)
+    else:
+        assert not sandbox.root.exists()
 
 
 async def test_layout_and_descriptor(sandbox: LocalSandbox, root: Path) -> None:
