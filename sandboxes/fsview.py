@@ -284,6 +284,13 @@ def detached_proc() -> int:
     return _Calls().detached(b"proc", {}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC)
 
 
+def clone_mount(fd: int) -> int:
+    """A detached clone of the mount whose root ``fd`` is (a detached one too, as ``detached_proc``'s,
+    where the kernel allows: 6.15 and later). Raises OSError."""
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH
+    return _check(_Calls().libc.syscall(_SYS_OPEN_TREE, fd, b"", flags), "open_tree", f"descriptor {fd}")
+
+
 def make_base() -> None:
     """Turn this process's (fresh, unshared) mount namespace into one that holds a single empty tmpfs:
     a namespace to unshare a view's from, cheaply (see ``clone_sources``). Root only; raises OSError."""
@@ -296,11 +303,12 @@ def make_base() -> None:
     calls.pivot_here()
 
 
-def apply(steps: list[list[str]], sources: Sources | None = None) -> None:
+def apply(steps: list[list[str]], sources: Sources | None = None, proc: int | None = None) -> None:
     """Turn this process's (fresh, unshared) mount namespace into the view. ``sources``: the view's
     clones, taken by ``clone_sources`` in the host's namespace before this one was unshared from a base
     (``make_base``); without them they are cloned here, from this namespace's copy of the host's tree.
-    Root only; raises OSError."""
+    ``proc``: a detached procfs mount (``clone_mount``) that becomes the view's /proc; without it a procfs
+    of this process's PID namespace is mounted. Root only; raises OSError."""
     calls = _Calls()
     os.umask(0o022)
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
@@ -317,7 +325,10 @@ def apply(steps: list[list[str]], sources: Sources | None = None) -> None:
             os.symlink(step[2], here)
         elif kind == PROC:
             _make_mount_point(here, directory=True)
-            calls.mount(b"proc", here, b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+            if proc is not None:
+                calls.move(proc, here)  # the caller closes its descriptor
+            else:
+                calls.mount(b"proc", here, b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
         elif kind == DEV:
             _make_mount_point(here, directory=True)
             _make_dev(calls, here, devices)

@@ -181,7 +181,13 @@ class _Server:
         command's init then builds its own, and says why not."""
         key = json.dumps(steps)
         if key not in self.views:
-            self.views[key] = _build_view(steps, self.base_mounts, (self.wake_r, self.wake_w, self.worker))
+            proc = self.pid_namespace.proc if self.pid_namespace is not None else None
+            view = None
+            if self.base_mounts is not None and proc is not None:
+                view = _build_view_here(steps, self.base_mounts, proc)
+            if view is None:
+                view = _build_view(steps, self.base_mounts, (self.wake_r, self.wake_w, self.worker))
+            self.views[key] = view
         return self.views[key]
 
     def read_requests(self) -> None:
@@ -230,6 +236,46 @@ class _Server:
                     self.stop_signal = signal.SIGTERM
             self.reap()
         return 0
+
+
+def _build_view_here(steps: list[list[str]], base_mounts: int, proc: int) -> tuple[int, int] | None:
+    """Build the view in this server, with no child: unshare its mount and IPC namespaces from the base,
+    build it, open them, and join our own again (we are single-threaded, as ``setns`` needs). Its /proc
+    is a clone of the PID namespace's procfs, which the init made (a procfs mounted here would be the
+    host's PID namespace's). A fork, and its copy of this process's pages, less per sandbox. None where
+    the kernel cannot clone a detached mount (before 6.15), or the view could not be built: the caller
+    then forks a child that builds it, and says why not."""
+    try:
+        proc_clone = fsview.clone_mount(proc)
+    except OSError:
+        return None
+    kinds = ("mnt", "ipc")
+    ours = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in kinds]
+    host_proc = os.open("/proc", os.O_PATH | os.O_CLOEXEC)  # the view's /proc has no `self` for us
+    umask = os.umask(0o022)
+    opened: list[int] = []
+    try:
+        sources = fsview.clone_sources(steps)
+        proctree.libc_call("setns", base_mounts, namespaces.CLONE_NEWNS)
+        proctree.libc_call("unshare", namespaces.CLONE_NEWNS | CLONE_NEWIPC)
+        fsview.apply(steps, sources, proc_clone)
+        for kind in kinds:
+            opened.append(os.open(f"self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=host_proc))
+    except Exception:  # the child the caller forks instead meets it too, and says what it was
+        for fd in opened:
+            os.close(fd)
+        opened = []
+    finally:
+        try:
+            for fd, kind in zip(ours, (namespaces.CLONE_NEWNS, CLONE_NEWIPC), strict=True):
+                proctree.libc_call("setns", fd, kind)  # our root and working directory: the host's again
+        except BaseException as exc:  # a server left in a view must serve nothing more
+            os.write(2, f"supervisor server: cannot leave a view: {exc}\n".encode(errors="replace"))
+            os._exit(1)
+        os.umask(umask)
+        for fd in (*ours, host_proc, proc_clone):
+            os.close(fd)
+    return (opened[0], opened[1]) if opened else None
 
 
 def _build_view(

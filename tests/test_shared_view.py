@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import isolation, uidpool
+from sandboxes import fsview, isolation, uidpool
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from tests.conftest import processes_under
@@ -79,3 +79,36 @@ async def test_a_sandboxs_commands_join_one_view_that_none_of_them_can_change(tm
     # built the view included), and no process runs under the sandboxes' root.
     assert one._server.emptied_its_namespace and other._server.emptied_its_namespace
     assert not processes_under(str(tmp_path / "sandboxes"))
+
+
+def _kernel_clones_detached_mounts() -> bool:
+    try:
+        proc = fsview.detached_proc()
+    except OSError:
+        return False
+    try:
+        os.close(fsview.clone_mount(proc))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(proc)
+
+
+async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tmp_path):
+    """Where the kernel can clone a detached mount, the server builds the view in its own process (no
+    child, so the sandbox's PID namespace numbers only its init, the supervisor, and the command); the
+    view's /proc is the namespace's own either way, never the host's."""
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="proc", ttl_s=300))
+    try:
+        res = await sandbox.exec(["sh", "-c", "echo $$; ls /proc"], timeout=60)
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+    shell, *entries = res.stdout_tail.split()
+    pids = sorted(int(entry) for entry in entries if entry.isdigit())
+    # The init (1), the supervisor, the shell, its `ls`: a child that built the view would have taken
+    # the pid after the init's, and an exited one is reaped by then.
+    assert int(shell) == (3 if _kernel_clones_detached_mounts() else 4), res.stdout_tail
+    assert pids == [1, int(shell) - 1, int(shell), int(shell) + 1], res.stdout_tail
