@@ -172,13 +172,13 @@ class _Server:
 
     def _view(self, steps: list[list[str]]) -> tuple[int, int] | None:
         """The mount and IPC namespaces of the sandbox's view ``steps`` (sandboxes/fsview.py), built at the
-        sandbox's start (or else its first command) by a child born in the sandbox's PID namespace (the view's
-        /proc is that namespace's), held here by descriptor for each command's init to join: a view costs ~25
-        clones and mounts, and their tear-down at the command's exit, once per sandbox rather than once per
-        command. What commands may write in it (/tmp, /dev/shm, IPC objects) then lasts across the sandbox's
-        commands, as its work, home and tmp do; no other sandbox joins it, and no command can change its
-        mounts (each runs without CAP_SYS_ADMIN or a way to regain it). None where it could not be built: each
-        command's init then builds its own, and says why not."""
+        sandbox's start (or else its first command) with that namespace's /proc (``_build_view_here``, else
+        a child born in the namespace), held here by descriptor for each command's init to join: a view
+        costs ~25 clones and mounts, and their tear-down at the command's exit, once per sandbox rather
+        than once per command. What commands may write in it (/tmp, /dev/shm, IPC objects) then lasts
+        across the sandbox's commands, as its work, home and tmp do; no other sandbox joins it, and no
+        command can change its mounts (each runs without CAP_SYS_ADMIN or a way to regain it). None where
+        it could not be built: each command's init then builds its own, and says why not."""
         key = json.dumps(steps)
         if key not in self.views:
             proc = self.pid_namespace.proc if self.pid_namespace is not None else None
