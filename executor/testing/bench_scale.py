@@ -10,6 +10,7 @@ driver's memory and file descriptors, and the machine's CPU time.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -209,6 +210,9 @@ def _fds(pid: int) -> int:
         return 0
 
 
+_GROUPS = itertools.count()
+
+
 class TreeCpu:
     """The CPU of this process and of everything it starts meanwhile (Ray, the workers, every sandbox
     process), exactly, whoever reaps whom, and nothing of the rest of the machine: from a cpuacct cgroup
@@ -233,7 +237,9 @@ class TreeCpu:
                 for line in Path("/proc/self/cgroup").read_text().splitlines()
                 if "cpuacct" in line.split(":", 2)[1].split(",")
             )
-            group = self.ROOT / home.lstrip("/") / f"rollout-bench-{os.getpid()}"
+            # A group per run: one left behind by the run before (a process of its cluster still
+            # exiting) must not leave this one unmeasured.
+            group = self.ROOT / home.lstrip("/") / f"rollout-bench-{os.getpid()}-{next(_GROUPS)}"
             group.mkdir()
             for part in self.PARTS:
                 (group / part).mkdir()
@@ -266,18 +272,33 @@ class TreeCpu:
         for part in self.PARTS:
             with contextlib.suppress(OSError, ValueError):
                 self.parts[part] = int((self.group / part / "cpuacct.usage").read_text()) / 1e9
-            try:
-                (self.group / part).rmdir()
-            except OSError:
+            if not _remove_group(self.group / part):
                 self.left.append(
                     f"{self.group / part}: {(self.group / part / 'cgroup.procs').read_text()[:200]}"
                 )
         try:
             self.seconds = int((self.group / "cpuacct.usage").read_text()) / 1e9
             (self.ROOT / str(self._home).lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
-            self.group.rmdir()  # fails while a process is left in it: then it stays, to be looked at
         except OSError:
             pass
+        # Where a process of the cluster is left in it past the bound, it stays, to be looked at.
+        _remove_group(self.group)
+
+
+def _remove_group(group: Path, timeout_s: float = 15.0) -> bool:
+    """Remove a CPU group once the processes still exiting in it are gone (the cluster's last ones are
+    ended just before); bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            group.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+        time.sleep(0.1)  # a condition, looked at again; bounded
 
 
 def _own_cpu_s() -> float:
@@ -452,6 +473,34 @@ def line(f: dict[str, Any]) -> str:
     )
 
 
+def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
+    """What one more session costs by part, and the run's fixed costs, from two runs of ``scale`` that
+    differ only in their number of sessions: the cluster's start, each worker process's start and
+    imports, the driver's own are paid once a run (and once a cluster), not per session, and a run of
+    1,000 sessions on a fresh cluster carries them as ~30 ms a rollout."""
+    rows = big["rows"] - small["rows"]
+    small_parts, big_parts = small["parts_cpu_ms_per_rollout"], big["parts_cpu_ms_per_rollout"]
+    if rows <= 0 or not small_parts or not big_parts:
+        return {}
+    per = {
+        part: (big_parts[part] * big["rows"] - small_parts[part] * small["rows"]) / rows for part in big_parts
+    }
+    fixed_s = {part: (small_parts[part] - per[part]) * small["rows"] / 1000 for part in per}
+    return {"per_session_ms": per, "fixed_s": fixed_s, "small_rows": small["rows"]}
+
+
+def fixed_line(figures: dict[str, Any]) -> str:
+    per, fixed = figures["per_session_ms"], figures["fixed_s"]
+    return (
+        f"(f) beyond the run's fixed costs (the difference from a run of {figures['small_rows']} sessions): "
+        f"{sum(per.values()):.1f} ms of CPU per session: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+        + f" ms; fixed, once a run: {sum(fixed.values()):.1f} s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in fixed.items())
+        + " s"
+    )
+
+
 # ----------------------------------------------------------------------------------------------------
 # The provider-level probe: what one local sandbox costs the machine, without Ray or a session around it
 
@@ -555,15 +604,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sleep", type=float, default=30.0)
     parser.add_argument("--nodes", type=int, default=0, help="raylets of this machine (0: a local cluster)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--fixed",
+        action="store_true",
+        help="first a run of one session per worker, to report the CPU per session beyond the fixed costs",
+    )
     args = parser.parse_args(argv)
     import shutil
 
-    scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
-    try:
-        figures = scale(args.sessions, args.workers, args.sleep, scratch, args.nodes)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    print(line(figures), flush=True)
+    runs = [args.workers, args.sessions] if args.fixed else [args.sessions]
+    results = []
+    for sessions in runs:
+        scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
+        try:
+            results.append(scale(sessions, args.workers, args.sleep, scratch, args.nodes))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print(line(results[-1]), flush=True)
+    figures = results[-1]
+    if args.fixed:
+        figures["beyond_fixed"] = beyond_fixed(results[0], figures)
+        if figures["beyond_fixed"]:
+            print(fixed_line(figures["beyond_fixed"]), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
 
