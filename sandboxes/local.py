@@ -2,9 +2,12 @@
 
 Layout of one session, ``<root>/<run_id>/<session_id>/``::
 
-    work/         the workspace (``sandbox.workdir``)
-    home/         HOME, with the XDG directories under it
-    tmp/          TMPDIR
+    disk/         the sandbox's own filesystem where it has one (a tmpfs of its disk bound: diskfs.py),
+                  else these are directly in the session's directory:
+      work/         the workspace (``sandbox.workdir``)
+      home/         HOME, with the XDG directories under it
+      tmp/          TMPDIR
+      passwd, group its user's account files, bound at /etc in its view
     logs/         <name>.stdout / <name>.stderr of each exec, capped
     run/          each exec's supervisor result; the supervisors' log
     sandbox.json  the descriptor another process uses to reap this sandbox; it names the owner
