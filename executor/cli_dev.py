@@ -101,6 +101,12 @@ def bench(
     scale_sleep: Annotated[
         float, typer.Option(min=0, max=3600, help="(f) seconds each session sleeps.")
     ] = 30.0,
+    scale_fixed: Annotated[
+        bool,
+        typer.Option(
+            help="(f) first one session per worker: the CPU per session beyond the run's fixed costs."
+        ),
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
     markdown_out: Annotated[
         Path | None,
@@ -155,6 +161,7 @@ def bench(
         cold_concurrency=cold_concurrency,
         container=container,
         scale=(scale_sessions, scale_workers, scale_sleep),
+        scale_fixed=scale_fixed,
         isolation=isolation,
         store_out=store_out,
     )

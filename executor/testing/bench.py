@@ -75,6 +75,7 @@ def run_all(
     cold_concurrency: int = 1,
     container: Any = None,
     scale: tuple[int, int, float] = (1000, 8, 30.0),
+    scale_fixed: bool = False,
     isolation: str | None = None,
     store_out: str | None = None,
 ) -> dict[str, Any]:
@@ -142,8 +143,12 @@ def run_all(
         if "f" in parts:
             from executor.testing import bench_scale
 
-            out["f"] = f = bench_scale.scale(*scale, scratch)
-            echo(bench_scale.line(f))
+            (scratch / "f").mkdir()
+            if scale_fixed:
+                out["f"] = bench_scale.scale_and_fixed(*scale, scratch / "f", 0, echo)
+            else:
+                out["f"] = f = bench_scale.scale(*scale, scratch / "f")
+                echo(bench_scale.line(f))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out["load"].append(os.getloadavg()[0])

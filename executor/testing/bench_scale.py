@@ -10,6 +10,7 @@ driver's memory and file descriptors, and the machine's CPU time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -473,6 +474,23 @@ def line(f: dict[str, Any]) -> str:
     )
 
 
+def scale_and_fixed(
+    sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int, echo: Any
+) -> dict[str, Any]:
+    """``scale`` after a run of one session per worker (each in a directory of its own under ``scratch``),
+    its figures with ``beyond_fixed`` of the two; ``echo`` says each run's line as it ends."""
+    runs = []
+    for n in (workers, sessions):
+        (scratch / str(n)).mkdir()
+        runs.append(scale(n, workers, sleep_s, scratch / str(n), nodes))
+        echo(line(runs[-1]))
+    figures = runs[-1]
+    figures["beyond_fixed"] = beyond_fixed(runs[0], figures)
+    if figures["beyond_fixed"]:
+        echo(fixed_line(figures["beyond_fixed"]))
+    return figures
+
+
 def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     """What one more session costs by part, and the run's fixed costs, from two runs of ``scale`` that
     differ only in their number of sessions: the cluster's start, each worker process's start and
@@ -612,20 +630,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import shutil
 
-    runs = [args.workers, args.sessions] if args.fixed else [args.sessions]
-    results = []
-    for sessions in runs:
-        scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
-        try:
-            results.append(scale(sessions, args.workers, args.sleep, scratch, args.nodes))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        print(line(results[-1]), flush=True)
-    figures = results[-1]
-    if args.fixed:
-        figures["beyond_fixed"] = beyond_fixed(results[0], figures)
-        if figures["beyond_fixed"]:
-            print(fixed_line(figures["beyond_fixed"]), flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="rollout-bench-", dir=str(Path.home())))
+    try:
+        if args.fixed:
+            echo = functools.partial(print, flush=True)
+            figures = scale_and_fixed(args.sessions, args.workers, args.sleep, scratch, args.nodes, echo)
+        else:
+            figures = scale(args.sessions, args.workers, args.sleep, scratch, args.nodes)
+            print(line(figures), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
 
