@@ -372,9 +372,11 @@ async def test_images_without_python_host_the_agent(tmp_path, provider, test_ima
 
 
 async def test_dockerfile_built_once_for_concurrent_starts(tmp_path, provider, test_images):
-    context = tmp_path / "ctx"
-    context.mkdir()
     nonce = uuid.uuid4().hex
+    # The build log is the machine's and outlives pytest's numbered directories, whose numbers start
+    # again once they are cleared: a path of this run's own, so that only its builds are counted.
+    context = tmp_path / f"ctx-{nonce}"
+    context.mkdir()
     (context / "Dockerfile").write_text(f"FROM {test_images.base}\nRUN echo {nonce} > /etc/nonce\n")
     sandboxes = await asyncio.gather(*(provider.start(spec(build_context=str(context))) for _ in range(3)))
     try:
