@@ -50,12 +50,20 @@ def gateway_socket(tmp_path: Path) -> Iterator[str]:
         yield path
 
 
+# The build log is the machine's: it outlives pytest's numbered directories, whose numbers start again
+# once they are cleared, so a test's context path may be an earlier session's too. Only this session's
+# builds count.
+_SESSION_START = int(time.time())
+
+
 def builds_of(context: Path) -> list[str]:
-    """The lines of the cache's build log for ``context``: one per build of it."""
+    """The lines of the cache's build log for ``context`` since this session began: one per build of it."""
     from harnesses.install import default_cache_root
 
     log = default_cache_root() / "images" / "builds.log"
-    return [line for line in log.read_text().splitlines() if line.split()[3:4] == [str(context)]]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    ours = [f for f in lines if f[3:4] == [str(context)] and f[0].isdigit()]
+    return [" ".join(f) for f in ours if int(f[0]) >= _SESSION_START]
 
 
 def remove_built(context: Path) -> None:
@@ -372,11 +380,9 @@ async def test_images_without_python_host_the_agent(tmp_path, provider, test_ima
 
 
 async def test_dockerfile_built_once_for_concurrent_starts(tmp_path, provider, test_images):
-    nonce = uuid.uuid4().hex
-    # The build log is the machine's and outlives pytest's numbered directories, whose numbers start
-    # again once they are cleared: a path of this run's own, so that only its builds are counted.
-    context = tmp_path / f"ctx-{nonce}"
+    context = tmp_path / "ctx"
     context.mkdir()
+    nonce = uuid.uuid4().hex
     (context / "Dockerfile").write_text(f"FROM {test_images.base}\nRUN echo {nonce} > /etc/nonce\n")
     sandboxes = await asyncio.gather(*(provider.start(spec(build_context=str(context))) for _ in range(3)))
     try:
