@@ -87,11 +87,14 @@ def unmount(session_dir: str, keep: Callable[[str, str], None] | None = None) ->
         os.mkdir(kept, 0o700)
         keep(disk, kept)
     legacy = os.path.join(session_dir, _LEGACY_DISK_DIR)
-    for path in [*(os.path.join(session_dir, name) for name in _LEGACY_BINDS), legacy, disk]:
-        _detach(path)
-    for path in (legacy, disk):
+    if os.path.isdir(legacy):  # only a reaper meets one: no stop pays for these look-ups
+        for path in [*(os.path.join(session_dir, name) for name in _LEGACY_BINDS), legacy]:
+            _detach(path)
         with contextlib.suppress(OSError):
-            os.rmdir(path)
+            os.rmdir(legacy)
+    _detach(disk)
+    with contextlib.suppress(OSError):
+        os.rmdir(disk)
     if kept is not None:
         with contextlib.suppress(OSError):  # else the kept files stay in disk.kept
             os.rename(kept, disk)

@@ -480,9 +480,9 @@ def scale_and_fixed(
     """``scale`` after a run of one session per worker (each in a directory of its own under ``scratch``),
     its figures with ``beyond_fixed`` of the two; ``echo`` says each run's line as it ends."""
     runs = []
-    for n in (workers, sessions):
-        (scratch / str(n)).mkdir()
-        runs.append(scale(n, workers, sleep_s, scratch / str(n), nodes))
+    for name, n in (("fixed", workers), ("run", sessions)):
+        (scratch / name).mkdir()
+        runs.append(scale(n, workers, sleep_s, scratch / name, nodes))
         echo(line(runs[-1]))
     figures = runs[-1]
     figures["beyond_fixed"] = beyond_fixed(runs[0], figures)
