@@ -52,6 +52,25 @@ def _machine_cpu_s() -> float:
     return busy / _TICK
 
 
+def _kernel_threads() -> dict[tuple[int, int], int]:
+    """The CPU ticks each of the kernel's threads has spent so far, by (pid, start time): kworkers come and
+    go, and where the machine runs one, its kdamond (a DAMON monitor) costs more with every process that
+    maps a shared page, so a thousand sandboxes' interpreters make it a visible part of the machine's CPU."""
+    ticks: dict[tuple[int, int], int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+                if name == "2" or fields[1] == b"2":  # kthreadd, and what it started
+                    ticks[(int(name), int(fields[19]))] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def _kernel_threads_cpu_s(before: dict[tuple[int, int], int]) -> float:
+    """What the kernel's threads alive now spent since ``before`` (a thread that ended meanwhile is lost)."""
+    return sum(t - before.get(key, 0) for key, t in _kernel_threads().items()) / _TICK
+
+
 class Sampler:
     """Peaks of what a run holds, read from /proc on a thread of its own until ``stop``."""
 
@@ -357,6 +376,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     sandbox_root = scratch / "sb"
     command_ms = _command_by_hand_ms(command)
     cpu0, tree0, t0 = _machine_cpu_s(), _tree_cpu_s(), time.monotonic()
+    kernel0 = _kernel_threads()
     own0 = _own_cpu_s()
     with TreeCpu() as ours, Sampler(sandbox_root, ours, workers) as sampler:
         with contextlib.ExitStack() as stack:
@@ -369,6 +389,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     # The driver is this process (its loop, its Ray client's threads), less the sampler's threads.
     driver_cpu = _own_cpu_s() - own0 - sampler_cpu
     cpu, tree = _machine_cpu_s() - cpu0, _tree_cpu_s() - tree0
+    kernel = _kernel_threads_cpu_s(kernel0)
     left = _left_behind(sandbox_root) + ours.left
     phases = ["t_setup_s", "t_agent_s", "t_verify_s", "t_cleanup_s"]
     columns = ["started_at", "t_total_s", "status", "failure_kind", *phases]
@@ -409,6 +430,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
             name: _median_p90([v for v in cols[name] if v is not None]) for name in phases
         },
         "machine_cpu_s": cpu,  # everything the machine did meanwhile
+        "kernel_threads_cpu_s": kernel,  # of which the kernel's threads (those alive at the end)
         # The driver, its cluster and every sandbox process: the run's whole cost (None: unmeasured).
         "run_cpu_s": ours.seconds,
         "run_cpu_ms_per_rollout": ours.seconds / rows * 1000 if ours.seconds else None,
@@ -459,7 +481,8 @@ def line(f: dict[str, Any]) -> str:
         f"{f['sessions_per_worker']}{nodes}): sessions' span {f['sessions_span_s']:.1f} s against "
         f"{f['ideal_s']:.0f} s ideal (overhead {f['overhead_of_span']:.1%} of the span), whole run "
         f"{f['wall_s']:.1f} s; CPU of the driver and its cluster {f['tree_cpu_s']:.0f} s "
-        f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s); "
+        f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s, "
+        f"its kernel threads' {f.get('kernel_threads_cpu_s', 0):.0f} s of it); "
         + (
             f"CPU of the run as a whole, its sandboxes included, {f['run_cpu_s']:.0f} s "
             f"({f['run_cpu_ms_per_rollout']:.0f} ms per rollout); "
