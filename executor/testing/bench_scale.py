@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +53,24 @@ def _machine_cpu_s() -> float:
     return busy / _TICK
 
 
+def _stat_fields() -> Iterator[tuple[int, list[bytes]]]:
+    """Each process's /proc stat fields after its command name (state first, its parent second), for
+    every process that is there to read."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                yield int(name), Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+
+
 def _kernel_threads() -> dict[tuple[int, int], int]:
     """The CPU ticks each of the kernel's threads has spent so far, by (pid, start time): kworkers come and
     go, and where the machine runs one, its kdamond (a DAMON monitor) costs more with every process that
     maps a shared page, so a thousand sandboxes' interpreters make it a visible part of the machine's CPU."""
-    ticks: dict[tuple[int, int], int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()
-                if name == "2" or fields[1] == b"2":  # kthreadd, and what it started
-                    ticks[(int(name), int(fields[19]))] = int(fields[11]) + int(fields[12])
-    return ticks
+    return {
+        (pid, int(fields[19])): int(fields[11]) + int(fields[12])
+        for pid, fields in _stat_fields()
+        if pid == 2 or fields[1] == b"2"  # kthreadd, and what it started
+    }
 
 
 def _kernel_threads_cpu_s(before: dict[tuple[int, int], int]) -> float:
@@ -108,12 +115,7 @@ class Sampler:
         workers: set[int] = set()
         roots: set[int] = set()
         while not self._stop.wait(MOVE_S) and len(roots) < self.expected_workers:
-            parent: dict[int, int] = {}
-            for name in os.listdir("/proc"):
-                if name.isdigit():
-                    with contextlib.suppress(OSError, IndexError, ValueError):
-                        stat = Path(f"/proc/{name}/stat").read_bytes()
-                        parent[int(name)] = int(stat.rsplit(b")", 1)[1].split()[1])
+            parent = {pid: int(fields[1]) for pid, fields in _stat_fields()}
             for pid in _descendants({os.getpid()}, parent) - workers - roots:
                 try:
                     title = Path(f"/proc/{pid}/cmdline").read_bytes()[:300]
@@ -158,17 +160,13 @@ class Sampler:
         parent: dict[int, int] = {}
         title: dict[int, bytes] = {}
         in_sandbox: set[int] = set()
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            pid = int(name)
+        for pid, fields in _stat_fields():
+            parent[pid] = int(fields[1])
             try:
-                stat = Path(f"/proc/{pid}/stat").read_bytes()
-                parent[pid] = int(stat.rsplit(b")", 1)[1].split()[1])
                 title[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()[:64]
                 if os.readlink(f"/proc/{pid}/cwd").encode().startswith(self.marker):
                     in_sandbox.add(pid)
-            except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, ValueError):
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue
         ours = _descendants({os.getpid()}, parent)
         workers = {p for p in ours if title.get(p, b"").startswith(WORKER_TITLE)}
