@@ -15,6 +15,11 @@ the host's mount namespace as the server is::
     server ─┬ init (pid 1: the namespace's /proc; reaps orphans; ends with the server)
             └ supervisor ── command       (one per command, each inside the namespace)
 
+Where the fork server (zygote.py) has a base mount namespace and every command a view, it forks the
+server into a fresh PID namespace instead, and the server is its init itself (``ServerInit``)::
+
+    server (pid 1; the relay's threads) ── supervisor ── command
+
 With a network forward, the init also unshares the sandbox's loopback-only network namespace and runs the
 gateway forwarder in it (netns.py), and each supervisor joins that namespace too. The filesystem view
 is built once by the server, and joined by each command's init (supervisor_server.py, spawn.py); the
@@ -38,6 +43,7 @@ else:  # imported by the server run by path, with its directory on sys.path
     import netns
     import proctree
 
+CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -48,6 +54,8 @@ NAMESPACE_END_S = 10.0  # bound on the kernel's teardown of a PID namespace's pr
 
 class PidNamespace:
     """A PID namespace for a server's supervisors, and the mount namespace holding its /proc."""
+
+    parent_pid_inside = 0  # what a supervisor sees as its parent's pid: the server is outside
 
     def __init__(
         self, network: tuple[int, str] | None = None, close: tuple[int, ...] = (), *, own_mounts: bool = True
@@ -131,6 +139,80 @@ class PidNamespace:
             proctree.libc_call("setns", self.net_ns, CLONE_NEWNET)
             os.close(self.net_ns)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+
+
+class ServerInit:
+    """The PID namespace of a server that is its init itself: forked into a fresh one by the fork server
+    (zygote.py), where every view is built from the base mount namespace and each supervisor reads the
+    namespace's /proc by descriptor. One long-lived process a sandbox, not two: a forked interpreter
+    costs ~2.5 ms of CPU at its start and its pages' share of the machine's memory scans while it
+    waits. The server stays in the host's mount namespace (its /proc the host's: the pids it reports are
+    the host's, ``host_pid``); commands cannot reach it, as they could not reach the init before: they
+    run as another uid, or with no boundary claimed. With a network forward the server unshares the
+    sandbox's network namespace and relays in threads of its own (netns.py), each on the host's
+    filesystem root: its main thread then takes a filesystem context of its own, as ``setns`` into a
+    view's mount namespace needs."""
+
+    init_pid = None  # no child of the server's is the namespace's init
+    mount_ns = None
+    net_ns = None
+    parent_pid_inside = 1  # what a supervisor sees as its parent's pid: the server's own
+
+    def __init__(self, network: tuple[int, str] | None = None) -> None:
+        if os.getpid() != 1:
+            raise OSError("the server is not the init of a PID namespace")
+        self.proc: int | None = fsview.detached_proc()
+        if network is not None:
+            proctree.libc_call("unshare", CLONE_NEWNET)
+            netns.start_forwarder(*network)
+            proctree.libc_call("unshare", CLONE_FS)
+
+    def enter(self) -> None:
+        """In a supervisor just forked by the server: the namespace's /proc, and no CAP_SYS_ADMIN for
+        any program started after this (it could not mount a procfs of the host's from here anyway)."""
+        assert self.proc is not None
+        proctree.use_proc(self.proc)
+        proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+
+    def held(self) -> tuple[int, ...]:
+        """The descriptors a supervisor keeps of ours."""
+        return () if self.proc is None else (self.proc,)
+
+    def end(self, timeout: float, wake: int | None = None) -> bool:
+        """Kill whatever is left in the namespace (every process but us) and reap it; True once we have
+        no child left. Our exit would end them too; this way the server's last word can say so."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        while True:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return True
+            remaining = deadline - time.monotonic()
+            if pid == 0 and remaining <= 0:
+                return False
+            if pid == 0 and wake is not None:
+                select.select([wake], [], [], min(remaining, 0.1))
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake, 512):
+                        pass
+            elif pid == 0:
+                time.sleep(min(remaining, 0.01))
+
+
+def host_pid(pid: int) -> int:
+    """The host's pid of ``pid``, a process of our own PID namespace, from the pidfd's fdinfo in the
+    host's /proc (its first NSpid field is in that procfs's namespace)."""
+    fd = os.pidfd_open(pid)
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[1])
+    finally:
+        os.close(fd)
+    raise OSError(f"no NSpid for pid {pid}")
 
 
 def _pid_namespace_init(

@@ -35,12 +35,13 @@ import sys
 import time
 
 if __package__:
-    from sandboxes import fsview, namespaces, proctree, supervisor
+    from sandboxes import fsview, namespaces, proctree, spawn, supervisor
 else:  # run by path: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fsview
     import namespaces
     import proctree
+    import spawn
     import supervisor
 
 # Neither `typing` nor `subprocess` at start-up (here or in the modules above): every sandbox starts a
@@ -134,7 +135,11 @@ class _Server:
             self._child(req)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
         self.children[pid] = req_id
-        self.reply({"id": req_id, "pid": pid})
+        try:  # the worker signals it by the host's pid
+            shown = _host_pid(pid)
+        except OSError:  # gone already (its status follows): a pid the worker will not find
+            shown = 0
+        self.reply({"id": req_id, "pid": shown})
 
     def _child(self, req: dict[str, Any]) -> None:
         code = 1
@@ -149,12 +154,18 @@ class _Server:
                     # after this server started), not from the namespace's copy: the init joins them.
                     params["host_mounts_fd"] = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
                 self.pid_namespace.enter()
-                params["parent_pid"] = 0
+                params["parent_pid"] = self.pid_namespace.parent_pid_inside
             if per_command_view and self.base_mounts is not None:
                 params["base_mounts_fd"] = self.base_mounts
             for fd in (self.wake_r, self.wake_w, self.worker):
                 os.close(fd)
             self.sel.close()
+            if isinstance(self.pid_namespace, namespaces.ServerInit):
+                # The relay's sockets (its threads may have accepted one as we forked) and the other
+                # views: a copy held here would keep a connection open past the relay's close.
+                keep = [*self.pid_namespace.held(), *params.get("view_fds", ())]
+                keep += [fd for fd in (params.get("base_mounts_fd"), self.busy) if fd is not None]
+                _close_all_but(sorted(set(keep)))
             null = os.open(os.devnull, os.O_RDWR)
             log = os.open(params["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(null, 0)
@@ -321,7 +332,7 @@ def _build_view(
     try:
         if os.read(ready_r, 1) == b"1":
             for kind in ("mnt", "ipc"):
-                opened.append(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
+                opened.append(os.open(f"/proc/{_host_pid(pid)}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
     except OSError:
         pass
     finally:
@@ -332,6 +343,22 @@ def _build_view(
     for fd in opened:
         os.close(fd)
     return None
+
+
+def _host_pid(pid: int) -> int:
+    """``pid``, a child of ours, as the host's /proc (ours) names it: only a server that is its PID
+    namespace's init (namespaces.ServerInit) is pid 1, and its children's pids are the namespace's."""
+    return namespaces.host_pid(pid) if os.getpid() == 1 else pid
+
+
+def _close_all_but(keep: list[int]) -> None:
+    """Close every descriptor from 3 up but ``keep`` (sorted)."""
+    low = 3
+    for fd in keep:
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, spawn.MAX_FD)
 
 
 def _hold_shared(path: str) -> int | None:
@@ -352,12 +379,16 @@ def serve(
     network: tuple[int, str] | None,
     base_mounts: int | None = None,
     views: bool = False,
+    as_init: bool = False,
 ) -> int:
     """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd).
     ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from.
     ``views``: every command of the sandbox has a view; with ``base_mounts``, its PID namespace then
-    needs no mount namespace of its own (namespaces.py)."""
-    write_line(1, {"ready": os.getpid()})
+    needs no mount namespace of its own (namespaces.py). ``as_init``: we were forked as the init of the
+    sandbox's PID namespace (namespaces.ServerInit), which needs both."""
+    # Forked into a PID namespace of its own (``as_init``), we are its pid 1: the worker knows us by the
+    # host's pid, which the host's /proc (our mount namespace's) names as "self".
+    write_line(1, {"ready": int(os.readlink("/proc/self")) if as_init else os.getpid()})
     # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
     # where a walk would copy every page it touches.
     gc.freeze()
@@ -365,7 +396,11 @@ def serve(
     try:
         held = (worker,) if base_mounts is None else (worker, base_mounts)
         own_mounts = not (views and base_mounts is not None)
-        namespace = namespaces.PidNamespace(network, held, own_mounts=own_mounts) if pid_namespace else None
+        namespace: namespaces.PidNamespace | namespaces.ServerInit | None = None
+        if as_init:
+            namespace = namespaces.ServerInit(network)
+        elif pid_namespace:
+            namespace = namespaces.PidNamespace(network, held, own_mounts=own_mounts)
         server = _Server(worker, namespace, base_mounts)
         server.install_signals()
         code = server.serve()

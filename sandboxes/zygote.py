@@ -37,6 +37,7 @@ import warnings  # noqa: F401  os.get_exec_path imports it, in each command's in
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path with -I
 # fsview, netns, pidlimit: what supervisor_server.main imports for an isolated command's init, here once.
 import fsview
+import namespaces
 import netns  # noqa: F401
 import pidlimit  # noqa: F401
 import proctree
@@ -118,6 +119,8 @@ class _Zygote:
         if os.getppid() != worker_pid:
             raise SystemExit(0)  # the worker died before its pidfd was open: nobody to serve
         self.base = _base_mounts()
+        # Our own PID namespace, to return our children's to after forking a server into a new one.
+        self.pid_ns = -1 if self.base is None else os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.placeholder = os.environ[MARKER_VAR]
         self.marker_at = _marker_address()
         self.control = socket.socket(fileno=control_fd)
@@ -185,20 +188,28 @@ class _Zygote:
         views: bool = False,
     ) -> None:
         gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
+        # Where every view is made from the base, the server is its PID namespace's init itself
+        # (namespaces.ServerInit): a fork and a long-lived process less a sandbox.
+        as_init = pid_namespace and views and self.base is not None
         try:
+            if as_init:
+                proctree.libc_call("unshare", namespaces.CLONE_NEWPID)
             pid = os.fork()
         except OSError as exc:
+            pid = -1
             supervisor_server.write_line(out, {"error": f"fork failed: {exc}"})
-            return
-        if pid:
+        if pid and as_init:  # our next child is born in our own namespace again
+            proctree.libc_call("setns", self.pid_ns, namespaces.CLONE_NEWPID)
+        if pid > 0:
             self.children.add(pid)
+        if pid:
             return
         code = 1
         try:
             self._become_server(token, stdin, out)
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
             base = BASE_FD if self.base is not None else None
-            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views)
+            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init)
         except BaseException as exc:  # a forked child must never return into the zygote
             os.write(2, f"zygote child: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
         finally:

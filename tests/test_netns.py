@@ -3,6 +3,7 @@ through its Unix socket. Never probes an outside address: it only lists the name
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,7 +22,9 @@ from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import netns
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider
+from sandboxes.proctree import read_proc, snapshot
 from tests.conftest import processes_under
+from tests.test_local_sandbox import Fifo
 
 
 def _unavailable() -> str | None:
@@ -36,13 +39,13 @@ pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavaila
 
 
 @asynccontextmanager
-async def _isolated(tmp_path: Path) -> AsyncIterator[tuple[Any, Gateway]]:
+async def _isolated(tmp_path: Path, **layers: Any) -> AsyncIterator[tuple[Any, Gateway]]:
     scripted = ScriptedModel()
     await scripted.start()
     gateway = Gateway(scripted.base_url, None)
     await gateway.start(unix_path=str(tmp_path / "gw.sock"))
     forward = (urlsplit(gateway.url).port or 0, str(tmp_path / "gw.sock"))
-    provider = LocalSandboxProvider(tmp_path / "sandboxes", network_forward=forward)
+    provider = LocalSandboxProvider(tmp_path / "sandboxes", network_forward=forward, **layers)
     sandbox = await provider.start(SandboxSpec(run_id="r", session_id="s", ttl_s=120))
     try:
         yield sandbox, gateway
@@ -62,6 +65,62 @@ async def test_the_namespace_has_only_loopback(tmp_path):
     assert names.stdout_tail.strip() == "['lo']"
     listed = [line.split(":")[0].strip() for line in devices.stdout_tail.splitlines()[2:] if ":" in line]
     assert listed == ["lo"]
+
+
+HOLD = """
+import socket, sys
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20)
+with open(sys.argv[2], "w") as report:
+    report.write("connected\\n")
+conn.recv(1)  # until the relay's end of it closes
+"""
+WAIT = """
+import sys
+with open(sys.argv[1], "w") as report:
+    report.write("waiting\\n")
+open(sys.argv[2]).readline()
+"""
+
+
+async def test_the_server_is_its_namespaces_init_and_no_supervisor_holds_a_relayed_connection(tmp_path):
+    """With a view from the base mount namespace (root's), the sandbox's supervisor server is its PID
+    namespace's init and runs the relay itself (namespaces.ServerInit): no process of its own besides,
+    the supervisors' host pids reported, and none of the relay's sockets (a connection it holds as a
+    supervisor is forked) left in a supervisor, where it would outlive the relay's close of it."""
+    async with _isolated(tmp_path, pids="isolated", filesystem="readonly") as (sandbox, gateway):
+        server = sandbox._server.pid
+        nspid = [
+            line.split()[1:]
+            for line in Path(f"/proc/{server}/status").read_text().splitlines()
+            if line.startswith("NSpid:")
+        ]
+        assert nspid == [[str(server), "1"]]
+        report, go = Fifo(Path(sandbox.workdir) / "report"), Fifo(Path(sandbox.workdir) / "go")
+        port = str(urlsplit(gateway.url).port)
+        holder = asyncio.ensure_future(sandbox.exec([sys.executable, "-c", HOLD, port, "report"], timeout=60))
+        waiter = None
+        try:
+            assert await report.lines(1) == ["connected"]
+            waiter = asyncio.ensure_future(
+                sandbox.exec([sys.executable, "-c", WAIT, "report", "go"], timeout=60)
+            )
+            assert await report.lines(1) == ["waiting"]
+            supervisors = [proc.pid for proc in sandbox._running.values()]
+            assert len(supervisors) == 2
+            assert {read_proc(pid).ppid for pid in supervisors} == {server}
+            children = {pid for pid, info in snapshot().items() if info.ppid == server}
+            assert children == set(supervisors)  # no init of the namespace beside them
+            for pid in supervisors:
+                held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+                assert not [name for name in held if name.startswith("socket:")], held
+            os.write(go._w, b"go\n")
+            assert (await waiter).exit_code == 0
+        finally:
+            for task in (holder, waiter):
+                if task is not None and not task.done():
+                    task.cancel()
+            report.close()
+            go.close()
 
 
 FETCH = """

@@ -108,7 +108,8 @@ async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tm
         await provider.aclose()
     shell, *entries = res.stdout_tail.split()
     pids = sorted(int(entry) for entry in entries if entry.isdigit())
-    # The init (1), the supervisor, the shell, its `ls`: a child that built the view would have taken
-    # the pid after the init's, and an exited one is reaped by then.
+    # The namespace's init (1: the server itself, namespaces.ServerInit), the supervisor, the shell, its
+    # `ls`: a child that built the view would have taken the pid after the init's, and an exited one is
+    # reaped by then.
     assert int(shell) == (3 if _kernel_clones_detached_mounts() else 4), res.stdout_tail
     assert pids == [1, int(shell) - 1, int(shell), int(shell) + 1], res.stdout_tail
