@@ -40,7 +40,7 @@ from sandboxes.exec_server import ExecServer, ServedExec
 from sandboxes.inline import inline_if, small_inline, small_tree
 from sandboxes.local_files import _copy_dir_stat, confined_path, copy_tree, write_confined
 from sandboxes.local_reap import DESCRIPTOR_NAME, _kill_tree
-from sandboxes.owner import boot_id, start_ticks
+from sandboxes.owner import boot_id, own_start_ticks
 from sandboxes.workspace import baseline_git_dir
 
 
@@ -167,7 +167,7 @@ class LocalSandbox:
         self.ttl_deadline = self.created_at + spec.ttl_s
         self._owner = owner_name
         self._owner_pid = os.getpid()
-        self._owner_start_ticks = start_ticks(self._owner_pid)
+        self._owner_start_ticks = own_start_ticks()
         self._host = socket.gethostname()
         self._boot_id = boot_id()
         self._running: dict[int, ServedExec] = {}

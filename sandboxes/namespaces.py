@@ -74,6 +74,7 @@ class PidNamespace:
         if pid == 0:
             code = 1
             try:
+                proctree.name_process(b"rollout-nsinit")
                 for fd in (ready_r, self.hold, *close):
                     os.close(fd)
                 code = _pid_namespace_init(ready_w, hold_r, network, own_mounts)

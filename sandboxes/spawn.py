@@ -55,6 +55,7 @@ def _start_init(
     if pid == 0:
         code = 1
         try:
+            proctree.name_process(b"rollout-init")
             os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
             signal.set_wakeup_fd(-1)  # the supervisor's wake-up pipe is not ours to write
             os.close(status_r)

@@ -144,6 +144,7 @@ class _Server:
     def _child(self, req: dict[str, Any]) -> None:
         code = 1
         try:
+            proctree.name_process(b"rollout-sup")
             params = req["params"]
             # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
             params["parent_pid"] = self.me
@@ -306,6 +307,7 @@ def _build_view(
     if pid == 0:
         code = 1
         try:
+            proctree.name_process(b"rollout-view")
             signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours to write
             for fd in (ready_r, hold_w, *close):
                 os.close(fd)
@@ -429,6 +431,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--serve" or not (options in ([], ["--pid-namespace"]) or with_network):
         print(usage, file=sys.stderr)
         return 2
+    proctree.name_process(b"rollout-server")
     parent = int(argv[2])
     worker = os.pidfd_open(parent)
     if os.getppid() != parent:

@@ -217,6 +217,7 @@ class _Zygote:
 
     def _become_server(self, token: str, stdin: int, out: int) -> None:
         """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
+        proctree.name_process(b"rollout-server")
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.sel.close()
@@ -243,6 +244,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3 or not (argv[1].isdigit() and argv[2].isdigit()):
         print("usage: zygote.py WORKER_PID CONTROL_FD", file=sys.stderr)
         return 2
+    proctree.name_process(b"rollout-zygote")
     zygote = _Zygote(int(argv[1]), int(argv[2]))
     return zygote.serve()
 
