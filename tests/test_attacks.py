@@ -244,6 +244,28 @@ async def test_ptrace_of_the_worker_or_the_namespace_init_fails(world):
     assert lines[1] == "1 -1 Operation not permitted"
 
 
+async def test_the_namespaces_init_its_supervisor_server_cannot_be_signalled_or_read(world):
+    """pid 1 of the sandbox's PID namespace is its supervisor server (namespaces.ServerInit), root with
+    the view's namespaces and the worker's pidfd in hand: a command can neither stop it nor look at what
+    it holds, and the sandbox serves its next command."""
+    probes = "; ".join(
+        f"{probe} >/dev/null 2>&1; echo $?"
+        for probe in (
+            "kill -TERM 1",
+            "kill -STOP 1",
+            "kill -KILL 1",
+            "cat /proc/1/environ",
+            "ls /proc/1/fd",
+            "readlink /proc/1/ns/mnt",
+            "cat /proc/1/maps",
+        )
+    )
+    code, out = await _sh(world.a, probes)
+    assert code == 0 and "0" not in out.split(), out
+    again = await world.a.exec(["sh", "-c", "echo alive"], timeout=30)
+    assert again.stdout_tail.strip() == "alive" and world.a._server.alive
+
+
 async def test_writes_outside_the_session_fail(world, host):
     probe = Path(__file__).parent / f".attack-probe-{TAG}"  # a host directory in sight, read-only
     targets = [probe, Path("/etc") / f"attack-{TAG}", host.home / "planted", world.b.workdir + "/planted"]

@@ -109,12 +109,15 @@ class Sampler:
     def _move_loop(self) -> None:
         """Puts each worker actor of ours into the run's "workers" CPU group and each one's fork server
         into its "sandboxes" group as soon as they appear (what they fork after that is born there), so
-        that the run's CPU splits by part exactly. Ends once every worker's fork server is moved."""
+        that the run's CPU splits by part exactly. Ends once every worker's fork server is moved: a server
+        a worker started without one (before its fork server was up) is moved too, but does not count,
+        or the loop could end before the fork servers, and everything they fork, were moved."""
         assert self._cpu is not None
         self._cpu.exclude_this_thread()
         workers: set[int] = set()
         roots: set[int] = set()
-        while not self._stop.wait(MOVE_S) and len(roots) < self.expected_workers:
+        zygotes: set[int] = set()
+        while not self._stop.wait(MOVE_S) and len(zygotes) < self.expected_workers:
             parent = {pid: int(fields[1]) for pid, fields in _stat_fields()}
             for pid in _descendants({os.getpid()}, parent) - workers - roots:
                 try:
@@ -127,6 +130,8 @@ class Sampler:
                 elif parent.get(pid) in workers and any(root in title for root in SANDBOX_ROOTS):
                     if self._cpu.move(pid, "sandboxes"):
                         roots.add(pid)
+                        if SANDBOX_ROOTS[0] in title:
+                            zygotes.add(pid)
                         # What it forked before we saw it (a spare server, its namespace's init).
                         for child in _descendants({pid}, parent) - {pid}:
                             self._cpu.move(child, "sandboxes")
