@@ -36,6 +36,10 @@ ZYGOTE_PATH = str(Path(__file__).resolve().with_name("zygote.py"))
 # How long a fork may take to be acknowledged: the server may still be starting on a loaded host.
 SPAWN_TIMEOUT_S = 120.0
 ZYGOTE_EXIT_S = 2.0  # how long a fork server's death may lag its closed pipes, and its end at close
+# How long a server killed at its stop may take to be gone. One that is its PID namespace's init leaves
+# only once the kernel has reaped everything in the namespace, which a process stuck in the kernel
+# (uninterruptible) can hold up indefinitely: the sandbox's stop then says what is left instead.
+KILLED_EXIT_S = 30.0
 
 
 class ZygoteGone(OSError):
@@ -369,8 +373,13 @@ class ExecServer:
             if not self._exited.done():  # the pidfd names it until we close it, whoever reaps it
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            await self._exited
-        await self._reader
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._exited), KILLED_EXIT_S)
+        if not self._reader.done():  # its answers end with it (cancelled past the bound)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reader, KILLED_EXIT_S)
+        elif not self._reader.cancelled():
+            await self._reader
 
 
 def _spawn_server(

@@ -146,7 +146,8 @@ class _Server:
         try:
             proctree.name_process(b"rollout-sup")
             params = req["params"]
-            # Inside a PID namespace our parent (outside it) shows as pid 0, and the init as 1 once we die.
+            # Inside a PID namespace our parent shows as pid 0 (outside it), or as 1 (a server that is the
+            # namespace's init itself), and the init as 1 once the server dies.
             params["parent_pid"] = self.me
             per_command_view = params.get("view") and not params.get("view_fds")
             if self.pid_namespace is not None:
