@@ -117,9 +117,7 @@ class PidNamespace:
                     break
                 ready, _w, _x = select.select(waits, [], [], remaining)
                 if wake is not None and wake in ready:
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(wake, 512):
-                            pass
+                    _drain(wake)
         finally:
             if exited >= 0:
                 os.close(exited)
@@ -156,13 +154,12 @@ class ServerInit:
 
     init_pid = None  # no child of the server's is the namespace's init
     mount_ns = None
-    net_ns = None
     parent_pid_inside = 1  # what a supervisor sees as its parent's pid: the server's own
 
     def __init__(self, network: tuple[int, str] | None = None) -> None:
         if os.getpid() != 1:
             raise OSError("the server is not the init of a PID namespace")
-        self.proc: int | None = fsview.detached_proc()
+        self.proc = fsview.detached_proc()
         if network is not None:
             proctree.libc_call("unshare", CLONE_NEWNET)
             netns.start_forwarder(*network)
@@ -171,17 +168,17 @@ class ServerInit:
     def enter(self) -> None:
         """In a supervisor just forked by the server: the namespace's /proc, and no CAP_SYS_ADMIN for
         any program started after this (it could not mount a procfs of the host's from here anyway)."""
-        assert self.proc is not None
         proctree.use_proc(self.proc)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
 
     def held(self) -> tuple[int, ...]:
         """The descriptors a supervisor keeps of ours."""
-        return () if self.proc is None else (self.proc,)
+        return (self.proc,)
 
-    def end(self, timeout: float, wake: int | None = None) -> bool:
+    def end(self, timeout: float, wake: int) -> bool:
         """Kill whatever is left in the namespace (every process but us) and reap it; True once we have
-        no child left. Our exit would end them too; this way the server's last word can say so."""
+        no child left (``wake``: readable on a SIGCHLD). Our exit would end them too; this way the
+        server's last word can say so."""
         deadline = time.monotonic() + timeout
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
@@ -193,13 +190,15 @@ class ServerInit:
             remaining = deadline - time.monotonic()
             if pid == 0 and remaining <= 0:
                 return False
-            if pid == 0 and wake is not None:
-                select.select([wake], [], [], min(remaining, 0.1))
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(wake, 512):
-                        pass
-            elif pid == 0:
-                time.sleep(min(remaining, 0.01))
+            if pid == 0:
+                select.select([wake], [], [], remaining)
+                _drain(wake)
+
+
+def _drain(wake: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(wake, 512):
+            pass
 
 
 def host_pid(pid: int) -> int:

@@ -41,7 +41,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 WORKER_TITLE = b"ray::SandboxWorker"
 # A worker's fork server and the supervisor servers started without one: every sandbox process descends
 # from one of these, which the sampler moves into the run's "sandboxes" CPU group as soon as it sees it.
-SANDBOX_ROOTS = (b"zygote.py", b"supervisor_server.py")
+ZYGOTE_TITLE = b"zygote.py"
+SANDBOX_ROOTS = (ZYGOTE_TITLE, b"supervisor_server.py")
 MOVE_S = 0.1  # how often the mover looks for new workers and fork servers
 
 
@@ -130,9 +131,9 @@ class Sampler:
                 elif parent.get(pid) in workers and any(root in title for root in SANDBOX_ROOTS):
                     if self._cpu.move(pid, "sandboxes"):
                         roots.add(pid)
-                        if SANDBOX_ROOTS[0] in title:
+                        if ZYGOTE_TITLE in title:
                             zygotes.add(pid)
-                        # What it forked before we saw it (a spare server, its namespace's init).
+                        # What it forked before we saw it (a spare server, and what that forked).
                         for child in _descendants({pid}, parent) - {pid}:
                             self._cpu.move(child, "sandboxes")
             self._mover_cpu = time.thread_time()
