@@ -72,16 +72,14 @@ class PidNamespace:
         hold_r, self.hold = os.pipe()
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
+
+            def init() -> int:
                 proctree.name_process(b"rollout-nsinit")
                 for fd in (ready_r, self.hold, *close):
                     os.close(fd)
-                code = _pid_namespace_init(ready_w, hold_r, network, own_mounts)
-            except BaseException as exc:  # a forked child must never return into the server
-                os.write(2, f"sandbox pid namespace: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
-            finally:
-                os._exit(code)
+                return _pid_namespace_init(ready_w, hold_r, network, own_mounts)
+
+            proctree.end_child("sandbox pid namespace", init)
         os.close(ready_w)
         os.close(hold_r)
         self.init_pid = pid

@@ -19,6 +19,7 @@ import time
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
+    from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -244,3 +245,21 @@ def name_process(name: bytes) -> None:
     """The name ps, top and perf show for this process (at most 15 bytes) until it execs: every process
     of a sandbox is a fork of one interpreter, and otherwise they all show as "python"."""
     libc_call("prctl", PR_SET_NAME, name, 0, 0, 0)
+
+
+CHILD_ERROR_CHARS = 500  # a forked child's last words on stderr are one bounded line
+
+
+def end_child(what: str, body: Callable[[], int]) -> NoReturn:
+    """In a forked child: run ``body`` and exit with the code it returns. Whatever it raises (SystemExit
+    and KeyboardInterrupt too) ends the child with 1 and one line on stderr, ``what: Error: message``:
+    a fork of an interpreter must never return into its parent's code, where it would go on as a
+    second copy of the parent."""
+    code = 1
+    try:
+        code = body()
+    except BaseException as exc:
+        line = f"{what}: {type(exc).__name__}: {exc}"[:CHILD_ERROR_CHARS]
+        os.write(2, f"{line}\n".encode(errors="replace"))
+    finally:
+        os._exit(code)

@@ -53,8 +53,8 @@ def _start_init(
     status_r, status_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
+
+        def init() -> int:
             proctree.name_process(b"rollout-init")
             os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
             signal.set_wakeup_fd(-1)  # the supervisor's wake-up pipe is not ours to write
@@ -62,11 +62,9 @@ def _start_init(
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, target)
                 os.close(fd)
-            code = _init(p, env, status_w)
-        except BaseException as exc:  # a forked child must never return into the supervisor
-            os.write(2, f"sandbox isolation: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
-        finally:
-            os._exit(code)
+            return _init(p, env, status_w)
+
+        proctree.end_child("sandbox isolation", init)
     os.close(status_w)
     return _Forked(pid), status_r
 

@@ -49,7 +49,7 @@ else:  # run by path: -I leaves our directory off sys.path
 # harness runs.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NoReturn
 
 CLONE_NEWIPC = 0x08000000
 MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
@@ -141,9 +141,8 @@ class _Server:
             shown = 0
         self.reply({"id": req_id, "pid": shown})
 
-    def _child(self, req: dict[str, Any]) -> None:
-        code = 1
-        try:
+    def _child(self, req: dict[str, Any]) -> NoReturn:
+        def child() -> int:
             proctree.name_process(b"rollout-sup")
             params = req["params"]
             # Inside a PID namespace our parent shows as pid 0 (outside it), or as 1 (a server that is the
@@ -176,12 +175,9 @@ class _Server:
             os.close(null)
             os.close(log)
             os.chdir(params["cwd"])
-            code = supervisor.run(params, req.get("env"))
-        except BaseException as exc:  # a forked child must never return into the server
-            with open(2, "w", closefd=False) as err:
-                err.write(f"supervisor: {type(exc).__name__}: {exc}\n")
-        finally:
-            os._exit(code)
+            return supervisor.run(params, req.get("env"))
+
+        proctree.end_child("supervisor", child)
 
     def _view(self, steps: list[list[str]]) -> tuple[int, int] | None:
         """The mount and IPC namespaces of the sandbox's view ``steps`` (sandboxes/fsview.py), built at the
@@ -306,8 +302,8 @@ def _build_view(
             os.close(fd)
         return None
     if pid == 0:
-        code = 1
-        try:
+
+        def view() -> int:
             proctree.name_process(b"rollout-view")
             signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours to write
             for fd in (ready_r, hold_w, *close):
@@ -324,11 +320,9 @@ def _build_view(
             fsview.apply(steps, sources)
             os.write(ready_w, b"1")
             os.read(hold_r, 1)  # until the server has opened our namespaces (or died)
-            code = 0
-        except BaseException as exc:  # a forked child must never return into the server
-            os.write(2, f"sandbox view: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
-        finally:
-            os._exit(code)
+            return 0
+
+        proctree.end_child("sandbox view", view)
     os.close(ready_w)
     os.close(hold_r)
     opened: list[int] = []

@@ -64,19 +64,17 @@ def _base_mounts() -> int | None:
     hold_r, hold_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
+
+        def base() -> int:
             os.close(ready_r)
             os.close(hold_w)
             proctree.libc_call("unshare", CLONE_NEWNS)
             fsview.make_base()
             os.write(ready_w, b"1")
             os.read(hold_r, 1)  # until our parent has opened our namespace (or died)
-            code = 0
-        except BaseException as exc:  # a forked child must never return into the zygote
-            os.write(2, f"zygote: no base mount namespace: {type(exc).__name__}: {exc}\n".encode())
-        finally:
-            os._exit(code)
+            return 0
+
+        proctree.end_child("zygote: no base mount namespace", base)
     os.close(ready_w)
     os.close(hold_r)
     try:
@@ -204,16 +202,14 @@ class _Zygote:
             self.children.add(pid)
         if pid:
             return
-        code = 1
-        try:
+
+        def server() -> int:
             self._become_server(token, stdin, out)
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
             base = BASE_FD if self.base is not None else None
-            code = supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init)
-        except BaseException as exc:  # a forked child must never return into the zygote
-            os.write(2, f"zygote child: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
-        finally:
-            os._exit(code)
+            return supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init)
+
+        proctree.end_child("zygote child", server)
 
     def _become_server(self, token: str, stdin: int, out: int) -> None:
         """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
