@@ -44,13 +44,18 @@ ROW_SCHEMA = pa.schema(
     [(c.name, _arrow(c)) for c in columns_of(Row)], metadata={"rollout_executor_schema": SCHEMA_VERSION}
 )
 
+_ROW_STRUCT = pa.struct(list(ROW_SCHEMA))
+
 
 def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     """Build a batch; every column is named in the schema, a missing key becomes null."""
     unknown = set().union(*(row.keys() for row in rows)) - set(COLUMNS) if rows else set()
     if unknown:
         raise ValueError(f"row has columns outside the schema: {sorted(unknown)}")
-    return pa.RecordBatch.from_pylist(rows, schema=ROW_SCHEMA)
+    # The rows converted as structs in one pass: from_pylist's column-by-column conversion costs twice
+    # as much for the one row a session's worker sends (~0.25 against ~0.12 ms, 57 columns).
+    batch = pa.RecordBatch.from_struct_array(pa.array(rows, type=_ROW_STRUCT))
+    return batch.replace_schema_metadata(ROW_SCHEMA.metadata)
 
 
 def model_call_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -459,7 +459,13 @@ async def _keep_evidence(
         except Exception as exc:
             row.evidence_gaps.append(f"{name}_unavailable: {describe(exc)[:200]}")
             continue
-        await asyncio.to_thread((evidence_dir / name).write_bytes, gzip.compress(data, compresslevel=3))
+        # Compressed in the thread too: up to EVIDENCE_COPY_LIMIT of it (~0.1 s) would hold up the loop
+        # that serves every other session's model requests.
+        await asyncio.to_thread(_write_compressed, evidence_dir / name, data)
+
+
+def _write_compressed(path: Path, data: bytes) -> None:
+    path.write_bytes(gzip.compress(data, compresslevel=3))
 
 
 def _finish(row: Row, outcome: Outcome, timer: _Timer) -> Row:
