@@ -48,6 +48,7 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
+    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
@@ -248,7 +249,7 @@ class CodexHarness:
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport:
         state = _StreamState()
         raw = await read_event_stream(sandbox, result, state.gaps)
-        _parse_events(raw, state)
+        await parse_off_loop(_parse_events, raw, state)
 
         transcript = _Transcript()
         path = await _find_transcript(sandbox, state.thread_id)
@@ -262,7 +263,7 @@ class CodexHarness:
             else:
                 if len(data) >= MAX_TRANSCRIPT_BYTES:
                     state.gaps.append("transcript_truncated")
-                _parse_transcript(data, transcript, state.gaps)
+                await parse_off_loop(_parse_transcript, data, transcript, state.gaps)
 
         usage = state.usage if state.usage is not None else transcript.usage
         if usage is None:

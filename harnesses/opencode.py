@@ -55,6 +55,7 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
+    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
@@ -208,7 +209,7 @@ class OpenCodeHarness:
         gaps: list[str] = []
         stream = _Parts(gaps)
         raw = await read_event_stream(sandbox, result, stream.gaps)
-        _parse_events(raw, stream)
+        await parse_off_loop(_parse_events, raw, stream)
 
         transcript = _Parts(gaps)
         path: str | None = _db_path(sandbox)

@@ -53,6 +53,7 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
+    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
@@ -209,7 +210,7 @@ class PiHarness:
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport:
         stream = _State()
         raw = await read_event_stream(sandbox, result, stream.gaps)
-        _parse_events(raw, stream)
+        await parse_off_loop(_parse_events, raw, stream)
 
         path = _transcript_path(sandbox, stream.session_id, stream.session_timestamp)
         data = await read_or_none(sandbox, path, MAX_TRANSCRIPT_BYTES) if path else None
@@ -222,7 +223,7 @@ class PiHarness:
                 stream.gaps.append("transcript_truncated")
             if not stream.messages:  # the stream was lost: the transcript holds the same messages
                 best = _State(gaps=stream.gaps, unknown=stream.unknown)
-                _parse_transcript(data, best)
+                await parse_off_loop(_parse_transcript, data, best)
 
         usage = best.usage
         if usage is None:

@@ -11,12 +11,14 @@ import fnmatch
 import json
 import logging
 import posixpath
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harnesses import codex
 from harnesses.base import HarnessReport, LaunchContext
 from harnesses.codex import (
     FAILURE_PATTERNS,
@@ -28,7 +30,7 @@ from harnesses.codex import (
     render_config,
     toml_string,
 )
-from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES
+from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES, OFF_LOOP_BYTES
 from policy import FailureKind
 from sandboxes.base import ExecResult, SandboxError
 
@@ -120,6 +122,24 @@ async def parse(sandbox: FakeSandbox, result: ExecResult) -> HarnessReport:
 
 def fixture_events(scenario: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (FIXTURES / scenario / "events.jsonl").read_text().splitlines()]
+
+
+async def test_a_long_stream_is_parsed_in_a_thread_and_a_short_one_on_the_loop(monkeypatch) -> None:
+    """The worker's event loop serves every session's model requests: a stream of megabytes must not
+    hold it up while it is parsed, and the report is the same wherever the parse ran."""
+    threads: list[int] = []
+    parse_events = codex._parse_events
+
+    def spy(raw: bytes, state: Any) -> None:
+        threads.append(threading.get_ident())
+        parse_events(raw, state)
+
+    monkeypatch.setattr(codex, "_parse_events", spy)
+    events = (FIXTURES / "tool_ok" / "events.jsonl").read_bytes()
+    short = await parse(*evidence("tool_ok"))
+    long = await parse(*evidence("tool_ok", events=events + b"\n" * OFF_LOOP_BYTES))
+    assert threads[0] == threading.get_ident() != threads[1]
+    assert long == short and short.tool_calls
 
 
 # --- successful runs -------------------------------------------------------------------------------------
