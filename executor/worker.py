@@ -173,7 +173,11 @@ class SandboxWorker:
                 del self._running[key]
                 async with self._idle:
                     self._idle.notify_all()
-        return batch_to_wire(rows_to_batch([row]))
+        if _captures_tokens(row):
+            # Captured token ids (a million a session is ordinary) take tenths of a second to convert:
+            # not on the loop that serves every other session's model requests.
+            return await asyncio.to_thread(_to_wire, row)
+        return _to_wire(row)
 
     async def _rebind(self, config_json: str, run_dir: str) -> None:
         """Serve another run: what the worker built once (gateway, scripted model, provider, harness) is
@@ -265,6 +269,15 @@ def key_digest(env_name: str | None, nonce: bytes) -> bytes:
     """The HMAC of the API key this process's environment holds: compared, never the key itself."""
     value = os.environ.get(env_name, "") if env_name else ""
     return hmac.new(nonce, value.encode(), hashlib.sha256).digest()
+
+
+def _to_wire(row: dict[str, Any]) -> bytes:
+    return batch_to_wire(rows_to_batch([row]))
+
+
+def _captures_tokens(row: dict[str, Any]) -> bool:
+    calls = row.get("model_calls") or ()
+    return any(call.get("prompt_token_ids") or call.get("completion_token_ids") for call in calls)
 
 
 def built_once(cfg: RunConfig) -> str:
