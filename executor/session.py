@@ -40,6 +40,7 @@ from sandboxes.base import (
     StartsInMilliseconds,
     StopsOnEvent,
 )
+from sandboxes.inline import small_inline
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import lay_out
 
@@ -459,9 +460,9 @@ async def _keep_evidence(
         except Exception as exc:
             row.evidence_gaps.append(f"{name}_unavailable: {describe(exc)[:200]}")
             continue
-        # Compressed in the thread too: up to EVIDENCE_COPY_LIMIT of it (~0.1 s) would hold up the loop
-        # that serves every other session's model requests.
-        await asyncio.to_thread(_write_compressed, evidence_dir / name, data)
+        # Compressed in a thread when large: up to EVIDENCE_COPY_LIMIT of it (~0.2 s) would hold up the
+        # loop that serves every other session's model requests.
+        await small_inline(len(data), _write_compressed, evidence_dir / name, data)
 
 
 def _write_compressed(path: Path, data: bytes) -> None:

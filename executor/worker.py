@@ -34,6 +34,7 @@ from harnesses.gateway.upstreams import MAX_VERSIONS_KEPT
 from harnesses.install import default_cache_root
 from harnesses.registry import make_harness
 from sandboxes.base import HidesPaths, SandboxProvider
+from sandboxes.inline import inline_if
 from sandboxes.prepared import PreparedWorkspaces
 
 # Both imported where a context is built (the scripted model, test machinery, only when a run asks for
@@ -173,11 +174,9 @@ class SandboxWorker:
                 del self._running[key]
                 async with self._idle:
                     self._idle.notify_all()
-        if _captures_tokens(row):
-            # Captured token ids (a million a session is ordinary) take tenths of a second to convert:
-            # not on the loop that serves every other session's model requests.
-            return await asyncio.to_thread(_to_wire, row)
-        return _to_wire(row)
+        # Captured token ids (a million a session is ordinary) take tenths of a second to convert: in a
+        # thread, not on the loop that serves every other session's model requests.
+        return await inline_if(not _captures_tokens(row), _to_wire, row)
 
     async def _rebind(self, config_json: str, run_dir: str) -> None:
         """Serve another run: what the worker built once (gateway, scripted model, provider, harness) is

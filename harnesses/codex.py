@@ -48,13 +48,13 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
-    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
 from harnesses.install import npm_install, npm_prefix
 from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox, SandboxError
+from sandboxes.inline import small_inline
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class CodexHarness:
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport:
         state = _StreamState()
         raw = await read_event_stream(sandbox, result, state.gaps)
-        await parse_off_loop(_parse_events, raw, state)
+        await small_inline(len(raw), _parse_events, raw, state)
 
         transcript = _Transcript()
         path = await _find_transcript(sandbox, state.thread_id)
@@ -263,7 +263,7 @@ class CodexHarness:
             else:
                 if len(data) >= MAX_TRANSCRIPT_BYTES:
                     state.gaps.append("transcript_truncated")
-                await parse_off_loop(_parse_transcript, data, transcript, state.gaps)
+                await small_inline(len(data), _parse_transcript, data, transcript, state.gaps)
 
         usage = state.usage if state.usage is not None else transcript.usage
         if usage is None:

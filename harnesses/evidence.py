@@ -6,10 +6,8 @@ helpers never raise on such input; they bound what they keep and leave the calle
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 from harnesses.base import Usage
@@ -26,22 +24,9 @@ MAX_CLAIMED_MESSAGE_CHARS = 4_000
 MAX_UNKNOWN_TYPES = 20
 MAX_SCANNED_CHARS = 20_000  # of an error message, matched against an adapter's failure patterns
 
-# A record this long or longer is parsed in a thread: the worker's event loop serves every session's
-# model requests, and a parse of megabytes holds it up for tenths of a second (a 19 MB Codex stream,
-# 0.3 s). A shorter one (most are a few KB; this one ~4 ms) is parsed at once, without the hop.
-OFF_LOOP_BYTES = 256 * 1024
-
 _TYPE_NAME_RE = re.compile(r"[^A-Za-z0-9_.:-]")
 
 FailurePatterns = tuple[tuple[re.Pattern[str], FailureKind], ...]
-
-
-async def parse_off_loop(parse: Callable[..., None], data: bytes, *args: Any) -> None:
-    """``parse(data, *args)``, in a thread when ``data`` is long (``OFF_LOOP_BYTES``)."""
-    if len(data) < OFF_LOOP_BYTES:
-        parse(data, *args)
-    else:
-        await asyncio.to_thread(parse, data, *args)
 
 
 async def read_or_none(sandbox: Sandbox, path: str, limit: int) -> bytes | None:

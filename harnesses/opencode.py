@@ -55,13 +55,13 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
-    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
 from harnesses.install import npm_install, npm_prefix
 from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox, SandboxError
+from sandboxes.inline import small_inline
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class OpenCodeHarness:
         gaps: list[str] = []
         stream = _Parts(gaps)
         raw = await read_event_stream(sandbox, result, stream.gaps)
-        await parse_off_loop(_parse_events, raw, stream)
+        await small_inline(len(raw), _parse_events, raw, stream)
 
         transcript = _Parts(gaps)
         path: str | None = _db_path(sandbox)

@@ -53,13 +53,13 @@ from harnesses.evidence import (
     int_or_none,
     json_lines,
     note_unknown_type,
-    parse_off_loop,
     read_event_stream,
     read_or_none,
 )
 from harnesses.install import ensure_node_runtime, node_runtime_binary, npm_install, npm_prefix
 from policy import FailureKind
 from sandboxes.base import ExecResult, Sandbox
+from sandboxes.inline import small_inline
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class PiHarness:
     async def parse(self, sandbox: Sandbox, result: ExecResult) -> HarnessReport:
         stream = _State()
         raw = await read_event_stream(sandbox, result, stream.gaps)
-        await parse_off_loop(_parse_events, raw, stream)
+        await small_inline(len(raw), _parse_events, raw, stream)
 
         path = _transcript_path(sandbox, stream.session_id, stream.session_timestamp)
         data = await read_or_none(sandbox, path, MAX_TRANSCRIPT_BYTES) if path else None
@@ -223,7 +223,7 @@ class PiHarness:
                 stream.gaps.append("transcript_truncated")
             if not stream.messages:  # the stream was lost: the transcript holds the same messages
                 best = _State(gaps=stream.gaps, unknown=stream.unknown)
-                await parse_off_loop(_parse_transcript, data, best)
+                await small_inline(len(data), _parse_transcript, data, best)
 
         usage = best.usage
         if usage is None:

@@ -2,9 +2,9 @@
 
 A hop to a thread and back costs more than reading or writing a few dozen kilobytes, and in a Ray worker,
 whose other threads want the GIL too, several milliseconds. A session makes a dozen such small steps
-(configs, result files, a harness's output, a request body's kept copy, a prepared workspace's copy), so
-they run inline; anything larger goes to a thread, so that one big file or tree never stalls the worker's
-other sessions.
+(configs, result files, a harness's output and the parse of its record, a request body's kept copy, a
+prepared workspace's copy, the evidence's compression, the row's conversion), so they run inline; anything
+larger goes to a thread, so that one big file, tree or record never stalls the worker's other sessions.
 """
 
 from __future__ import annotations

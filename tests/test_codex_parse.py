@@ -30,9 +30,10 @@ from harnesses.codex import (
     render_config,
     toml_string,
 )
-from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES, OFF_LOOP_BYTES
+from harnesses.evidence import MAX_MESSAGE_CHARS, MAX_TOOL_OUTPUT_CHARS, MAX_UNKNOWN_TYPES
 from policy import FailureKind
 from sandboxes.base import ExecResult, SandboxError
+from sandboxes.inline import INLINE_BYTES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "codex"
 STDOUT = "/sandbox/logs/harness.stdout"
@@ -137,7 +138,7 @@ async def test_a_long_stream_is_parsed_in_a_thread_and_a_short_one_on_the_loop(m
     monkeypatch.setattr(codex, "_parse_events", spy)
     events = (FIXTURES / "tool_ok" / "events.jsonl").read_bytes()
     short = await parse(*evidence("tool_ok"))
-    long = await parse(*evidence("tool_ok", events=events + b"\n" * OFF_LOOP_BYTES))
+    long = await parse(*evidence("tool_ok", events=events + b"\n" * INLINE_BYTES))
     assert threads[0] == threading.get_ident() != threads[1]
     assert long == short and short.tool_calls
 
