@@ -153,6 +153,62 @@ async def test_an_absent_output_cap_is_added_when_the_run_sets_one(recorder, har
     assert json.loads(seen[1][1])["max_output_tokens"] == 500
 
 
+def _one_reading(raw: bytes) -> dict[str, Any]:
+    """``raw`` as JSON that every parser reads alike: UTF-8, no object naming a key twice."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        assert len({k for k, _ in pairs}) == len(pairs), f"a key twice: {pairs}"
+        return dict(pairs)
+
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # The run's model last (what Python's json keeps), another first (what a first-wins parser keeps).
+        b'{"model":"o3-pro","model":"run-model","input":"hi","stream_options":{"include_usage":true}}',
+        # The same key, once escaped: one name to any JSON parser.
+        b'{"\\u006dodel":"o3-pro","model":"run-model","input":"hi"}',
+        b'{"model":"run-model","input":"hi","tools":[{"type":"web_search","type":"function","name":"f"}]}',
+        '{"model":"run-model","input":"hi"}'.encode("utf-16"),
+        b'\xef\xbb\xbf{"model":"run-model","input":"hi"}',  # a UTF-8 byte order mark
+    ],
+    ids=["model-twice", "model-escaped", "tool-type-twice", "utf-16", "bom"],
+)
+async def test_a_body_other_parsers_may_read_otherwise_goes_upstream_as_the_gateway_read_it(
+    raw, recorder, harness, tmp_path
+) -> None:
+    url, seen = recorder
+    async with gateway_to(url, pins=PINS) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        response = await harness.post(
+            session.base_url + "/responses", content=raw, headers={"Authorization": f"Bearer {session.token}"}
+        )
+    assert response.status_code == 200
+    [(_, sent)] = seen
+    body = _one_reading(sent)
+    assert body["model"] == RUN_MODEL and body["input"] == "hi"
+    assert b"o3-pro" not in sent and b"web_search" not in sent
+    assert "(ambiguous body)" in session.summary()["pinned_fields"]
+
+
+async def test_a_lone_surrogate_in_a_rewritten_body_goes_upstream_escaped(
+    recorder, harness, tmp_path
+) -> None:
+    url, seen = recorder
+    async with gateway_to(url, pins=PINS) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        response = await harness.post(
+            session.base_url + "/responses",
+            content=b'{"model":"o3-pro","input":"hi \\ud800"}',
+            headers={"Authorization": f"Bearer {session.token}"},
+        )
+    assert response.status_code == 200
+    [(_, sent)] = seen
+    assert _one_reading(sent) == {"model": RUN_MODEL, "input": "hi \ud800"}
+
+
 async def test_a_body_that_is_no_json_object_never_goes_upstream(recorder, harness, tmp_path) -> None:
     url, seen = recorder
     async with gateway_to(url, pins=PINS) as gateway:

@@ -26,6 +26,10 @@ from harnesses.gateway.limits import CHAT_PATH, RESPONSES_PATH, GatewayConfig
 Api = Literal["responses", "chat"]
 API_PATHS: dict[Api, str] = {"responses": RESPONSES_PATH, "chat": CHAT_PATH}
 
+# Named among a request's pinned fields when its body was sent upstream as the gateway read it, not as
+# the sandbox wrote it (see _parse).
+AMBIGUOUS_BODY = "(ambiguous body)"
+
 # What a harness may set on a model call. Everything else (n, service_tier, user, metadata, logit_bias,
 # previous_response_id, background, web_search_options, a server's own extras such as top_k or
 # chat_template_kwargs, ...) is dropped unless the run sets it in model.parameters.
@@ -109,13 +113,12 @@ class Pinned:
 
 def pin(body: bytes, path: str, upstream: Upstream, config: GatewayConfig) -> Pinned:
     """The pinned body for a model call to ``path`` (CPU work: run it off the event loop when large)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = None
+    data, ambiguous = _parse(body)
     if not isinstance(data, dict):
         return Pinned(b"", refused="the request body is not a JSON object")
-    changed: list[str] = []
+    # A body that another parser may read otherwise than ours goes upstream as we read it: with a key
+    # twice, the first "model" could be the one an endpoint takes while we checked the last.
+    changed: list[str] = [AMBIGUOUS_BODY] if ambiguous else []
     allowed = CHAT_FIELDS if path == CHAT_PATH else RESPONSES_FIELDS
     dropped = [name for name in data if name not in allowed and name != "model"]
     for name in dropped:
@@ -146,9 +149,44 @@ def pin(body: bytes, path: str, upstream: Upstream, config: GatewayConfig) -> Pi
         add_token_params(data, path, config.top_logprobs)
     if not changed and not capture:
         return Pinned(body, stream=stream)
-    out = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    out = _dump(data)
     noted = tuple(name[:40] for name in changed[:MAX_NOTED_FIELDS])
     return Pinned(out, stream=stream, changed=noted, capture_tokens=capture)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _DuplicateKey
+    return obj
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+def _parse(body: bytes) -> tuple[Any, bool]:
+    """The body's JSON value, and whether it is ambiguous: not UTF-8, or an object in it names a key
+    twice (which of the two a parser keeps is its own choice; ours keeps the last)."""
+    try:
+        return _STRICT.decode(body.decode("utf-8")), False
+    except ValueError:  # a key twice, not UTF-8 (a BOM, another encoding), or no JSON at all
+        pass
+    try:
+        return json.loads(body), True
+    except ValueError:
+        return None, False
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate, which the body wrote escaped: escaped again
+        return json.dumps(data, separators=(",", ":")).encode()
 
 
 def _pin_options(data: dict[str, Any], changed: list[str]) -> None:
