@@ -193,6 +193,32 @@ async def test_a_body_other_parsers_may_read_otherwise_goes_upstream_as_the_gate
     assert "(ambiguous body)" in session.summary()["pinned_fields"]
 
 
+@pytest.mark.parametrize("stream", ["true", 1, "1", None])
+async def test_a_stream_flag_that_is_no_boolean_goes_upstream_as_the_gateway_read_it(
+    stream, harness, tmp_path
+) -> None:
+    """An endpoint's lax parser (pydantic's, as vLLM's) reads "true", "1" and 1 as a stream; the gateway
+    reads only true so. Sent as the sandbox wrote it, the stream it never asked for would be judged an
+    upstream failure: masked, never graded, at the sandbox's will."""
+    seen: list[dict[str, Any]] = []
+
+    async def lax(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        if body.get("stream") in (True, "true", "1"):
+            chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]}
+            events = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+            return web.Response(text=events, content_type="text/event-stream")
+        return web.json_response(_chat_answer())
+
+    async with upstream_server(lax) as url, gateway_to(url, pins=PINS) as gateway:
+        session = gateway.open_session("s1", tmp_path / "s1")
+        response = await ask(harness, session, {**CHAT, "stream": stream})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "ok"
+    assert [body["stream"] for body in seen] == [False]
+    assert kinds(session) == [(200, FailureKind.NONE)] and session.closed_kind is None
+
+
 async def test_a_lone_surrogate_in_a_rewritten_body_goes_upstream_escaped(
     recorder, harness, tmp_path
 ) -> None:

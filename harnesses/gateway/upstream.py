@@ -191,11 +191,17 @@ def _dump(data: dict[str, Any]) -> bytes:
 
 def _pin_options(data: dict[str, Any], changed: list[str]) -> None:
     """The options a harness may name only in their harmless forms."""
+    if "stream" in data and not isinstance(data["stream"], bool):
+        # The gateway reads anything but true as no stream; an endpoint's lax parser reads "true" or 1 as
+        # one, and the stream the gateway never asked for would be judged an upstream failure, never graded.
+        data["stream"] = False
+        changed.append("stream")
     if "store" in data and data["store"] is not False:
         data["store"] = False  # a hosted endpoint keeps nothing another request could name
         changed.append("store")
     options = data.get("stream_options")
-    if "stream_options" in data and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+    plain = isinstance(options, dict) and set(options) <= {"include_usage"}
+    if "stream_options" in data and not (plain and isinstance(options.get("include_usage", False), bool)):
         usage = options.get("include_usage") if isinstance(options, dict) else None
         data["stream_options"] = {"include_usage": usage is True}
         changed.append("stream_options")
