@@ -235,13 +235,18 @@ async def test_a_lone_surrogate_in_a_rewritten_body_goes_upstream_escaped(
     assert _one_reading(sent) == {"model": RUN_MODEL, "input": "hi \ud800"}
 
 
-async def test_a_body_that_is_no_json_object_never_goes_upstream(recorder, harness, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1, 2, 3]", b'{"model":"run-model","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+    ids=["array", "nested-past-the-parsers-depth"],
+)
+async def test_a_body_that_is_no_json_object_never_goes_upstream(raw, recorder, harness, tmp_path) -> None:
     url, seen = recorder
     async with gateway_to(url, pins=PINS) as gateway:
         session = gateway.open_session("s1", tmp_path / "s1")
         response = await harness.post(
             session.base_url + "/chat/completions",
-            content=b"[1, 2, 3]",
+            content=raw,
             headers={"Authorization": f"Bearer {session.token}"},
         )
     assert (response.status_code, response.content) == (400, REFUSED_BODY)

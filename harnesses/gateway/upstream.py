@@ -173,11 +173,13 @@ def _parse(body: bytes) -> tuple[Any, bool]:
     twice (which of the two a parser keeps is its own choice; ours keeps the last)."""
     try:
         return _STRICT.decode(body.decode("utf-8")), False
+    except RecursionError:  # nested past the parser's depth: no request a harness sends
+        return None, False
     except ValueError:  # a key twice, not UTF-8 (a BOM, another encoding), or no JSON at all
         pass
     try:
         return json.loads(body), True
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, False
 
 
