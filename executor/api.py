@@ -36,6 +36,9 @@ from policy import GroupMode
 # How long ``close`` waits for the loop's thread to finish its turn and close the run (the driver's own
 # bounds, the cancelled sessions' cleanup among them, come first).
 CLOSE_JOIN_S = 300.0
+# How long update_policy waits for the driver's loop to take the new version (a turn of it is at most
+# WAIT_S of waiting for results and the settling of what came).
+APPLY_WAIT_S = 60.0
 
 
 class Executor:
@@ -75,6 +78,7 @@ class Executor:
         self._commands: collections.deque[tuple[str, Any]] = collections.deque()
         self._asked = 0  # commands given; the loop is idle for them once _idle_at equals it
         self._idle_at = -1
+        self._applied = 0  # commands the loop has carried out, in the order given
         self._thread: threading.Thread | None = None
         self._closing = False
         self._error: BaseException | None = None
@@ -171,7 +175,9 @@ class Executor:
             raise InputError("base_url: the scripted model runs in each worker; a version cannot move it")
         urls = None if base_url is None else tuple([base_url] if isinstance(base_url, str) else base_url)
         self._version = version
-        self._command("announce", (version, urls, model))
+        # Taken by the driver before this returns: a row that lands later is decided under this version
+        # (a session the trainer lets finish now, say), not under the one before.
+        self._wait_applied(self._command("announce", (version, urls, model)), f"policy version {version}")
 
     @property
     def policy_version(self) -> int | None:
@@ -245,13 +251,28 @@ class Executor:
 
     # -- the loop's thread -------------------------------------------------------------------------------
 
-    def _command(self, name: str, payload: Any) -> None:
+    def _command(self, name: str, payload: Any) -> int:
+        """Queue a command for the loop; its number, which ``_wait_applied`` takes."""
         with self._lock:
             if self._closing or self._summary is not None:
                 raise RuntimeError("the executor is closed")
             self._commands.append((name, payload))
             self._asked += 1
             self._lock.notify_all()
+            return self._asked
+
+    def _wait_applied(self, number: int, what: str) -> None:
+        """Until the loop has carried out command ``number`` (a loop not started yet takes it first
+        thing), bounded by APPLY_WAIT_S; the driver's failure is the caller's."""
+        deadline = time.monotonic() + APPLY_WAIT_S
+        with self._lock:
+            while self._applied < number and self._thread is not None and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what}: the driver did not take it within {APPLY_WAIT_S:.0f} s")
+                self._lock.wait(min(left, WAIT_S))
+            if self._error is not None:
+                raise RuntimeError(f"the run's driver failed: {self._error}") from self._error
 
     def _deliver(self, batch: pa.RecordBatch) -> None:
         with self._lock:
@@ -269,6 +290,9 @@ class Executor:
                     self._commands.clear()
                 for name, payload in commands:
                     self._apply(name, payload)
+                with self._lock:
+                    self._applied = seen
+                    self._lock.notify_all()
                 if self.driver.step():
                     continue
                 with self._lock:  # nothing left of what was asked: wait for more, bounded, and look again
@@ -285,7 +309,7 @@ class Executor:
             except BaseException as exc:
                 self._error = self._error or exc
             with self._lock:
-                self._idle_at = self._asked
+                self._idle_at = self._applied = self._asked
                 self._lock.notify_all()
 
     def _apply(self, name: str, payload: Any) -> None:

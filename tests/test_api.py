@@ -136,7 +136,10 @@ def test_stale_rows_rerun_and_superseded_sessions_cancelled(tmp_path, trainer_ra
     ex.submit([_task("r", held)])
     _wait_for("the session to start", lambda: ex.stats()["in_flight"] == 1)
     ex.update_policy(1)
+    # Taken by the driver when update_policy returns: a row landing after it is decided under it.
+    assert ex.driver.policy_version == 1
     ex.update_policy(2)
+    assert ex.driver.policy_version == 2
     rows = [r for b in ex.batches(timeout_s=BOUND_S) for r in b.to_pylist()]
     summary = ex.close()
     assert [(r["attempt"], r["policy_version"], r["staleness"], r["decision"]) for r in rows] == [
