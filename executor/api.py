@@ -168,7 +168,8 @@ class Executor:
         """The trainer's policy is now ``version`` (greater than the last), served at ``base_url`` (one
         URL or several replicas) as ``model`` where those change. Sessions started from now on use it;
         calls of running sessions at the same endpoint are answered by it. What happens to rows that
-        started too many versions ago, and to sessions in flight, is ``policy.staleness``'s."""
+        started too many versions ago, and to sessions in flight, is ``policy.staleness``'s. Returns once
+        the driver has taken it: every row that lands after is decided under it."""
         if self._version is not None and version <= self._version:
             raise InputError(f"policy version {version}: must be greater than the current {self._version}")
         if base_url and self.config.model.provider == "scripted":
