@@ -154,14 +154,10 @@ def pin(body: bytes, path: str, upstream: Upstream, config: GatewayConfig) -> Pi
     return Pinned(out, stream=stream, changed=noted, capture_tokens=capture)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
-        raise _DuplicateKey
+        raise ValueError("a key named twice")
     return obj
 
 
