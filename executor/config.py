@@ -30,6 +30,10 @@ class HarnessConfig(BaseModel):
     name: str = "codex"
     version: str | None = None  # None: the adapter's tested pin
     command: str | None = None  # the `command` harness only: the shell command that is the agent
+    # Which processes of the sandbox may call the model: the harness's one (the first to connect; the
+    # agent's tools and scripts are refused, so they cannot draw upstream failures that mask the row), or
+    # any, for a `command` agent that calls the model from several processes (docs/configuration.md).
+    model_client: Literal["one_process", "any_process"] = "one_process"
 
     @model_validator(mode="after")
     def _known(self) -> HarnessConfig:

@@ -246,7 +246,12 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             from harnesses.testing.scripted_model import parse_steps
 
             ctx.scripted.set_script(req.rollout_id, parse_steps(req.task.model_script))
-        gw = ctx.gateway.open_session(req.rollout_id, evidence_dir / "model", version=req.policy_version)
+        gw = ctx.gateway.open_session(
+            req.rollout_id,
+            evidence_dir / "model",
+            version=req.policy_version,
+            one_client=cfg.harness.model_client == "one_process",
+        )
 
         async def install_and_prepare(gw: GatewaySession) -> Launch:
             install_dir = await ctx.ensure_installed()

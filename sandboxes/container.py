@@ -362,6 +362,9 @@ class ContainerSandboxProvider:
         if spec.workdir:
             argv += ["--workdir", spec.workdir]  # made by the engine when the image lacks it
         argv += ["-v", f"{session_dir}:{ROOT_IN}", "-v", f"{self.gateway_socket}:{GATEWAY_SOCKET_IN}"]
+        other = netns.other_socket(self.gateway_socket)
+        if os.path.exists(other):  # where the forwarder relays what the harness's process did not open
+            argv += ["-v", f"{other}:{netns.other_socket(GATEWAY_SOCKET_IN)}"]
         for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
             argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
         argv += self._harness_mounts()

@@ -26,7 +26,9 @@ def main(argv: list[str]) -> int:
         port, _, socket_path = argv[1].partition(":")
         import netns  # type: ignore[import-not-found]
 
-        netns.start_forwarder(int(port), socket_path, bring_up_loopback=False)
+        # The container's /proc is its own PID namespace's: the forwarder tells the harness's model
+        # connections from the rest there.
+        netns.start_forwarder(int(port), socket_path, bring_up_loopback=False, proc="/proc")
         argv = argv[2:]
     import agent  # type: ignore[import-not-found]
 

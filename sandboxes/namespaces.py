@@ -160,7 +160,7 @@ class ServerInit:
         self.proc = fsview.detached_proc()
         if network is not None:
             proctree.libc_call("unshare", CLONE_NEWNET)
-            netns.start_forwarder(*network)
+            netns.start_forwarder(*network, proc=f"/proc/self/fd/{self.proc}")
             proctree.libc_call("unshare", CLONE_FS)
 
     def enter(self) -> None:
@@ -221,6 +221,7 @@ def _pid_namespace_init(
     os.dup2(null, 1)
     os.close(null)
     ready = b"1"
+    proc = "/proc"  # the namespace's, mounted over the host's just below, or held by descriptor
     if own_mounts:
         # A mount namespace of its own (the server's /proc must stay the host's), private so that
         # nothing mounted here reaches the host.
@@ -228,10 +229,12 @@ def _pid_namespace_init(
         proctree.libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
         proctree.libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     else:  # held open until we exit, which ends the namespace and every reader of its /proc
-        ready += b" %d" % fsview.detached_proc()
+        held = fsview.detached_proc()
+        ready += b" %d" % held
+        proc = f"/proc/self/fd/{held}"
     if network is not None:  # one namespace and one forwarder for all the sandbox's commands
         proctree.libc_call("unshare", CLONE_NEWNET)
-        netns.start_forwarder(*network)
+        netns.start_forwarder(*network, proc=proc)
     proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
     # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
     signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())

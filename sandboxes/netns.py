@@ -7,15 +7,33 @@ socket, and the forwarder here, started inside the namespace by the command's in
 supervisor.py, or isolation.py under bwrap), brings ``lo`` up and serves ``127.0.0.1:PORT`` (the
 gateway's own port number, so the harness's base URL is unchanged) by relaying each connection to that
 socket. Standard library only: it is imported by those stdlib scripts.
+
+Model calls are the harness's. Where the forwarder is given its sandbox's own procfs (a sandbox with a
+PID namespace of its own: the local one as root, a container), it tells the harness's connections from
+the rest: the process that makes the sandbox's first connection (the harness: nothing of the agent's runs
+before the model has answered it) is pinned by pid and start time, its connections go to the gateway's
+socket, and any other process's (a tool the agent ran, a script it wrote) to the gateway's other socket
+(``other_socket``), where the gateway refuses a model call for a harness that makes its own from one
+process (harnesses/gateway/server.py). Otherwise the sandbox's code could draw upstream failures at will
+(a flood that trips a rate limit, a request that stalls or that an endpoint answers with a 5xx) and turn
+its row into an infrastructure failure: masked, never graded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import socket
 import struct
+import sys
 import threading
+
+if __package__:
+    from sandboxes import proctree
+else:  # imported by the stdlib scripts run by path: -I leaves our directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import proctree
 
 TYPE_CHECKING = False  # collections.abc is not worth importing in every command's init
 if TYPE_CHECKING:
@@ -28,6 +46,8 @@ _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _CHUNK = 64 * 1024
 _MAX_CONNECTIONS = 256  # a harness opens a handful; a runaway one must not exhaust threads
+# 127.0.0.1 as /proc/net/tcp writes it: the address's bytes read as a host-order integer, in hex.
+_LOOPBACK_HEX = b"%08X" % struct.unpack("=I", socket.inet_aton("127.0.0.1"))[0]
 
 
 class IsolationUnavailable(Exception):
@@ -105,7 +125,78 @@ def _relay(
         slots.release()
 
 
-def _serve(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
+def other_socket(socket_path: str) -> str:
+    """The gateway's socket for connections its model client did not make: ``<name>.other.sock`` beside
+    ``<name>.sock`` (a name the node's reaper of dead workers' sockets matches too)."""
+    root, ext = os.path.splitext(socket_path)
+    return f"{root}.other{ext}"
+
+
+class ModelClient:
+    """The sandbox's model client: the process that made its first connection, pinned by pid and start
+    time in ``proc``, a procfs of the sandbox's own PID namespace. Called by the accepting thread alone,
+    so the first connection pins before a second is looked at."""
+
+    def __init__(self, proc: str, port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.pinned: tuple[int, int] | None = None
+
+    def made(self, client: socket.socket) -> bool:
+        """Whether ``client`` (accepted from the listener on our port) is a connection of the pinned
+        process; the first that any process holds pins it. A connection whose maker cannot be found (it
+        went already) is no one's."""
+        try:
+            target = _socket_link(client, self.port)
+        except (OSError, ValueError):
+            return False
+        if target is None:
+            return False
+        if self.pinned is not None:
+            pid, start = self.pinned
+            info = proctree.read_proc(pid, self.proc)
+            # Gone, or its pid another process's: no later connection is the harness's.
+            return info is not None and info.start_ticks == start and self._holds(pid, target)
+        for name in os.listdir(self.proc):  # bounded by the sandbox's process cap
+            if name.isdigit() and self._holds(int(name), target):
+                info = proctree.read_proc(int(name), self.proc)
+                if info is not None:
+                    self.pinned = (info.pid, info.start_ticks)
+                    return True
+        return False
+
+    def _holds(self, pid: int, target: str) -> bool:
+        fds = f"{self.proc}/{pid}/fd"
+        try:
+            names = os.listdir(fds)
+        except OSError:
+            return False
+        for name in names:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fds}/{name}") == target:
+                    return True
+        return False
+
+
+def _socket_link(client: socket.socket, port: int) -> str | None:
+    """What /proc/PID/fd shows for the connecting end of ``client``: its socket's inode, found in this
+    network namespace's table by the two ends' ports."""
+    local = b"%s:%04X" % (_LOOPBACK_HEX, client.getpeername()[1])
+    remote = b"%s:%04X" % (_LOOPBACK_HEX, port)
+    with open("/proc/thread-self/net/tcp", "rb") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
+                return f"socket:[{int(fields[9])}]"
+    return None
+
+
+def _serve(
+    listener: socket.socket,
+    connect: Callable[[], socket.socket],
+    model_client: ModelClient | None = None,
+    connect_other: Callable[[], socket.socket] | None = None,
+) -> None:
     slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
     while True:
         client, _addr = listener.accept()
@@ -115,7 +206,10 @@ def _serve(listener: socket.socket, connect: Callable[[], socket.socket]) -> Non
         # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
         with contextlib.suppress(OSError):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=_relay, args=(client, connect, slots), daemon=True).start()
+        target = connect
+        if model_client is not None and connect_other is not None and not model_client.made(client):
+            target = connect_other
+        threading.Thread(target=_relay, args=(client, target, slots), daemon=True).start()
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
@@ -141,6 +235,16 @@ def serve_to(listener: socket.socket, connect: Callable[[], socket.socket]) -> N
     threading.Thread(target=_serve, args=(listener, connect), daemon=True).start()
 
 
-def start_forwarder(port: int, socket_path: str, *, bring_up_loopback: bool = True) -> None:
-    """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path``."""
-    serve(listen(port, bring_up_loopback=bring_up_loopback), socket_path)
+def start_forwarder(
+    port: int, socket_path: str, *, bring_up_loopback: bool = True, proc: str | None = None
+) -> None:
+    """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path``. With ``proc``, a
+    procfs of the sandbox's own PID namespace, a connection the sandbox's model client did not make goes
+    to ``other_socket(socket_path)`` instead."""
+    listener = listen(port, bring_up_loopback=bring_up_loopback)
+    if proc is None:
+        serve(listener, socket_path)
+        return
+    other = other_socket(socket_path)
+    args = (listener, lambda: _unix(socket_path), ModelClient(proc, port), lambda: _unix(other))
+    threading.Thread(target=_serve, args=args, daemon=True).start()

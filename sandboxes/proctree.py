@@ -60,9 +60,10 @@ class ProcInfo:
         return self.state not in ("Z", "X")
 
 
-def read_proc(pid: int) -> ProcInfo | None:
+def read_proc(pid: int, proc: str | None = None) -> ProcInfo | None:
+    """``pid``'s record in ``proc`` (a procfs's path; this process's own, ``PROC``, when None)."""
     try:
-        with open(f"{PROC}/{pid}/stat", "rb") as f:
+        with open(f"{proc or PROC}/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None

@@ -8,6 +8,7 @@ change the agent made, and the run unharmed."""
 
 from __future__ import annotations
 
+import json
 import random
 import shlex
 import textwrap
@@ -56,8 +57,10 @@ def _decision(row: dict[str, Any]) -> str:
     return verdict.decision.value
 
 
-async def _session(tmp_path: Path, task: Task, harness: Any = None) -> dict[str, Any]:
-    async with session_context(tmp_path, harness=harness) as ctx:
+async def _session(
+    tmp_path: Path, task: Task, harness: Any = None, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    async with session_context(tmp_path, config, harness=harness) as ctx:
         row = await run_session(SessionRequest("attack", task, 0, 1), ctx)
     assert not processes_under(str(tmp_path / "sandboxes"))
     assert row["review_sandbox_id"] and row["review_sandbox_id"] != row["sandbox_id"]
@@ -204,6 +207,44 @@ async def test_a_command_agent_that_brings_its_harness_down_is_graded(tmp_path, 
     assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
     assert len(row["model_calls"]) == 1
     _zero_and_accepted(row)
+
+
+# A process of the agent's own, apart from the harness's, asks the model: a failure the endpoint gives it
+# (here a 503 to every try) would make the session the endpoint's. Then the attack.
+ASK_CHILD = ASK_THEN.replace(
+    "urllib.request.urlopen(req, timeout=60).read()\n",
+    "try:\n    urllib.request.urlopen(req, timeout=60).read()\n"
+    "except urllib.error.HTTPError as exc:\n"
+    "    print(exc.code, exc.read().decode()[:300], file=sys.stderr)\n    sys.exit(3)\n",
+)
+ASK_FROM_ANOTHER_PROCESS = (
+    ASK_THEN + f"import subprocess\nsubprocess.run([sys.executable, '-c', {ASK_CHILD!r}], timeout=120)\n"
+)
+FAILING_ENDPOINT = [{"type": "text", "text": "hi"}] + [{"type": "error", "status": 503}] * 8
+NO_BACKOFF = {"gateway": {"backoff_base_s": 0}}
+
+
+async def test_an_endpoint_failure_drawn_by_another_process_of_the_sandbox_is_not_the_sessions(tmp_path):
+    """Model calls are the harness's: the agent's own process is refused, never sent upstream, so the
+    harness brought down after it is graded as the agent's doing, not masked as the endpoint's."""
+    script = ASK_FROM_ANOTHER_PROCESS + ATTACKS["sigkill"] + "\n"
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{script}EOF\nexit $?")
+    row = await _session(tmp_path, _task(FAILING_ENDPOINT), harness, NO_BACKOFF)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert len(row["model_calls"]) == 1  # the harness's; the other process's never went upstream
+    assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
+    _zero_and_accepted(row)
+
+
+async def test_a_command_agent_may_call_the_model_from_several_processes_when_the_run_says_so(tmp_path):
+    """``harness.model_client: any_process``: the second process's call goes upstream, and the 503s it
+    draws make the session the endpoint's, as every call did before the bound."""
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{ASK_FROM_ANOTHER_PROCESS}EOF\necho done")
+    config = {**NO_BACKOFF, "harness": {"name": "command", "model_client": "any_process"}}
+    row = await _session(tmp_path, _task(FAILING_ENDPOINT), harness, config)
+    assert {call["request_index"] for call in row["model_calls"]} == {0, 1}  # the child's went upstream
+    assert row["failure_kind"] == "provider_unavailable", (row["failure_kind"], row["error_message"])
+    assert "not_the_harness" not in json.loads(row["error_detail"]).get("gateway", {})
 
 
 async def test_a_harness_down_before_the_model_spoke_stays_the_infrastructures(tmp_path):

@@ -143,6 +143,19 @@ REFUSED_BODY = (
 )
 
 
+# A request from a process of the sandbox other than the harness's (sandboxes/netns.py): the agent's own
+# code, which has no model calls of its own to make. Never sent upstream, so no failure it could draw there
+# is the session's.
+NOT_THE_HARNESS_BODY = (
+    b'{"error":{"message":"gateway: model calls are the harness\'s; this one came from another process '
+    b'of the sandbox and was not sent on","type":"invalid_request_error","code":"gateway_not_the_harness"}}'
+)
+
+
+def not_the_harness() -> web.Response:
+    return _answer(403, NOT_THE_HARNESS_BODY)
+
+
 def refused_body() -> web.Response:
     return _answer(400, REFUSED_BODY)
 

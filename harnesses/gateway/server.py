@@ -20,12 +20,21 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from harnesses.gateway.attempt import Request
-from harnesses.gateway.limits import MAX_REQUEST_BYTES, GatewayConfig, closed, no_listing, not_served, route
+from harnesses.gateway.limits import (
+    MAX_REQUEST_BYTES,
+    GatewayConfig,
+    closed,
+    no_listing,
+    not_served,
+    not_the_harness,
+    route,
+)
 from harnesses.gateway.relay import Relay
 from harnesses.gateway.session import GatewaySession, OnAttempt
 from harnesses.gateway.upstream import Upstream
 from harnesses.gateway.upstreams import Upstreams
 from policy import FailureKind
+from sandboxes.netns import other_socket
 
 
 class Gateway:
@@ -59,6 +68,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
         self.unix_path: str | None = None  # the Unix socket it also listens on, if any
+        # Where a sandbox's forwarder sends the connections its model client did not make (netns.py).
+        self._other_path: str | None = None
 
     @property
     def url(self) -> str:
@@ -68,7 +79,8 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, unix_path: str | None = None) -> None:
         """Listen on ``host:port``; with ``unix_path`` on that Unix socket too, which is how a sandbox in
-        its own network namespace reaches the gateway (``sandboxes/netns.py``)."""
+        its own network namespace reaches the gateway (``sandboxes/netns.py``), and on its other socket,
+        where the sandbox's forwarder sends what its harness's process did not open."""
         if self._runner is not None:
             raise RuntimeError("the gateway is already started")
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
@@ -84,6 +96,8 @@ class Gateway:
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
                 self.unix_path = unix_path
+                await web.UnixSite(runner, other_socket(unix_path)).start()
+                self._other_path = other_socket(unix_path)
         except BaseException:
             await runner.cleanup()
             raise
@@ -99,16 +113,18 @@ class Gateway:
             self._runner = None
         await self._relay.stop()
         self._url = None
-        if self.unix_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.unix_path)
-            self.unix_path = None
+        for path in (self.unix_path, self._other_path):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self.unix_path = self._other_path = None
 
     def open_session(
-        self, session_id: str, evidence_dir: Path, *, version: int | None = None
+        self, session_id: str, evidence_dir: Path, *, version: int | None = None, one_client: bool = False
     ) -> GatewaySession:
         """A session pinned to the endpoint of policy ``version`` (the current one when None) and to one
-        replica of it."""
+        replica of it. ``one_client``: its harness makes its model calls from one process, and a call
+        that another process of its sandbox made is refused (``GatewaySession.one_client``)."""
         token = secrets.token_urlsafe(32)
         evidence_dir.mkdir(parents=True, exist_ok=True)
         session = GatewaySession(
@@ -119,6 +135,7 @@ class Gateway:
             config=self.config,
             on_attempt=self._on_attempt,
             route=self.upstreams.pin(version),
+            one_client=one_client,
         )
         self._sessions[token] = session
         return session
@@ -146,6 +163,9 @@ class Gateway:
         kind = route(request.method, rest)
         if kind is None:
             return not_served()
+        if session.one_client and self._from_another_process(request):
+            session.count_not_the_client()
+            return not_the_harness()
         if session.closed_kind is not None:
             session.count_refused()
             return closed()
@@ -158,6 +178,14 @@ class Gateway:
                 return await self._serve(session, request, rest, listing=kind == "listing")
         finally:
             session.leave()
+
+    def _from_another_process(self, request: web.Request) -> bool:
+        """Whether the request came in on the other socket: a process of the sandbox that is not its
+        model client opened the connection (sandboxes/netns.py)."""
+        transport = request.transport
+        if transport is None or self._other_path is None:
+            return False
+        return transport.get_extra_info("sockname") == self._other_path
 
     async def _serve(
         self, session: GatewaySession, request: web.Request, rest: str, *, listing: bool

@@ -121,6 +121,10 @@ class GatewaySession:
     # one upstream.
     route: Route | None = field(default=None, kw_only=True)
     on_attempt: OnAttempt | None = field(default=None, kw_only=True, repr=False)
+    # Its harness makes its model calls from one process: a request another process of the sandbox made
+    # (sandboxes/netns.py tells them apart) is refused, never forwarded, so no failure it draws upstream
+    # is the session's.
+    one_client: bool = field(default=False, kw_only=True)
     _requests: int = field(default=0, init=False, repr=False)  # model calls forwarded upstream
     _refused: int = field(default=0, init=False, repr=False)  # answered with CLOSED_BODY, never forwarded
     _probes: int = field(default=0, init=False, repr=False)  # model listings forwarded, not attempts
@@ -146,6 +150,7 @@ class GatewaySession:
     _not_kept: int = field(default=0, init=False, repr=False)  # bodies not kept past the budget
     _pinned: Counter[str] = field(default_factory=Counter, init=False, repr=False)  # fields changed
     _refused_bodies: int = field(default=0, init=False, repr=False)  # not a JSON object: never sent
+    _not_the_client: int = field(default=0, init=False, repr=False)  # another process's: never sent
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
     _live: set[InFlight] = field(default_factory=set, init=False, repr=False)
 
@@ -184,6 +189,7 @@ class GatewaySession:
             "stalled_at_close": self.stalled_at_close,
             "pinned_fields": dict(self._pinned),
             "refused_bodies": self._refused_bodies,
+            "not_the_harness": self._not_the_client,
             "over_concurrency": self._over_concurrency,
             "rate_waits": self._rate_waits,
             "rate_wait_s": round(self._rate_wait_s, 3),
@@ -198,6 +204,7 @@ class GatewaySession:
         reached = {
             "pinned_fields": dict(self._pinned),
             "refused_bodies": self._refused_bodies,
+            "not_the_harness": self._not_the_client,
             "over_concurrency": self._over_concurrency,
             "rate_waits": self._rate_waits,
             "rate_wait_s": round(self._rate_wait_s, 3),
@@ -293,6 +300,10 @@ class GatewaySession:
     def count_refused(self) -> None:
         """A request answered with CLOSED_BODY because the session was closed, never forwarded."""
         self._refused += 1
+
+    def count_not_the_client(self) -> None:
+        """A request from a process of the sandbox other than its harness's, refused (``one_client``)."""
+        self._not_the_client += 1
 
     def count_listing(self) -> None:
         self._probes += 1
