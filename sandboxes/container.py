@@ -365,6 +365,10 @@ class ContainerSandboxProvider:
         other = netns.other_socket(self.gateway_socket)
         if os.path.exists(other):  # where the forwarder relays what the harness's process did not open
             argv += ["-v", f"{other}:{netns.other_socket(GATEWAY_SOCKET_IN)}"]
+            # The forwarder (root, the container's first process) finds which process opened a connection
+            # by its descriptors, which the kernel shows another user's process only with this capability.
+            # The agent's commands get it only if they run as root, who could trace its processes anyway.
+            argv += ["--cap-add", "SYS_PTRACE"]
         for src in [*agent_files(), Path(netns.__file__), ENTRY_PATH]:
             argv += ["-v", f"{src}:{CODE_DIR}/{src.name}:ro"]
         argv += self._harness_mounts()

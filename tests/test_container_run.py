@@ -288,3 +288,24 @@ def test_harbor_conformance_set_with_solutions_as_agent(tmp_path):
         notes = tar.extractfile("logs/agent/notes.log")
         assert notes is not None and notes.read() == b"written by agent\n"
     assert list_containers("podman", "harbor-conf") == []
+
+
+@pytest.mark.parametrize("user", [None, "nobody"], ids=["root", "nobody"])
+async def test_in_a_container_model_calls_are_the_harness_s_whatever_its_user(tmp_path, test_images, user):
+    """The container's forwarder tells the harness's connections from another process's (it reads every
+    process's descriptors, another user's too): the harness's call is answered, its child's refused."""
+    from executor.session import SessionRequest, run_session
+    from executor.tasks import Task
+    from harnesses.command import CommandHarness
+    from tests.conftest import session_context
+    from tests.test_reward_integrity import ASK_FROM_ANOTHER_PROCESS, FAILING_ENDPOINT, NO_BACKOFF
+
+    spec = {"id": "t", "prompt": "p", "image": test_images.base, "model_script": FAILING_ENDPOINT}
+    task = Task.model_validate({**spec, "user": user} if user else spec)
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{ASK_FROM_ANOTHER_PROCESS}EOF\necho done")
+    sandbox = {"provider": "container", "root": str(tmp_path / "sandboxes"), **HOST_ARGS}
+    async with session_context(tmp_path, {**NO_BACKOFF, "sandbox": sandbox}, harness=harness) as ctx:
+        row = await run_session(SessionRequest("calls", task, 0, 1), ctx)
+    assert [call["request_index"] for call in row["model_calls"]] == [0], row["model_calls"]
+    assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
+    assert row["failure_kind"] == "none", (row["failure_kind"], row["error_message"])
