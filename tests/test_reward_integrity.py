@@ -236,6 +236,41 @@ async def test_an_endpoint_failure_drawn_by_another_process_of_the_sandbox_is_no
     _zero_and_accepted(row)
 
 
+# A tool of Codex's takes the session's URL and token from Codex's own config and environment, asks the
+# model itself, then kills Codex.
+CALL_AS_CODEX = textwrap.dedent(
+    """\
+    import json, os, re, urllib.error, urllib.request
+    def comm(pid):
+        try:
+            return open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            return ""
+    pid = next(p for p in os.listdir("/proc") if p.isdigit() and comm(p) == "codex")
+    env = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\\0") if "=" in e)
+    url = re.search(r'base_url = "([^"]+)"', open(env["CODEX_HOME"] + "/config.toml").read()).group(1)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": "Bearer " + env["ROLLOUT_API_KEY"], "Content-Type": "application/json"}
+    req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(), headers=headers)
+    try:
+        urllib.request.urlopen(req, timeout=60).read()
+        print("answered")
+    except urllib.error.HTTPError as exc:
+        print("refused", exc.code)
+    """
+)
+
+
+async def test_a_tool_of_codex_that_calls_the_model_itself_draws_nothing_upstream(tmp_path):
+    attack = f"printf %s {shlex.quote(CALL_AS_CODEX)} > /tmp/a.py && python3 /tmp/a.py; pkill -KILL -x codex"
+    steps = [{"type": "shell", "command": attack + "; sleep 5"}] + FAILING_ENDPOINT[1:]
+    row = await _session(tmp_path, _task(steps), config=NO_BACKOFF)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert len(row["model_calls"]) == 1  # Codex's own; its tool's never went upstream
+    assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
+    _zero_and_accepted(row)
+
+
 async def test_a_command_agent_may_call_the_model_from_several_processes_when_the_run_says_so(tmp_path):
     """``harness.model_client: any_process``: the second process's call goes upstream, and the 503s it
     draws make the session the endpoint's, as every call did before the bound."""
