@@ -46,8 +46,12 @@ _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _CHUNK = 64 * 1024
 _MAX_CONNECTIONS = 256  # a harness opens a handful; a runaway one must not exhaust threads
-# 127.0.0.1 as /proc/net/tcp writes it: the address's bytes read as a host-order integer, in hex.
-_LOOPBACK_HEX = b"%08X" % struct.unpack("=I", socket.inet_aton("127.0.0.1"))[0]
+# The kernel's socket diagnostics (linux/sock_diag.h, inet_diag.h): one socket looked up by its addresses.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 1
+_NO_COOKIE = 0xFFFFFFFF
+_DIAG_INODE = 4 + 48 + 16  # in inet_diag_msg: family, state, timer, retrans; the socket id; 4 counters
 
 
 class IsolationUnavailable(Exception):
@@ -179,16 +183,23 @@ class ModelClient:
 
 
 def _socket_link(client: socket.socket, port: int) -> str | None:
-    """What /proc/PID/fd shows for the connecting end of ``client``: its socket's inode, found in this
-    network namespace's table by the two ends' ports."""
-    local = b"%s:%04X" % (_LOOPBACK_HEX, client.getpeername()[1])
-    remote = b"%s:%04X" % (_LOOPBACK_HEX, port)
-    with open("/proc/thread-self/net/tcp", "rb") as table:
-        for line in table.read().splitlines()[1:]:
-            fields = line.split()
-            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
-                return f"socket:[{int(fields[9])}]"
-    return None
+    """What /proc/PID/fd shows for the connecting end of ``client``: its socket's inode, looked up by the
+    two ends' addresses with the kernel's socket diagnostics (a lookup, where /proc/net/tcp is a walk of
+    the host's whole connection table: ~1.3 ms). None when it has gone."""
+    peer_port = client.getpeername()[1]
+    loopback = socket.inet_aton("127.0.0.1") + bytes(12)
+    sockid = struct.pack("!HH", peer_port, port) + loopback + loopback
+    sockid += struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE)
+    request = struct.pack("=BBBBI", socket.AF_INET, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as diag:
+        diag.settimeout(5)  # the kernel answers at once; a bound all the same
+        diag.send(header + request)
+        answer = diag.recv(8192)
+    length, kind = struct.unpack_from("=IH", answer)
+    if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + _DIAG_INODE + 4:
+        return None  # NLMSG_ERROR: no such socket (it has gone)
+    return f"socket:[{struct.unpack_from('=I', answer, 16 + _DIAG_INODE)[0]}]"
 
 
 def _serve(
