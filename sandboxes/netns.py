@@ -161,7 +161,11 @@ class ModelClient:
             info = proctree.read_proc(pid, self.proc)
             # Gone, or its pid another process's: no later connection is the harness's.
             return info is not None and info.start_ticks == start and self._holds(pid, target)
-        for name in os.listdir(self.proc):  # bounded by the sandbox's process cap
+        try:
+            names = os.listdir(self.proc)  # bounded by the sandbox's process cap
+        except OSError:
+            return False
+        for name in names:
             if name.isdigit() and self._holds(int(name), target):
                 info = proctree.read_proc(int(name), self.proc)
                 if info is not None:
@@ -202,6 +206,13 @@ def _socket_link(client: socket.socket, port: int) -> str | None:
     return f"socket:[{struct.unpack_from('=I', answer, 16 + _DIAG_INODE)[0]}]"
 
 
+def _made_by(model_client: ModelClient, client: socket.socket) -> bool:
+    try:
+        return model_client.made(client)
+    except Exception:  # no fault of the check may end the forwarder: the call is refused
+        return False
+
+
 def _serve(
     listener: socket.socket,
     connect: Callable[[], socket.socket],
@@ -218,7 +229,7 @@ def _serve(
         with contextlib.suppress(OSError):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         target = connect
-        if model_client is not None and connect_other is not None and not model_client.made(client):
+        if model_client is not None and connect_other is not None and not _made_by(model_client, client):
             target = connect_other
         threading.Thread(target=_relay, args=(client, target, slots), daemon=True).start()
 

@@ -263,7 +263,7 @@ CALL_AS_CODEX = textwrap.dedent(
 
 async def test_a_tool_of_codex_that_calls_the_model_itself_draws_nothing_upstream(tmp_path):
     attack = f"printf %s {shlex.quote(CALL_AS_CODEX)} > /tmp/a.py && python3 /tmp/a.py; pkill -KILL -x codex"
-    steps = [{"type": "shell", "command": attack + "; sleep 5"}] + FAILING_ENDPOINT[1:]
+    steps = [{"type": "shell", "command": attack + "; sleep 5"}, *FAILING_ENDPOINT[1:]]
     row = await _session(tmp_path, _task(steps), config=NO_BACKOFF)
     assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
     assert len(row["model_calls"]) == 1  # Codex's own; its tool's never went upstream
