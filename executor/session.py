@@ -256,10 +256,10 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         async def install_and_prepare(gw: GatewaySession) -> Launch:
             install_dir = await ctx.ensure_installed()
             # Where the harness's commands reach the gateway: a remote sandbox's own network reaches it
-            # only at 127.0.0.1, through its agent.
+            # only at 127.0.0.1, through its agent (which relays its other processes' to the other port).
             reach = sandbox.gateway_url
             context = LaunchContext(
-                base_url=reach(gw.base_url) if reach is not None else gw.base_url,
+                base_url=reach(gw.base_url, ctx.gateway.other_port) if reach is not None else gw.base_url,
                 api_key=gw.token,
                 model=(gw.route.model if gw.route is not None else None) or cfg.model.name,
                 prompt=req.task.prompt,

@@ -317,20 +317,32 @@ class Agent:
 
     def _isolation_params(self, gateway: object) -> dict:
         """The supervisor's ``network_forward`` and ``view`` for one command. ``gateway``: [host, port] of
-        the worker's gateway, which the command reaches at 127.0.0.1:port; without one, nothing."""
+        the worker's gateway, which the command reaches at 127.0.0.1:port, and the gateway's port for
+        what the harness's process did not open, if it has one; without one, nothing."""
         out = {}  # type: dict
-        relay = None
+        relays = []  # type: list
         if self.relay is not None:
             if gateway is not None:
-                if not (isinstance(gateway, list) and len(gateway) == 2 and isinstance(gateway[0], str)):
-                    raise AgentError(400, f"gateway must be [host, port], not {gateway!r}"[:300])
+                if not (
+                    isinstance(gateway, list)
+                    and len(gateway) in (2, 3)
+                    and isinstance(gateway[0], str)
+                    and all(isinstance(port, int) for port in gateway[1:])
+                ):
+                    raise AgentError(400, f"gateway must be [host, port, other port], not {gateway!r}"[:300])
                 with self.lock:
-                    relay = self.relay.socket_for(gateway[0], int(gateway[1]))
-                out["network_forward"] = [int(gateway[1]), relay]
+                    relays.append(self.relay.socket_for(gateway[0], gateway[1]))
+                    if len(gateway) == 3:
+                        relays.append(self.relay.socket_for(gateway[0], gateway[2], other_of=relays[0]))
+                out["network_forward"] = [gateway[1], relays[0]]
+                if len(relays) == 2 and self.layers.pids and not self.layers.bwrap:
+                    # The commands' /proc is the agent's PID namespace's: its forwarder tells the harness's
+                    # connections from the rest (netns.py).
+                    out["network_forward"].append("/proc")
             else:  # the namespace with only lo; its listener relays to a socket that does not exist
                 out["network_forward"] = [0, os.path.join(self.relay.dir, "none.sock")]
         if self.layers.filesystem:
-            out["view"] = agent_layers.view(self.root, self.hidden, self.readonly, relay, self.account_files)
+            out["view"] = agent_layers.view(self.root, self.hidden, self.readonly, relays, self.account_files)
         return out
 
     def _result(self, files: dict, proc: subprocess.Popen, killed: bool, duration: float) -> dict:

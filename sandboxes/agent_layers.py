@@ -146,11 +146,12 @@ def _probe(argv: list, name: str, layers: Layers) -> bool:
     return done.returncode == 0
 
 
-def view(root: str, hidden: list, readonly: list, relay: str | None, files: dict | None = None) -> list:
+def view(root: str, hidden: list, readonly: list, relays: list, files: dict | None = None) -> list:
     """The filesystem view of the commands of a session whose directory is ``root``: the allow-list of
-    fsview.py (NODE_HIDDEN is what it must hide should a ``--readonly`` path bind it in). ``files``:
-    files bound read-only at another path (the session's /etc/passwd)."""
-    ro = [sys.base_prefix, *readonly] + ([relay] if relay else [])
+    fsview.py (NODE_HIDDEN is what it must hide should a ``--readonly`` path bind it in), and the gateway
+    ``relays`` its forwarder connects to. ``files``: files bound read-only at another path (the session's
+    /etc/passwd)."""
+    ro = [sys.base_prefix, *readonly, *relays]
     writable = [os.path.join(root, sub) for sub in WRITABLE]
     return fsview.plan([*NODE_HIDDEN, *hidden], list(NODE_SCRATCH), ro, writable, files)
 
@@ -222,13 +223,16 @@ class GatewayRelay:
         self.dir = tempfile.mkdtemp(prefix="rollout-agent-")  # short: a socket path fits in 108 bytes
         self.sockets = {}  # type: dict[tuple, str]
 
-    def socket_for(self, host: str, port: int) -> str:
-        """The socket relaying to ``host:port``, made at first use; called under the agent's lock."""
+    def socket_for(self, host: str, port: int, other_of: str | None = None) -> str:
+        """The socket relaying to ``host:port``, made at first use; called under the agent's lock.
+        ``other_of``: the gateway's socket whose other socket this is (netns.other_socket), for the
+        connections the harness's process did not open."""
         key = (host, int(port))
         if key not in self.sockets:
             if len(self.sockets) >= self.MAX_TARGETS:
                 raise ValueError(f"more than {self.MAX_TARGETS} gateway addresses")
-            path = os.path.join(self.dir, f"gw{len(self.sockets)}.sock")
+            name = f"gw{len(self.sockets)}.sock"
+            path = netns.other_socket(other_of) if other_of else os.path.join(self.dir, name)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(path)
             os.chmod(path, 0o600)  # the commands' inits connect as root; the commands never see it

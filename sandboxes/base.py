@@ -156,8 +156,10 @@ class Sandbox(Protocol):
     # remote agent says once it has answered. None: its provider's ``isolation_label`` stands.
     isolation_label: str | None
     # The gateway's URL as its commands reach it, where that differs from the worker's: a remote sandbox's
-    # network namespace reaches it at 127.0.0.1 through its agent. None: the URL as it is.
-    gateway_url: Callable[[str], str] | None
+    # network namespace reaches it at 127.0.0.1 through its agent. ``gateway_url(url, other_port)``: the
+    # gateway's port for the connections its harness's process did not open (sandboxes/netns.py), if any.
+    # None: the URL as it is.
+    gateway_url: Callable[[str, int | None], str] | None
     # ``check_runs(program, what)``: SandboxError, one line, unless ``program`` starts here; for a sandbox
     # of a task's own image, which may lack what a harness needs. None: the sandbox does not check.
     check_runs: Callable[[str, str], Awaitable[None]] | None

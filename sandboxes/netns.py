@@ -52,6 +52,20 @@ _SOCK_DIAG_BY_FAMILY = 20
 _NLM_F_REQUEST = 1
 _NO_COOKIE = 0xFFFFFFFF
 _DIAG_INODE = 4 + 48 + 16  # in inet_diag_msg: family, state, timer, retrans; the socket id; 4 counters
+# The executor's own processes between a sandbox's command and its forwarder (proctree.name_process): a
+# model client's launchers end below them. A name is a process's own to change, which only cuts its
+# descendants' chains shorter.
+_EXECUTORS = frozenset(
+    {
+        b"rollout-sup",
+        b"rollout-init",
+        b"rollout-nsinit",
+        b"rollout-server",
+        b"rollout-zygote",
+        b"rollout-view",
+    }
+)
+_MAX_LAUNCHERS = 64
 
 
 class IsolationUnavailable(Exception):
@@ -137,19 +151,23 @@ def other_socket(socket_path: str) -> str:
 
 
 class ModelClient:
-    """The sandbox's model client: the process that made its first connection, pinned by pid and start
-    time in ``proc``, a procfs of the sandbox's own PID namespace. Called by the accepting thread alone,
-    so the first connection pins before a second is looked at."""
+    """The sandbox's model client, one process at a time, pinned by pid and start time in ``proc``, a
+    procfs of the sandbox's own PID namespace: the maker of the sandbox's first connection, and while it
+    lives, it alone. Once it has ended, a process that one of its launchers started (the processes above
+    it, up to the sandbox's command) may take its place, as a `command` agent running one process per
+    model call does. A process started by the agent's tools never can: it descends from a client, and once
+    that client is gone it hangs from the supervisor that took it in, which is no launcher. Called by
+    the accepting thread alone, so one connection is decided before the next is looked at."""
 
     def __init__(self, proc: str, port: int) -> None:
         self.proc = proc
         self.port = port
         self.pinned: tuple[int, int] | None = None
+        self.launchers: frozenset[tuple[int, int]] = frozenset()
 
     def made(self, client: socket.socket) -> bool:
-        """Whether ``client`` (accepted from the listener on our port) is a connection of the pinned
-        process; the first that any process holds pins it. A connection whose maker cannot be found (it
-        went already) is no one's."""
+        """Whether ``client`` (accepted from the listener on our port) was opened by the model client. A
+        connection whose maker cannot be found (it went already) is no one's."""
         try:
             target = _socket_link(client, self.port)
         except (OSError, ValueError):
@@ -159,19 +177,41 @@ class ModelClient:
         if self.pinned is not None:
             pid, start = self.pinned
             info = proctree.read_proc(pid, self.proc)
-            # Gone, or its pid another process's: no later connection is the harness's.
-            return info is not None and info.start_ticks == start and self._holds(pid, target)
+            if info is not None and info.alive and info.start_ticks == start:
+                return self._holds(pid, target)
+        maker = self._maker(target)
+        if maker is None:
+            return False
+        if self.pinned is not None:
+            parent = proctree.read_proc(maker.ppid, self.proc)
+            if parent is None or (parent.pid, parent.start_ticks) not in self.launchers:
+                return False
+        self.pinned = (maker.pid, maker.start_ticks)
+        self.launchers = self._launchers(maker)
+        return True
+
+    def _maker(self, target: str) -> proctree.ProcInfo | None:
         try:
             names = os.listdir(self.proc)  # bounded by the sandbox's process cap
         except OSError:
-            return False
+            return None
         for name in names:
             if name.isdigit() and self._holds(int(name), target):
-                info = proctree.read_proc(int(name), self.proc)
-                if info is not None:
-                    self.pinned = (info.pid, info.start_ticks)
-                    return True
-        return False
+                return proctree.read_proc(int(name), self.proc)
+        return None
+
+    def _launchers(self, client: proctree.ProcInfo) -> frozenset[tuple[int, int]]:
+        """The processes above ``client`` up to the sandbox's command: below the namespace's init and the
+        executor's own processes (a supervisor, which takes in the orphans of the command's tree)."""
+        chain: set[tuple[int, int]] = set()
+        pid = client.ppid
+        for _ in range(_MAX_LAUNCHERS):
+            info = proctree.read_proc(pid, self.proc) if pid > 1 else None
+            if info is None or info.name in _EXECUTORS:
+                break
+            chain.add((info.pid, info.start_ticks))
+            pid = info.ppid
+        return frozenset(chain)
 
     def _holds(self, pid: int, target: str) -> bool:
         fds = f"{self.proc}/{pid}/fd"
@@ -247,9 +287,17 @@ def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
     return listener
 
 
-def serve(listener: socket.socket, socket_path: str) -> None:
-    """Relay each connection to ``listener`` to ``socket_path``, from a daemon thread."""
-    serve_to(listener, lambda: _unix(socket_path))
+def serve(listener: socket.socket, socket_path: str, proc: str | None = None) -> None:
+    """Relay each connection to ``listener`` to ``socket_path``, from a daemon thread. With ``proc``, a
+    procfs of the sandbox's own PID namespace, a connection the sandbox's model client did not make goes
+    to ``other_socket(socket_path)`` instead."""
+    if proc is None:
+        serve_to(listener, lambda: _unix(socket_path))
+        return
+    other = other_socket(socket_path)
+    port = listener.getsockname()[1]
+    args = (listener, lambda: _unix(socket_path), ModelClient(proc, port), lambda: _unix(other))
+    threading.Thread(target=_serve, args=args, daemon=True).start()
 
 
 def serve_to(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
@@ -260,13 +308,5 @@ def serve_to(listener: socket.socket, connect: Callable[[], socket.socket]) -> N
 def start_forwarder(
     port: int, socket_path: str, *, bring_up_loopback: bool = True, proc: str | None = None
 ) -> None:
-    """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path``. With ``proc``, a
-    procfs of the sandbox's own PID namespace, a connection the sandbox's model client did not make goes
-    to ``other_socket(socket_path)`` instead."""
-    listener = listen(port, bring_up_loopback=bring_up_loopback)
-    if proc is None:
-        serve(listener, socket_path)
-        return
-    other = other_socket(socket_path)
-    args = (listener, lambda: _unix(socket_path), ModelClient(proc, port), lambda: _unix(other))
-    threading.Thread(target=_serve, args=args, daemon=True).start()
+    """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path`` (``serve``)."""
+    serve(listen(port, bring_up_loopback=bring_up_loopback), socket_path, proc)

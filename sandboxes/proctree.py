@@ -44,9 +44,12 @@ def use_proc(fd: int) -> None:
 
 
 class ProcInfo:
-    __slots__ = ("pgid", "pid", "ppid", "sid", "start_ticks", "state")
+    __slots__ = ("name", "pgid", "pid", "ppid", "sid", "start_ticks", "state")
 
-    def __init__(self, pid: int, ppid: int, pgid: int, sid: int, state: str, start_ticks: int) -> None:
+    def __init__(
+        self, pid: int, ppid: int, pgid: int, sid: int, state: str, start_ticks: int, name: bytes = b""
+    ) -> None:
+        self.name = name  # as /proc/PID/comm shows it: at most 15 bytes, the process's own to change
         self.pid = pid
         self.ppid = ppid
         self.pgid = pgid
@@ -70,6 +73,7 @@ def read_proc(pid: int, proc: str | None = None) -> ProcInfo | None:
     # The command name may contain spaces and parentheses; the fields after its last ")" are fixed.
     fields = data[data.rindex(b")") + 2 :].split()
     return ProcInfo(
+        name=data[data.index(b"(") + 1 : data.rindex(b")")],
         pid=pid,
         ppid=int(fields[1]),
         pgid=int(fields[2]),

@@ -145,18 +145,19 @@ class RemoteSandbox:
         # The layers the agent's commands run under, as its /health says (agent_layers.py); None until it
         # has answered (an agent of an older version does not say).
         self.isolation_label: str | None = None
-        self._gateway: tuple[str, int] | None = None
+        self._gateway: tuple[int | str, ...] | None = None
 
-    def gateway_url(self, url: str) -> str:
+    def gateway_url(self, url: str, other_port: int | None = None) -> str:
         """The gateway's ``url`` as this sandbox's commands reach it: where they run in a network
         namespace of their own, at 127.0.0.1 on the same port, which the agent relays to ``url``'s host
-        (the only address it dials for them)."""
+        (the only address it dials for them); a connection that the harness's process did not open, to
+        ``other_port`` there, where the gateway refuses its model calls (sandboxes/netns.py)."""
         if "network" not in (self.isolation_label or "").split(","):
             return url
         parts = urlsplit(url)
         if parts.hostname is None or parts.port is None:
             raise SandboxError(f"sandbox {self.id}: gateway URL {url!r} has no host and port")
-        self._gateway = (parts.hostname, parts.port)
+        self._gateway = (parts.hostname, parts.port, *([other_port] if other_port else []))
         return urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port}"))
 
     def descriptor(self) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         _exec_command(p, env, user, _command_limits(p), _candidates(p["argv"], env))
     command = _fork_exec(p, env, user)
     if listener is not None:  # threads only once the command is forked: a fork copies none of them
-        netns.serve(listener, str(forward[1]))
+        netns.serve(listener, str(forward[1]), proc=str(forward[2]) if len(forward) > 2 else None)
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

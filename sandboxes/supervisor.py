@@ -407,6 +407,7 @@ def _supervise(
 
 
 def main(argv: list[str]) -> int:
+    proctree.name_process(b"rollout-sup")  # as a server's forked ones are: netns.py's chains end here
     with open(argv[1], encoding="utf-8") as f:
         params = json.load(f)
     return run(params)

@@ -140,7 +140,9 @@ async def session_context(
             workspaces=PreparedWorkspaces(tmp_path / "sandboxes", cfg.run_id or ""),
         )
     finally:
-        await getattr(provider, "inner", provider).aclose()
+        close = getattr(getattr(provider, "inner", provider), "aclose", None)
+        if close is not None:  # a remote provider holds nothing past its sandboxes
+            await close()
         await gateway.stop()
         await scripted.stop()
 

@@ -271,6 +271,47 @@ async def test_a_tool_of_codex_that_calls_the_model_itself_draws_nothing_upstrea
     _zero_and_accepted(row)
 
 
+async def test_a_command_agent_that_runs_a_process_per_model_call_keeps_its_calls(tmp_path):
+    """One process at a time: once the first has ended, a later one its shell started takes its place."""
+    ask = f"python3 - <<'EOF'\n{ASK_THEN}EOF\n"
+    harness = CommandHarness(command=f"{ask}{ask}echo done")
+    row = await _session(
+        tmp_path, _task([{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]), harness
+    )
+    assert [call["request_index"] for call in row["model_calls"]] == [0, 1], row["model_calls"]
+    assert "not_the_harness" not in json.loads(row["error_detail"]).get("gateway", {})
+
+
+# A process of the agent's own that outlives its client (a daemon: reparented to the supervisor), then
+# asks: never the client's successor, though the client has gone.
+OUTLIVES_THE_CLIENT = ASK_THEN + textwrap.dedent(
+    """\
+    import select, urllib.error
+    client = os.getpid()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            select.select([os.pidfd_open(client)], [], [], 60)  # until the client has exited
+            try:
+                urllib.request.urlopen(req, timeout=60).read()
+                print("answered", file=sys.stderr)
+            except urllib.error.HTTPError as exc:
+                print("refused", exc.code, file=sys.stderr)
+            with open(os.environ["HOME"] + "/after", "w") as fifo:
+                fifo.write("asked")
+        os._exit(0)
+    """
+)
+
+
+async def test_a_process_that_outlives_the_model_client_does_not_take_its_place(tmp_path):
+    shell = f'mkfifo "$HOME/after"\npython3 - <<\'EOF\'\n{OUTLIVES_THE_CLIENT}EOF\ncat "$HOME/after"; echo'
+    harness = CommandHarness(command=shell)
+    row = await _session(tmp_path, _task(FAILING_ENDPOINT), harness, NO_BACKOFF)
+    assert [call["request_index"] for call in row["model_calls"]] == [0], row["model_calls"]
+    assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
+
+
 async def test_a_command_agent_may_call_the_model_from_several_processes_when_the_run_says_so(tmp_path):
     """``harness.model_client: any_process``: the second process's call goes upstream, and the 503s it
     draws make the session the endpoint's, as every call did before the bound."""

@@ -425,3 +425,24 @@ def _codex_sessions(root: Path) -> set[str]:
         if cwd.startswith(str(root)) and b"codex" in cmdline:
             found.add(cwd)
     return found
+
+
+async def test_on_a_node_model_calls_are_the_harness_s(tmp_path):
+    """The agent's forwarder of each command tells the harness's connections from another process's (the
+    agent's PID namespace is the sandbox's) and relays the latter to the gateway's other port, where
+    the call is refused: the harness's call is answered, its child's never goes upstream."""
+    from executor.session import SessionRequest, run_session
+    from executor.tasks import Task
+    from harnesses.command import CommandHarness
+    from tests.conftest import session_context
+    from tests.test_reward_integrity import ASK_FROM_ANOTHER_PROCESS, FAILING_ENDPOINT, NO_BACKOFF
+
+    task = Task.model_validate({"id": "t", "prompt": "p", "model_script": FAILING_ENDPOINT})
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{ASK_FROM_ANOTHER_PROCESS}EOF\necho done")
+    sandbox = {"provider": "slurm", "root": str(tmp_path / "sandboxes")}
+    async with session_context(tmp_path, {**NO_BACKOFF, "sandbox": sandbox}, harness=harness) as ctx:
+        row = await run_session(SessionRequest("calls", task, 0, 1), ctx)
+    assert row["sandbox_isolation"] == "network,pids,filesystem,user"
+    assert [call["request_index"] for call in row["model_calls"]] == [0], row["model_calls"]
+    assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
+    assert row["failure_kind"] == "none", (row["failure_kind"], row["error_message"])

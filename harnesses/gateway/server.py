@@ -68,8 +68,10 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
         self.unix_path: str | None = None  # the Unix socket it also listens on, if any
-        # Where a sandbox's forwarder sends the connections its model client did not make (netns.py).
+        # Where a sandbox's forwarder sends the connections its model client did not make (netns.py): a
+        # Unix socket beside ``unix_path``, and a port of its own for a remote sandbox's agent to dial.
         self._other_path: str | None = None
+        self.other_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -93,6 +95,9 @@ class Gateway:
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
+            ours = len(runner.addresses)
+            await web.TCPSite(runner, host, 0).start()
+            self.other_port = runner.addresses[ours][1]
             if unix_path is not None:
                 await web.UnixSite(runner, unix_path).start()
                 self.unix_path = unix_path
@@ -117,7 +122,7 @@ class Gateway:
             if path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-        self.unix_path = self._other_path = None
+        self.unix_path = self._other_path = self.other_port = None
 
     def open_session(
         self, session_id: str, evidence_dir: Path, *, version: int | None = None, one_client: bool = False
@@ -180,12 +185,15 @@ class Gateway:
             session.leave()
 
     def _from_another_process(self, request: web.Request) -> bool:
-        """Whether the request came in on the other socket: a process of the sandbox that is not its
-        model client opened the connection (sandboxes/netns.py)."""
+        """Whether the request came in on the other socket or port: a process of the sandbox that is not
+        its model client opened the connection (sandboxes/netns.py)."""
         transport = request.transport
-        if transport is None or self._other_path is None:
+        if transport is None:
             return False
-        return transport.get_extra_info("sockname") == self._other_path
+        where = transport.get_extra_info("sockname")
+        if isinstance(where, str):
+            return where == self._other_path
+        return isinstance(where, tuple) and len(where) >= 2 and where[1] == self.other_port
 
     async def _serve(
         self, session: GatewaySession, request: web.Request, rest: str, *, listing: bool
