@@ -50,6 +50,7 @@ AGENT_IMPORTS = (
     "agent_layers.py",
     "fsview.py",
     "netns.py",
+    "seccomp.py",
     "isolation.py",
     "uidpool.py",
 )

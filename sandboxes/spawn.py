@@ -121,9 +121,13 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
 
         listener = netns.listen(int(forward[0]))
     if shared or view or user:
-        # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view.
+        # Nothing the command runs may gain privileges (a set-uid program), nor, as root, undo the view;
+        # nor take over another process of the sandbox's (the harness's connections to the gateway).
+        import seccomp
+
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+        seccomp.forbid_taking_over()
     if listener is None:
         # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
         # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.

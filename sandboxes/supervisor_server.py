@@ -418,6 +418,7 @@ def main(argv: list[str]) -> int:
     import fsview  # noqa: F401
     import netns  # noqa: F401
     import pidlimit  # noqa: F401
+    import seccomp  # noqa: F401
 
     usage = "usage: supervisor_server.py --serve PARENT_PID [--pid-namespace [--network PORT SOCKET]]"
     options = argv[3:]

@@ -35,12 +35,13 @@ import sys
 import warnings  # noqa: F401  os.get_exec_path imports it, in each command's init past its view
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path with -I
-# fsview, netns, pidlimit: what supervisor_server.main imports for an isolated command's init, here once.
+# fsview, netns, pidlimit, seccomp: what supervisor_server.main imports for a command's init, here once.
 import fsview
 import namespaces
 import netns  # noqa: F401
 import pidlimit  # noqa: F401
 import proctree
+import seccomp  # noqa: F401
 import spawn
 import supervisor
 import supervisor_server

@@ -312,6 +312,58 @@ async def test_a_process_that_outlives_the_model_client_does_not_take_its_place(
     assert json.loads(row["error_detail"])["gateway"]["not_the_harness"] == 1, row["error_detail"]
 
 
+# The harness's process keeps its connection to the gateway open; its tool takes the connection over
+# (pidfd_getfd: the kernel allows it to a process of the same user), asks on it, then kills the harness.
+TAKE_OVER = textwrap.dedent(
+    """\
+    import ctypes, os, signal, socket, sys
+    harness, fd, request = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    libc = ctypes.CDLL(None, use_errno=True)
+    taken = libc.syscall(438, os.pidfd_open(harness), fd, 0)  # pidfd_getfd
+    if taken < 0:
+        print("taking over refused:", os.strerror(ctypes.get_errno()), file=sys.stderr)
+    else:
+        conn = socket.socket(fileno=taken)
+        conn.settimeout(60)
+        conn.sendall(request)
+        answer = b""
+        while b"HTTP/1.1 503" not in answer and (chunk := conn.recv(65536)):
+            answer += chunk
+        print("took over:", answer[:40], file=sys.stderr)
+    os.kill(harness, signal.SIGKILL)
+    """
+)
+HOLDS_ITS_CONNECTION = textwrap.dedent(
+    """\
+    import json, os, socket, subprocess, sys
+    from urllib.parse import urlsplit
+    url = urlsplit(os.environ["OPENAI_BASE_URL"])
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = (
+        f"POST {url.path.rstrip('/')}/chat/completions HTTP/1.1\\r\\nHost: {url.netloc}\\r\\n"
+        f"Authorization: Bearer {os.environ['OPENAI_API_KEY']}\\r\\nContent-Type: application/json\\r\\n"
+        f"Content-Length: {len(body)}\\r\\n\\r\\n"
+    ).encode() + body
+    conn = socket.create_connection((url.hostname, url.port))
+    conn.sendall(request)
+    answer = b""
+    while b"answer" not in answer:  # the scripted model's text
+        answer += conn.recv(65536)
+    subprocess.run([sys.executable, "-c", TAKE_OVER, str(os.getpid()), str(conn.fileno()), request.hex()])
+    """
+)
+
+
+async def test_a_tool_cannot_take_over_the_harness_s_connection(tmp_path):
+    script = f"TAKE_OVER = {TAKE_OVER!r}\n" + HOLDS_ITS_CONNECTION
+    harness = CommandHarness(command=f"python3 - <<'EOF'\n{script}EOF\nexit $?")
+    steps = [{"type": "text", "text": "the answer"}, *FAILING_ENDPOINT[1:]]
+    row = await _session(tmp_path, _task(steps), harness, NO_BACKOFF)
+    assert row["failure_kind"] == "agent_self_inflicted", (row["failure_kind"], row["error_message"])
+    assert [call["request_index"] for call in row["model_calls"]] == [0], row["model_calls"]
+    _zero_and_accepted(row)
+
+
 async def test_a_command_agent_may_call_the_model_from_several_processes_when_the_run_says_so(tmp_path):
     """``harness.model_client: any_process``: the second process's call goes upstream, and the 503s it
     draws make the session the endpoint's, as every call did before the bound."""
