@@ -34,7 +34,7 @@ _X32 = 0x40000000
 # process_vm_writev]) as the kernel's audit arch names them.
 _FORBIDDEN: dict[str, list[tuple[int, list[int]]]] = {
     "x86_64": [(0xC000003E, [438, 311, _X32 | 438, _X32 | 540]), (0x40000003, [438, 348])],
-    "aarch64": [(0xC00000B7, [438, 271]), (0x40000028, [])],  # its arm32 calls: neither exists there
+    "aarch64": [(0xC00000B7, [438, 271]), (0x40000028, [438, 377])],  # its own, and arm32's
 }
 
 

@@ -336,3 +336,40 @@ def test_off_is_the_hosts_network_filesystem_and_user():
     layers = LocalSandboxConfig(isolation="off").layers
     assert (layers.network, layers.filesystem, layers.user) == (False, "host", False)
     assert LocalSandboxConfig.model_validate(yaml.safe_load("isolation: off")).isolation == "off"
+
+
+# A child of the command takes a descriptor of its parent and writes a byte of its memory, as a tool could
+# do to its harness (same user): what each call gave.
+TAKE_OVER_THE_PARENT = """
+import ctypes, errno, os, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+writev = {"x86_64": 311, "aarch64": 271}[platform.machine()]
+mine, _theirs = socket.socketpair()
+byte = ctypes.create_string_buffer(b"x")
+read, write = os.pipe()
+if os.fork() == 0:
+    parent = os.getppid()
+    said = []
+    got = libc.syscall(438, os.pidfd_open(parent), mine.fileno(), 0)
+    said.append("ok" if got >= 0 else errno.errorcode[ctypes.get_errno()])
+    iov = (ctypes.c_void_p * 2)(ctypes.addressof(byte), 1)
+    one, none = ctypes.c_ulong(1), ctypes.c_ulong(0)
+    wrote = libc.syscall(writev, parent, iov, one, iov, one, none)
+    said.append("ok" if wrote >= 0 else errno.errorcode[ctypes.get_errno()])
+    os.write(write, " ".join(said).encode())
+    os._exit(0)
+os.close(write)
+os.wait()
+print(os.read(read, 100).decode())
+"""
+
+
+@needs_view
+@pytest.mark.parametrize("isolated", [True, False], ids=["isolated", "not-isolated"])
+async def test_a_command_cannot_take_over_another_process_of_its_sandbox(tmp_path, isolated):
+    """pidfd_getfd and process_vm_writev refused by the command's seccomp filter (sandboxes/seccomp.py);
+    the control, a sandbox with no layer, shows the same calls succeed where nothing refuses them."""
+    async with _sandbox(tmp_path, **({"filesystem": "readonly"} if isolated else {})) as sandbox:
+        res = await sandbox.exec([sys.executable, "-c", TAKE_OVER_THE_PARENT], timeout=30)
+    assert res.exit_code == 0, res.stderr_tail
+    assert res.stdout_tail.split() == (["EPERM", "EPERM"] if isolated else ["ok", "ok"])
