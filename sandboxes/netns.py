@@ -153,11 +153,12 @@ def other_socket(socket_path: str) -> str:
 class ModelClient:
     """The sandbox's model client, one process at a time, pinned by pid and start time in ``proc``, a
     procfs of the sandbox's own PID namespace: the maker of the sandbox's first connection, and while it
-    lives, it alone. Once it has ended, a process that one of its launchers started (the processes above
-    it, up to the sandbox's command) may take its place, as a `command` agent running one process per
-    model call does. A process started by the agent's tools never can: it descends from a client, and once
-    that client is gone it hangs from the supervisor that took it in, which is no launcher. Called by
-    the accepting thread alone, so one connection is decided before the next is looked at."""
+    lives, it alone. Once it has ended, one of its launchers (the processes above it, up to the sandbox's
+    command) or a process one of them started may take its place, as a `command` agent running one
+    process per model call does. A process started by the agent's tools never can: it descends from a
+    client, and once that client is gone it hangs from the supervisor that took it in, which is no
+    launcher. Called by the accepting thread alone, so one connection is decided before the next is
+    looked at."""
 
     def __init__(self, proc: str, port: int) -> None:
         self.proc = proc
@@ -182,7 +183,7 @@ class ModelClient:
         maker = self._maker(target)
         if maker is None:
             return False
-        if self.pinned is not None:
+        if self.pinned is not None and (maker.pid, maker.start_ticks) not in self.launchers:
             parent = proctree.read_proc(maker.ppid, self.proc)
             if parent is None or (parent.pid, parent.start_ticks) not in self.launchers:
                 return False
