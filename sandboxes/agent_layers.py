@@ -231,8 +231,10 @@ class GatewayRelay:
         if key not in self.sockets:
             if len(self.sockets) >= self.MAX_TARGETS:
                 raise ValueError(f"more than {self.MAX_TARGETS} gateway addresses")
-            name = f"gw{len(self.sockets)}.sock"
-            path = netns.other_socket(other_of) if other_of else os.path.join(self.dir, name)
+            if other_of:
+                path = netns.other_socket(other_of)
+            else:
+                path = os.path.join(self.dir, f"gw{len(self.sockets)}.sock")
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(path)
             os.chmod(path, 0o600)  # the commands' inits connect as root; the commands never see it

@@ -8,15 +8,15 @@ supervisor.py, or isolation.py under bwrap), brings ``lo`` up and serves ``127.0
 gateway's own port number, so the harness's base URL is unchanged) by relaying each connection to that
 socket. Standard library only: it is imported by those stdlib scripts.
 
-Model calls are the harness's. Where the forwarder is given its sandbox's own procfs (a sandbox with a
-PID namespace of its own: the local one as root, a container), it tells the harness's connections from
-the rest: the process that makes the sandbox's first connection (the harness: nothing of the agent's runs
-before the model has answered it) is pinned by pid and start time, its connections go to the gateway's
-socket, and any other process's (a tool the agent ran, a script it wrote) to the gateway's other socket
-(``other_socket``), where the gateway refuses a model call for a harness that makes its own from one
-process (harnesses/gateway/server.py). Otherwise the sandbox's code could draw upstream failures at will
-(a flood that trips a rate limit, a request that stalls or that an endpoint answers with a 5xx) and turn
-its row into an infrastructure failure: masked, never graded.
+Model calls are the harness's. Where the forwarder is given its sandbox's own procfs (a sandbox with a PID
+namespace of its own: the local one as root, a container, a remote agent's as root), it tells the
+harness's connections from the rest: the process that makes the sandbox's first connection (the harness:
+nothing of the agent's runs before the model has answered it) is pinned by pid and start time, its
+connections go to the gateway's socket, and any other process's (a tool the agent ran, a script it wrote)
+to the gateway's other socket (``other_socket``), where the gateway refuses a model call for a harness
+that makes its own from one process (harnesses/gateway/server.py). Otherwise the sandbox's code could draw
+upstream failures at will (a flood that trips a rate limit, a request that stalls or that an endpoint
+answers with a 5xx) and turn its row into an infrastructure failure: masked, never graded.
 """
 
 from __future__ import annotations
@@ -296,14 +296,20 @@ def serve(listener: socket.socket, socket_path: str, proc: str | None = None) ->
         serve_to(listener, lambda: _unix(socket_path))
         return
     other = other_socket(socket_path)
-    port = listener.getsockname()[1]
-    args = (listener, lambda: _unix(socket_path), ModelClient(proc, port), lambda: _unix(other))
+    client = ModelClient(proc, listener.getsockname()[1])
+    serve_to(listener, lambda: _unix(socket_path), client, lambda: _unix(other))
+
+
+def serve_to(
+    listener: socket.socket,
+    connect: Callable[[], socket.socket],
+    model_client: ModelClient | None = None,
+    connect_other: Callable[[], socket.socket] | None = None,
+) -> None:
+    """Relay each connection to ``listener`` to what ``connect`` opens, from a daemon thread; one that
+    ``model_client`` did not make, to what ``connect_other`` opens."""
+    args = (listener, connect, model_client, connect_other)
     threading.Thread(target=_serve, args=args, daemon=True).start()
-
-
-def serve_to(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
-    """Relay each connection to ``listener`` to what ``connect`` opens, from a daemon thread."""
-    threading.Thread(target=_serve, args=(listener, connect), daemon=True).start()
 
 
 def start_forwarder(
