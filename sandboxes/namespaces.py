@@ -237,7 +237,7 @@ def _pid_namespace_init(
         netns.start_forwarder(*network, proc=proc)
     proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
     # Orphans of supervisors that died are ours to reap; a handler, so SIGCHLD interrupts the read below.
-    signal.signal(signal.SIGCHLD, lambda _s, _f: _reap_all())
+    proctree.set_handler(signal.SIGCHLD, lambda _s, _f: _reap_all())
     os.write(ready_w, ready)
     os.close(ready_w)
     # Until the server closes its end, by exiting or dying. Our exit ends the namespace: the kernel kills

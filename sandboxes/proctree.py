@@ -9,6 +9,7 @@ on the worker's side.
 
 from __future__ import annotations
 
+import _signal
 import ctypes
 import os
 import select
@@ -33,6 +34,18 @@ FREEZE_ROUNDS = 50
 KILL_SETTLE_S = 0.5  # how long one SIGKILL round waits for the kernel to tear processes down
 # Where this process reads the processes it sees: the host's /proc, or its PID namespace's (``use_proc``).
 PROC = "/proc"
+
+
+def set_handler(signum: int, handler: Callable[[int, object], None] | int) -> None:
+    """``signal.signal`` without its enum conversions, which a forked interpreter pays for on every call
+    (a raised and caught ValueError whenever the handler it replaces is a function; ~30 us and a dozen
+    pages copied a call, in processes forked a few times a sandbox)."""
+    _signal.signal(signum, handler if callable(handler) else int(handler))  # SIG_DFL, SIG_IGN: ints
+
+
+def block_signals(how: int, signums: Iterable[int]) -> None:
+    """``signal.pthread_sigmask`` without converting the old mask it returns to enums."""
+    _signal.pthread_sigmask(how, signums)
 
 
 def use_proc(fd: int) -> None:
@@ -215,9 +228,9 @@ def wait_passing_signals(child: int, *, reap_all: bool, unblock: bool = False) -
                 pass
 
     for sig in PASSED_SIGNALS:
-        signal.signal(sig, pass_on)
+        set_handler(sig, pass_on)
     if unblock:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_SIGNALS)
+        block_signals(signal.SIG_UNBLOCK, PASSED_SIGNALS)
     while True:
         pid, status = os.waitpid(-1 if reap_all else child, 0)
         if pid == child:

@@ -137,7 +137,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         netns.serve(listener, str(forward[1]), proc=str(forward[2]) if len(forward) > 2 else None)
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    proctree.set_handler(signal.SIGCHLD, signal.SIG_DFL)
     status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
     os.write(status_fd, str(status).encode())
     return 0
@@ -205,8 +205,8 @@ def _exec_command(
     code = 126
     try:
         for sig in (*_RESTORED_SIGNALS, *STOP_SIGNALS, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            proctree.set_handler(sig, signal.SIG_DFL)
+        proctree.block_signals(signal.SIG_SETMASK, ())
         os.chdir(p["cwd"])
         if p.get("memory_procs"):
             # The memory cap's OOM killer takes a command before a supervisor (pidlimit.py): raising

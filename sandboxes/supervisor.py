@@ -145,9 +145,9 @@ def drain_wakeup(fd: int) -> None:
 
 def handle_stop_signals(on_stop: Callable[[int, object], None]) -> None:
     for sig in STOP_SIGNALS:
-        signal.signal(sig, on_stop)
+        proctree.set_handler(sig, on_stop)
     # A handler (not SIG_DFL) so that SIGCHLD writes to the wakeup fd and ends a select().
-    signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+    proctree.set_handler(signal.SIGCHLD, lambda _s, _f: None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Supervisor:
             self.expired = True
 
         handle_stop_signals(on_stop)
-        signal.signal(EXPIRE_SIGNAL, on_expire)
+        proctree.set_handler(EXPIRE_SIGNAL, on_expire)
 
     def bind_lifetime(self) -> None:
         # SIGTERM (not SIGKILL) when the worker thread that started us dies: the handler above still
@@ -376,7 +376,7 @@ def _supervise(
     started = time.monotonic()
     sup = Supervisor(params, env)
     sup.install_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)  # blocked by the server across its fork
+    proctree.block_signals(signal.SIG_UNBLOCK, HANDLED_SIGNALS)  # blocked by the server across its fork
     if previous is not None:  # read after our handlers took over: no signal falls in between
         sup.terminated_by = previous.terminated_by
     reason, error = "error", None

@@ -124,16 +124,16 @@ class _Server:
             shared = self._view(params["view"])
             if shared is not None:
                 params["view_fds"] = list(shared)
-        signal.pthread_sigmask(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
+        proctree.block_signals(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
         try:
             pid = os.fork()
         except OSError as exc:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
+            proctree.block_signals(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
             self.reply({"id": req_id, "error": f"fork failed: {exc}"})
             return
         if pid == 0:
             self._child(req)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
+        proctree.block_signals(signal.SIG_UNBLOCK, supervisor.HANDLED_SIGNALS)
         self.children[pid] = req_id
         try:  # the worker signals it by the host's pid
             shown = _host_pid(pid)

@@ -127,7 +127,7 @@ class _Zygote:
         self.children: set[int] = set()
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
-        signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a handler, so that it wakes the select
+        proctree.set_handler(signal.SIGCHLD, lambda _s, _f: None)  # a handler, so that it wakes the select
         self.sel.register(self.control, selectors.EVENT_READ)
         self.sel.register(self.worker, selectors.EVENT_READ)
         self.open = True
@@ -216,7 +216,7 @@ class _Zygote:
         """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
         proctree.name_process(b"rollout-server")
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        proctree.set_handler(signal.SIGCHLD, signal.SIG_DFL)
         self.sel.close()
         if self.open:
             self.control.close()
