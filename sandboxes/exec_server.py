@@ -209,6 +209,7 @@ class ExecServer:
         network_forward: tuple[int, str] | None = None,
         zygote: Zygote | None = None,
         views: bool = False,
+        network_handed_on: bool = False,
     ) -> ExecServer:
         """Forked by ``zygote``, or else a new interpreter. ``env`` must carry the marker: /proc/PID/environ
         of the server and of every supervisor it forks shows it, which is how the sandbox finds its
@@ -216,6 +217,8 @@ class ExecServer:
         every command runs in one PID namespace, made by the server at its start (see namespaces.py); with
         ``network_forward`` (port, gateway socket), in one loopback-only network namespace too. ``views``:
         every command has a filesystem view (a forked server's namespace then needs no mount namespace).
+        ``network_handed_on``: no command of the sandbox can change its network namespace (none runs as
+        root), so that the fork server may give it an ended sandbox's and hand it on after (zygote.py).
         Raises ZygoteGone when ``zygote`` has died, OSError when the server cannot be started."""
         loop = asyncio.get_running_loop()
         stdin_r, stdin_w = os.pipe()
@@ -229,6 +232,7 @@ class ExecServer:
                     "pid_namespace": pid_namespace,
                     "network": network,
                     "views": views,
+                    "network_handed_on": network_handed_on,
                 }
                 await zygote.fork(request, (stdin_r, stdout_w))
             else:

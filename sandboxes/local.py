@@ -299,6 +299,9 @@ class LocalSandboxProvider:
             # Every command builds its own view (from the fork server's base): the PID namespace needs
             # no copy of the host's mount table for its /proc (namespaces.py).
             "views": self.isolation.filesystem == "mounts",
+            # Every command runs as the sandbox's own uid, never root: none can change the namespace
+            # (its loopback, routes, filters need CAP_NET_ADMIN), which an ended sandbox's then is again.
+            "network_handed_on": self.isolation.user,
         }
         while (zygote := self._live_zygote()) is not None:
             try:

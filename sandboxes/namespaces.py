@@ -154,12 +154,16 @@ class ServerInit:
     mount_ns = None
     parent_pid_inside = 1  # what a supervisor sees as its parent's pid: the server's own
 
-    def __init__(self, network: tuple[int, str] | None = None) -> None:
+    def __init__(self, network: tuple[int, str] | None = None, network_ns: int | None = None) -> None:
         if os.getpid() != 1:
             raise OSError("the server is not the init of a PID namespace")
         self.proc = fsview.detached_proc()
         if network is not None:
-            proctree.libc_call("unshare", CLONE_NEWNET)
+            if network_ns is not None:  # made by the fork server, or an ended sandbox's (zygote.py)
+                proctree.libc_call("setns", network_ns, CLONE_NEWNET)
+                os.close(network_ns)
+            else:
+                proctree.libc_call("unshare", CLONE_NEWNET)
             netns.start_forwarder(*network, proc=f"/proc/self/fd/{self.proc}")
             proctree.libc_call("unshare", CLONE_FS)
 

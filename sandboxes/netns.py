@@ -93,7 +93,7 @@ def check_available() -> None:
 # Inside the namespace
 
 
-def _bring_up_loopback() -> None:
+def loopback_up() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
@@ -280,7 +280,7 @@ def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
     a command started in between finds the port open. A container's engine brings its ``lo`` up itself
     (and grants no CAP_NET_ADMIN to do it again)."""
     if bring_up_loopback:
-        _bring_up_loopback()
+        loopback_up()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))

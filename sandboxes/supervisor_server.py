@@ -377,6 +377,7 @@ def serve(
     base_mounts: int | None = None,
     views: bool = False,
     as_init: bool = False,
+    network_ns: int | None = None,
 ) -> int:
     """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd).
     ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from.
@@ -395,7 +396,7 @@ def serve(
         own_mounts = not (views and base_mounts is not None)
         namespace: namespaces.PidNamespace | namespaces.ServerInit | None = None
         if as_init:
-            namespace = namespaces.ServerInit(network)
+            namespace = namespaces.ServerInit(network, network_ns)
         elif pid_namespace:
             namespace = namespaces.PidNamespace(network, held, own_mounts=own_mounts)
         server = _Server(worker, namespace, base_mounts)

@@ -9,11 +9,13 @@ process is well under one. The worker (sandboxes/exec_server.py) starts it as
 with the environment a server gets (only the sandbox marker variable, here a placeholder of a token's
 length), from /, every other descriptor closed: nothing of the worker's (its key, its sockets, another
 sandbox's pipes) is ever in this process. Each request is one message on CONTROL_FD (a SOCK_SEQPACKET
-socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null, "views": bool}``
-(views: every command of the sandbox has a filesystem view: supervisor_server.serve) with two
-descriptors, the read end of the new server's request pipe and the write end of its answer pipe. The
-child gets those as its stdin and stdout, a pidfd of the worker as fd 3, the base mount namespace (see
-``_base_mounts``) as fd 4 where there is one, and nothing else; writes its
+socket): ``{"marker": TOKEN, "pid_namespace": bool, "network": [PORT, SOCKET] | null, "views": bool,
+"network_handed_on": bool}`` (views: every command of the sandbox has a filesystem view:
+supervisor_server.serve; network_handed_on: no command of it runs as root, see ``_network_namespace``)
+with two descriptors, the read end of the new server's request pipe and the write end of its answer
+pipe. The child gets those as its stdin and stdout, a pidfd of the worker as fd 3, the base mount
+namespace (see ``_base_mounts``) as fd 4 where there is one, the network namespace to join as fd 5 where
+it is given one, and nothing else; writes its
 sandbox's marker over the placeholder in its own environment block, so that /proc/PID/environ shows it
 as it would for a server the worker had started; and runs ``supervisor_server.serve``. A fork that fails
 is answered on the answer pipe as ``{"error": ...}``.
@@ -25,6 +27,7 @@ Standard library only, like supervisor_server.py.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path wi
 # fsview, netns, pidlimit, seccomp: what supervisor_server.main imports for a command's init, here once.
 import fsview
 import namespaces
-import netns  # noqa: F401
+import netns
 import pidlimit  # noqa: F401
 import proctree
 import seccomp  # noqa: F401
@@ -49,6 +52,11 @@ import supervisor_server
 MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
 WORKER_FD = 3  # where a forked server finds the worker's pidfd
 BASE_FD = 4  # where it finds the base mount namespace, if there is one
+NET_FD = 5  # where it finds the network namespace to join, if it is given one
+CLONE_NEWNET = 0x40000000
+# Network namespaces kept for later sandboxes (``_network_namespace``): as many as ever end at once
+# between two starts, at most this many.
+MAX_SPARE_NETWORKS = 64
 CLONE_NEWNS = 0x00020000
 MAX_REQUEST_BYTES = 64 * 1024
 _ENV_START_FIELD = 50  # /proc/PID/stat: the address of the environment block (proc(5))
@@ -124,7 +132,15 @@ class _Zygote:
         self.marker_at = _marker_address()
         self.control = socket.socket(fileno=control_fd)
         self.control.setblocking(False)
-        self.children: set[int] = set()
+        # Each server we forked, and the network namespace it joined (ours to hand on once it is empty).
+        self.children: dict[int, int | None] = {}
+        # Network namespaces of ended sandboxes, loopback up and nothing in them: a namespace made, its
+        # loopback brought up and torn down again cost ~1.8 ms of the machine's CPU (half of it in the
+        # kernel's workers, after the sandbox), where joining one costs microseconds.
+        self.spare_networks: list[int] = []
+        self.own_network = (
+            -1 if self.base is None else os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        )
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
         proctree.set_handler(signal.SIGCHLD, lambda _s, _f: None)  # a handler, so that it wakes the select
@@ -146,8 +162,39 @@ class _Zygote:
         return 0
 
     def reap(self) -> None:
-        for pid, _status in proctree.exited_children():
-            self.children.discard(pid)
+        for pid, status in proctree.exited_children():
+            network = self.children.pop(pid, None)
+            if network is None:
+                continue
+            # Exit 0: the server's PID namespace was empty (supervisor_server.serve), so nothing of the
+            # sandbox holds a socket in its network namespace any more. Any other end: not handed on.
+            if status == 0 and self.open and len(self.spare_networks) < MAX_SPARE_NETWORKS:
+                self.spare_networks.append(network)
+            else:
+                os.close(network)
+
+    def _network_namespace(self) -> int | None:
+        """A network namespace for a new sandbox: an ended sandbox's, else a new one with its loopback up
+        (None where none can be made: the server then makes its own)."""
+        if self.spare_networks:
+            return self.spare_networks.pop()
+        try:
+            proctree.libc_call("unshare", CLONE_NEWNET)
+        except OSError:
+            return None
+        try:
+            netns.loopback_up()
+            return os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        finally:
+            try:
+                proctree.libc_call("setns", self.own_network, CLONE_NEWNET)
+            except OSError as exc:  # every later sandbox would start in this namespace: end instead
+                os.write(
+                    2, f"zygote: cannot return to its network namespace: {exc}\n".encode(errors="replace")
+                )
+                os._exit(1)
 
     def receive(self) -> None:
         try:
@@ -170,7 +217,8 @@ class _Zygote:
             if len(fds) != 2 or len(token) != len(self.placeholder) or not token.isalnum():
                 raise ValueError("a request takes a marker of the placeholder's length and two descriptors")
             pid_ns, views = bool(req.get("pid_namespace")), bool(req.get("views"))
-            self.fork(token, pid_ns, req.get("network"), fds[0], fds[1], views)
+            handed_on = bool(req.get("network_handed_on"))
+            self.fork(token, pid_ns, req.get("network"), fds[0], fds[1], views, handed_on)
         except (ValueError, KeyError, TypeError) as exc:
             os.write(2, f"zygote: bad request: {str(exc)[:200]}\n".encode())
         finally:
@@ -185,11 +233,14 @@ class _Zygote:
         stdin: int,
         out: int,
         views: bool = False,
+        network_handed_on: bool = False,
     ) -> None:
         gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
         # Where every view is made from the base, the server is its PID namespace's init itself
         # (namespaces.ServerInit): a fork and a long-lived process less a sandbox.
         as_init = pid_namespace and views and self.base is not None
+        self.reap()  # a server that ended before this request hands its network namespace on to this one
+        network_ns = self._network_namespace() if as_init and network and network_handed_on else None
         try:
             if as_init:
                 proctree.libc_call("unshare", namespaces.CLONE_NEWPID)
@@ -200,20 +251,25 @@ class _Zygote:
         if pid and as_init:  # our next child is born in our own namespace again
             proctree.libc_call("setns", self.pid_ns, namespaces.CLONE_NEWPID)
         if pid > 0:
-            self.children.add(pid)
+            self.children[pid] = network_ns
+        elif pid < 0 and network_ns is not None:
+            self.spare_networks.append(network_ns)  # never joined
         if pid:
             return
 
         def server() -> int:
-            self._become_server(token, stdin, out)
+            self._become_server(token, stdin, out, network_ns)
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
             base = BASE_FD if self.base is not None else None
-            return supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init)
+            joined = NET_FD if network_ns is not None else None
+            return supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init, joined)
 
         proctree.end_child("zygote child", server)
 
-    def _become_server(self, token: str, stdin: int, out: int) -> None:
+    def _become_server(self, token: str, stdin: int, out: int, network: int | None) -> None:
         """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
+        if network is not None:  # out of the way of the descriptors moved into place below
+            network = fcntl.fcntl(network, fcntl.F_DUPFD_CLOEXEC, NET_FD + 1)
         proctree.name_process(b"rollout-server")
         signal.set_wakeup_fd(-1)
         proctree.set_handler(signal.SIGCHLD, signal.SIG_DFL)
@@ -227,8 +283,12 @@ class _Zygote:
             os.dup2(self.worker, WORKER_FD, inheritable=False)
         if self.base is not None and self.base != BASE_FD:
             os.dup2(self.base, BASE_FD, inheritable=False)
-        # Another request's pipes, our own, the wake-up.
-        os.closerange((WORKER_FD if self.base is None else BASE_FD) + 1, spawn.MAX_FD)
+        if network is not None:
+            os.dup2(network, NET_FD, inheritable=False)
+        # Another request's pipes, our own, the wake-up, the spare network namespaces.
+        os.closerange(
+            (WORKER_FD if self.base is None else NET_FD if network is not None else BASE_FD) + 1, spawn.MAX_FD
+        )
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
         try:
             os.pwrite(mem, token.encode(), self.marker_at)

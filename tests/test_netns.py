@@ -20,7 +20,7 @@ from executor.store import read_table
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import netns
-from sandboxes.base import SandboxSpec
+from sandboxes.base import SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from sandboxes.proctree import read_proc, snapshot
 from tests.conftest import processes_under
@@ -128,6 +128,100 @@ import sys, urllib.request
 with urllib.request.urlopen(sys.argv[1] + "/models", timeout=20) as answer:
     print(answer.status, answer.read().decode())
 """
+
+
+LISTEN = """
+import os, socket, sys
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+with open(sys.argv[2], "w") as report:
+    report.write(os.readlink("/proc/self/ns/net") + "\\n")
+listener.accept()  # until the sandbox stops
+"""
+PROBE = """
+import os, socket, sys
+for port in sys.argv[1:]:
+    try:
+        socket.create_connection(("127.0.0.1", int(port)), timeout=10).close()
+        print(port, "open")
+    except ConnectionRefusedError:
+        print(port, "refused")
+print(os.readlink("/proc/self/ns/net"))
+"""
+
+
+async def test_an_ended_sandboxs_network_namespace_serves_a_later_one_with_nothing_of_it_left(tmp_path):
+    """The fork server hands an ended sandbox's network namespace (its PID namespace emptied) to a later
+    sandbox rather than making one: a port the first one's command listened on is closed there, the
+    gateway's port open; two sandboxes alive at once never share one."""
+    async with _isolated(tmp_path, pids="isolated", filesystem="readonly", user=True) as (first, gateway):
+        provider = first._provider
+        gateway_port = str(urlsplit(gateway.url).port)
+        report = Fifo(Path(first.workdir) / "report")
+        report.path.chmod(0o666)  # for the sandbox's own uid
+        listening = asyncio.ensure_future(
+            first.exec([sys.executable, "-c", LISTEN, "4242", "report"], timeout=60)
+        )
+        try:
+            [first_ns] = await report.lines(1)
+            second = await provider.start(SandboxSpec(run_id="r", session_id="s2", ttl_s=120))
+            beside = await second.exec([sys.executable, "-c", PROBE, "4242", gateway_port], timeout=30)
+            assert beside.stdout_tail.split("\n")[:2] == ["4242 refused", f"{gateway_port} open"]
+            assert beside.stdout_tail.split("\n")[2] != first_ns
+            await first.stop()
+            with pytest.raises(SandboxLostError):  # its command was running
+                await listening
+            # The provider may hold one spare server, forked before the first ended: the next but one
+            # sandbox's server is forked after.
+            later = []
+            for name in ("s3", "s4"):
+                sandbox = await provider.start(SandboxSpec(run_id="r", session_id=name, ttl_s=120))
+                probe = await sandbox.exec([sys.executable, "-c", PROBE, "4242", gateway_port], timeout=30)
+                later.append(probe.stdout_tail.split("\n")[:3])
+                await sandbox.stop()
+            await second.stop()
+        finally:
+            report.close()
+            if not listening.done():
+                listening.cancel()
+    assert [lines[:2] for lines in later] == [["4242 refused", f"{gateway_port} open"]] * 2
+    assert first_ns in [lines[2] for lines in later]
+
+
+SPOIL = """
+import os
+ports = "/proc/sys/net/ipv4/ip_local_port_range"
+with open(ports) as f:
+    print(" ".join(f.read().split()))
+with open(ports, "w") as f:
+    f.write("40000 40000")  # one local port for every connection made here from now on
+print(os.readlink("/proc/self/ns/net"))
+"""
+LOOK = """
+import os
+with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+    print(" ".join(f.read().split()))
+print(os.readlink("/proc/self/ns/net"))
+"""
+
+
+async def test_a_sandbox_whose_commands_run_as_root_hands_no_network_namespace_on(tmp_path):
+    """Root in a sandbox can change its network namespace (here: its local port range, down to one
+    port): with no uid of its own, an ended sandbox's namespace is given to no other sandbox."""
+    async with _isolated(tmp_path, pids="isolated", filesystem="readonly") as (first, _gateway):
+        provider = first._provider
+        spoiled = await first.exec([sys.executable, "-c", SPOIL], timeout=30)
+        assert spoiled.exit_code == 0, spoiled.stderr_tail
+        await first.stop()
+        later = []
+        for name in ("s2", "s3"):
+            sandbox = await provider.start(SandboxSpec(run_id="r", session_id=name, ttl_s=120))
+            later.append(
+                (await sandbox.exec([sys.executable, "-c", LOOK], timeout=30)).stdout_tail.split("\n")[:2]
+            )
+            await sandbox.stop()
+    default, first_ns = spoiled.stdout_tail.split("\n")[:2]
+    assert [ports for ports, _ns in later] == [default] * 2
+    assert first_ns not in [ns for _ports, ns in later]
 
 
 async def test_the_gateway_is_reached_through_its_unix_socket(tmp_path):

@@ -559,12 +559,19 @@ def fixed_line(figures: dict[str, Any]) -> str:
 
 
 def sandbox_cpu(
-    n: int, scratch: Path, isolation: str = "auto", execs: int = 1, sleep_s: float = 0.0
+    n: int,
+    scratch: Path,
+    isolation: str = "auto",
+    execs: int = 1,
+    sleep_s: float = 0.0,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """``n`` local sandboxes at once, as a run's defaults make them: start, ``execs`` commands of ``true``
     one after another, stop. (Two runs with different ``execs`` give what one more command costs.)
     ``sleep_s``: the last command is ``sleep sleep_s`` instead, every sandbox's at once, so that two runs
-    with different ``sleep_s`` give what a sandbox costs while its command waits.
+    with different ``sleep_s`` give what a sandbox costs while its command waits. ``rounds``: ``n`` at once
+    that many times, each round once the one before has stopped, as a run's sessions follow each other
+    (what a sandbox leaves for the next one to take counts); the figures are per sandbox of all rounds.
 
     The CPU is this process's and its reaped children's (the supervisor servers and everything under
     them, and the provider's fork server once the provider is closed), so it excludes the rest of the
@@ -600,9 +607,11 @@ def sandbox_cpu(
 
     async def main() -> tuple[float, float, int]:
         t0 = time.monotonic()
-        sandboxes = await asyncio.gather(*(one() for _ in range(n)))
-        threads = threading.active_count()  # every sandbox started, none stopped
-        await asyncio.gather(*(sandbox.stop() for sandbox in sandboxes))
+        threads = 0
+        for _ in range(rounds):
+            sandboxes = await asyncio.gather(*(one() for _ in range(n)))
+            threads = max(threads, threading.active_count())  # every sandbox started, none stopped
+            await asyncio.gather(*(sandbox.stop() for sandbox in sandboxes))
         wall = time.monotonic() - t0
         await provider.aclose()
         return wall, time.monotonic() - t0, threads
@@ -619,8 +628,10 @@ def sandbox_cpu(
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     own = own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime
     kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+    n *= rounds
     return {
         "sandboxes": n,
+        "rounds": rounds,
         "execs": execs,
         "sleep_s": sleep_s,
         "isolation": provider.isolation_label,
@@ -636,9 +647,11 @@ def sandbox_cpu(
 
 def sandbox_line(p: dict[str, Any]) -> str:
     last = f", the last `sleep {p['sleep_s']:g}`" if p.get("sleep_s") else ""
+    rounds = p.get("rounds", 1)
+    at_once = f"{p['sandboxes'] // rounds} at once, {rounds} rounds" if rounds > 1 else "at once"
     return (
-        f"{p['sandboxes']} local sandboxes ({p['isolation']}) at once, start + {p['execs']} x `true`{last} + "
-        "stop: "
+        f"{p['sandboxes']} local sandboxes ({p['isolation']}) {at_once}, start + {p['execs']} x `true`{last}"
+        " + stop: "
         f"{p['cpu_ms_per_sandbox']:.1f} ms CPU per sandbox ({p['worker_cpu_ms_per_sandbox']:.1f} in the "
         f"worker, {p['processes_cpu_ms_per_sandbox']:.1f} in its processes; the whole machine "
         f"{p['machine_cpu_ms_per_sandbox']:.1f}), wall {p['wall_s']:.2f} s, worker threads with all "

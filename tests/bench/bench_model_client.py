@@ -44,7 +44,7 @@ def main() -> None:
         argv = ["unshare", "--pid", "--fork", "--mount-proc", "--net", sys.executable, __file__, "--inside"]
         argv += ["--connections", str(args.connections), "--processes", str(args.processes)]
         sys.exit(subprocess.run(argv, check=False, timeout=600).returncode)
-    netns._bring_up_loopback()
+    netns.loopback_up()
     listener = netns.listen(0, bring_up_loopback=False)
     port = listener.getsockname()[1]
     idle = [

@@ -2,7 +2,7 @@
 make them; two runs with different ``--execs`` give what one more command costs.
 
     .venv/bin/python tests/bench/bench_sandbox_cpu.py [--n 50] [--execs 1] [--isolation auto|strict|off]
-        [--repeat 3] [--sleep S]
+        [--repeat 3] [--sleep S] [--rounds R]
 
 What it counts and leaves out: executor/testing/bench_scale.py (``sandbox_cpu``). Each repetition runs in
 a fresh process, so that one's children are not the next one's.
@@ -30,15 +30,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--execs", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0, help="the last command sleeps this long")
+    parser.add_argument("--rounds", type=int, default=1, help="--n at once, this many times over")
     parser.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
         with tempfile.TemporaryDirectory(prefix="bench-sandbox-cpu-") as scratch:
-            print(json.dumps(sandbox_cpu(args.n, Path(scratch), args.isolation, args.execs, args.sleep)))
+            figures = sandbox_cpu(args.n, Path(scratch), args.isolation, args.execs, args.sleep, args.rounds)
+            print(json.dumps(figures))
         return
     for _ in range(args.repeat):
         argv = [sys.executable, __file__, "--once", "--n", str(args.n), "--isolation", args.isolation]
-        argv += ["--execs", str(args.execs), "--sleep", str(args.sleep)]
+        argv += ["--execs", str(args.execs), "--sleep", str(args.sleep), "--rounds", str(args.rounds)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600 + args.sleep, check=False)
         if done.returncode != 0:
             sys.exit(f"probe failed: {done.stderr[-2000:]}")
