@@ -103,3 +103,26 @@ def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
         assert ended(orphan, bound_s=60)  # bounded as a safety net only
     assert ours.seconds is not None and ours.seconds >= 0.2
     assert not ours.group.exists()
+
+
+def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_beyond_the_fixed():
+    from executor.testing.bench import markdown
+    from executor.testing.bench_scale import beyond_fixed
+
+    small = {
+        "rows": 8,
+        "sessions": 8,
+        "parts_cpu_ms_per_rollout": {"workers": 500.0},
+        "peak_workers_pss_mb": 800,
+    }
+    big = {"rows": 1000, "sessions": 1000, "parts_cpu_ms_per_rollout": {"workers": 30.0}}
+    big["peak_workers_pss_mb"] = 800 + 992 * 0.25
+    figures = beyond_fixed(small, big)
+    # (30 ms x 1,000 - 500 ms x 8) / 992 sessions; 0.25 MB a session in flight.
+    assert round(figures["per_session_ms"]["workers"], 2) == round((30_000 - 4_000) / 992, 2)
+    assert figures["worker_mb_per_session"] == 0.25
+    run = {**big, "workers": 8, "nodes": 4, "sleep_s": 300, "sessions_span_s": 341.7, "ideal_s": 300}
+    text = markdown({"f": {**run, "beyond_fixed": figures}}, "rollout bench --parts f", "today", "here")
+    assert "| 341.7 s | 300 s ideal | 1.139 |" in text
+    assert "| (f) the workers' memory (PSS) per session in flight | 0.25 MB |" in text
+    assert "26.2 ms: workers 26.2" in text

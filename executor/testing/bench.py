@@ -172,6 +172,29 @@ PHASE_NAMES = {
 }
 
 
+def _scale_rows(f: dict[str, Any] | None) -> list[str]:
+    """Part (f)'s rows: the sessions' span against the ideal, and, with ``--scale-fixed``, what a
+    session costs beyond the run's fixed costs (CPU by part, the workers' memory)."""
+    if not f:
+        return []
+    nodes = f" on {f['nodes']} raylets" if f.get("nodes") else ""
+    rows = [
+        f"| (f) {f['sessions']:,} sessions of a null harness that sleeps {f['sleep_s']:g} s, all in flight "
+        f"({f['workers']} workers{nodes}), first start to last end | {f['sessions_span_s']:.1f} s "
+        f"| {f['ideal_s']:.0f} s ideal | {f['sessions_span_s'] / f['ideal_s']:.3f} |"
+    ]
+    if per := (f.get("beyond_fixed") or {}).get("per_session_ms"):
+        rows.append(
+            f"| (f) CPU per session beyond the run's fixed costs, by part (the sandboxes' with the "
+            f"commands they run: the null harness and the diff, ~9 ms) | {sum(per.values()):.1f} ms: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+            + " | | |"
+        )
+        if (mb := f["beyond_fixed"].get("worker_mb_per_session")) is not None:
+            rows.append(f"| (f) the workers' memory (PSS) per session in flight | {mb:.2f} MB | | |")
+    return rows
+
+
 def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> str:
     """The figures of one `rollout bench` as the tables of docs/performance.md."""
     load = figures.get("load")
@@ -225,6 +248,7 @@ def markdown(figures: dict[str, Any], command: str, when: str, machine: str) -> 
             f"| (d) Arrow store | {d['append_rows_per_s']:,.0f} rows/s appended; resume scan of "
             f"{d['rows']:,} rows {d['resume_scan_s']:.2f} s | | |"
         )
+    lines += _scale_rows(figures.get("f"))
     for name, part in (("a", a), ("g", g)):
         if part:
             lines += [

@@ -539,7 +539,16 @@ def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
         part: (big_parts[part] * big["rows"] - small_parts[part] * small["rows"]) / rows for part in big_parts
     }
     fixed_s = {part: (small_parts[part] - per[part]) * small["rows"] / 1000 for part in per}
-    return {"per_session_ms": per, "fixed_s": fixed_s, "small_rows": small["rows"]}
+    # The workers' memory at their peak, every session in flight, beyond a run of one each: what a
+    # session in flight holds in its worker (the sandbox's own processes not counted).
+    pss = big.get("peak_workers_pss_mb", 0) - small.get("peak_workers_pss_mb", 0)
+    in_flight = big["sessions"] - small["sessions"]
+    return {
+        "per_session_ms": per,
+        "fixed_s": fixed_s,
+        "small_rows": small["rows"],
+        "worker_mb_per_session": pss / in_flight if in_flight > 0 else None,
+    }
 
 
 def fixed_line(figures: dict[str, Any]) -> str:
@@ -551,6 +560,11 @@ def fixed_line(figures: dict[str, Any]) -> str:
         + f" ms; fixed, once a run: {sum(fixed.values()):.1f} s: "
         + ", ".join(f"{k} {v:.1f}" for k, v in fixed.items())
         + " s"
+        + (
+            f"; workers' memory (PSS) per session in flight: {mb:.2f} MB"
+            if (mb := figures.get("worker_mb_per_session")) is not None
+            else ""
+        )
     )
 
 
