@@ -579,9 +579,12 @@ class LocalSandbox:
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
-            for group in (self.pids_cgroup, self.memory_cgroup):
-                if not pidlimit.remove(group):  # its last process may not be released yet
-                    await asyncio.to_thread(pidlimit.remove, group, 2.0)
+            caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
+            caps = {controller: group for controller, group in caps.items() if group}
+            if not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
+                for group in set(caps.values()):
+                    if not pidlimit.remove(group):  # its last process may not be released yet
+                        await asyncio.to_thread(pidlimit.remove, group, 2.0)
             await asyncio.to_thread(self._unmount_disk)
             if self._lease is not None:  # its processes are gone: the uid is free for another sandbox
                 self._lease.release()

@@ -32,6 +32,7 @@ from sandboxes import isolation, pidlimit, uidpool
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
 from sandboxes.local_config import LocalSandboxConfig
+from sandboxes.proctree import has_env_entry
 from tests.conftest import processes_under, session_context
 from tests.test_ray_job import _end, _until, start_head
 
@@ -332,12 +333,49 @@ async def test_a_spare_servers_cap_is_made_before_its_sandbox_starts_and_goes_wi
         assert group in {line.split(":", 2)[2] for line in res.stdout_tail.splitlines()}, res.stdout_tail
     finally:
         await c.stop()
-    assert not any(Path(group).parent.exists() for group in spare.cgroups.values())
+    assert spare.cgroups in world.provider._spare_caps  # kept, empty, for a later sandbox
     assert world.provider._spare is not None  # c's command made the next one
     unused = await world.provider._spare[1]
     assert unused.cgroups["pids"] and Path(unused.cgroups["pids"]).exists()
     await world.provider.aclose()
     assert not Path(unused.cgroups["pids"]).parent.exists()
+    assert not any(Path(group).parent.exists() for group in spare.cgroups.values())
+
+
+async def test_an_ended_sandboxs_caps_serve_a_later_one_capped_again_and_holding_only_its_processes(world):
+    """A sandbox's caps outlive it, emptied with its PID namespace, and a later sandbox takes them rather
+    than the kernel making two cgroups again: the provider's limits set again (whatever the first left),
+    the later sandbox's server and commands in them and nothing else."""
+    first = {"pids": world.a.pids_cgroup, "memory": world.a.memory_cgroup}
+    assert all(first.values())
+    Path(first["pids"]).with_name("pids.max").write_text("5")  # as a task's own cap would leave it
+    await world.a.stop()
+    assert first in world.provider._spare_caps
+    # The provider may hold one spare server, capped before the first sandbox ended.
+    for name in ("c", "d"):
+        later = await world.provider.start(SandboxSpec(run_id="r", session_id=name, ttl_s=300))
+        try:
+            if later.pids_cgroup != first["pids"]:
+                continue
+            assert later.memory_cgroup == first["memory"]
+            assert Path(first["pids"]).with_name("pids.max").read_text().strip() == "64"
+            held = await later.exec(["sh", "-c", "cat /proc/self/cgroup; echo $$"], timeout=30)
+            group = "/rollout-executor/" + Path(first["pids"]).parent.name
+            assert group in {line.split(":", 2)[-1] for line in held.stdout_tail.splitlines()}, (
+                held.stdout_tail
+            )
+            # Its server, and its command's supervisor if not yet gone: no process of the first sandbox.
+            members = [int(pid) for pid in Path(first["pids"]).read_text().split()]
+            assert later.descriptor()["server_pid"] in members
+            theirs = world.a._marker  # its marker, as its processes carry it
+            assert not [pid for pid in members if has_env_entry(pid, theirs)], members
+            mine = later._marker
+            assert all(has_env_entry(pid, mine) or not Path(f"/proc/{pid}").exists() for pid in members)
+            break
+        finally:
+            await later.stop()
+    else:
+        raise AssertionError("no later sandbox took the first one's caps")
 
 
 async def test_a_runaway_file_stops_at_the_cap_and_the_other_session_writes(world):
