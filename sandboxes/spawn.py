@@ -10,6 +10,7 @@ Standard library only, like supervisor.py: it ships beside it (sandboxes/remote.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import signal
@@ -151,23 +152,24 @@ def _own_session_keyring(fresh_uid: bool) -> None:
     keyrings that outlive a sandbox (its user, user-session and persistent keyrings, kept by the kernel
     per uid) are emptied first, since the pool gives the uid to another sandbox later and what an earlier
     one stored there must not reach it. Best effort: a kernel without keyrings has nothing to share."""
-    import ctypes
-
     number = _KEYCTL.get(os.uname().machine)
     if number is None:
         return
-    libc = ctypes.CDLL(None)
-    if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+    if _syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
         return
     if fresh_uid:
         for ring in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
-            libc.syscall(number, _KEYCTL_CLEAR, ring)
+            _syscall(number, _KEYCTL_CLEAR, ring)
         # Linked into the new session keyring to be named, emptied, then unlinked again.
-        persistent = libc.syscall(number, _KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
+        persistent = _syscall(number, _KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
         if persistent >= 0:
-            libc.syscall(number, _KEYCTL_CLEAR, persistent)
-            libc.syscall(number, _KEYCTL_UNLINK, persistent, _KEY_SPEC_SESSION_KEYRING)
-    libc.syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+            _syscall(number, _KEYCTL_CLEAR, persistent)
+            _syscall(number, _KEYCTL_UNLINK, persistent, _KEY_SPEC_SESSION_KEYRING)
+    _syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+
+
+# Loaded and resolved at import (the fork server's, which every init is forked from), not in each init.
+_syscall = ctypes.CDLL(None).syscall
 
 
 _KEYCTL = {"x86_64": 250, "aarch64": 219}
