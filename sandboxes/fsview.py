@@ -159,7 +159,7 @@ def _check(result: int, what: str, path: str) -> int:
 
 
 class _Calls:
-    """The mount calls, through one libc loaded and its functions resolved once (``_calls``)."""
+    """The mount calls, through one libc loaded and its functions resolved once (``_CALLS``)."""
 
     def __init__(self) -> None:
         self.libc = ctypes.CDLL(None, use_errno=True)
