@@ -53,7 +53,6 @@ MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
 WORKER_FD = 3  # where a forked server finds the worker's pidfd
 BASE_FD = 4  # where it finds the base mount namespace, if there is one
 NET_FD = 5  # where it finds the network namespace to join, if it is given one
-CLONE_NEWNET = 0x40000000
 # Network namespaces kept for later sandboxes (``_network_namespace``): as many as ever end at once
 # between two starts, at most this many.
 MAX_SPARE_NETWORKS = 64
@@ -179,7 +178,7 @@ class _Zygote:
         if self.spare_networks:
             return self.spare_networks.pop()
         try:
-            proctree.libc_call("unshare", CLONE_NEWNET)
+            proctree.libc_call("unshare", namespaces.CLONE_NEWNET)
         except OSError:
             return None
         try:
@@ -189,7 +188,7 @@ class _Zygote:
             return None
         finally:
             try:
-                proctree.libc_call("setns", self.own_network, CLONE_NEWNET)
+                proctree.libc_call("setns", self.own_network, namespaces.CLONE_NEWNET)
             except OSError as exc:  # every later sandbox would start in this namespace: end instead
                 os.write(
                     2, f"zygote: cannot return to its network namespace: {exc}\n".encode(errors="replace")
