@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +140,15 @@ class Zygote:
 
 
 class ServedExec:
-    """One forked supervisor: the part of ``asyncio.subprocess.Process`` the sandbox uses."""
+    """One forked supervisor, or a command its server supervises itself (``tell`` then takes the signals
+    meant for its supervisor, sandboxes/folded.py; ``pid`` is its init's): the part of
+    ``asyncio.subprocess.Process`` the sandbox uses."""
 
-    def __init__(self, pid: int, marker: bytes) -> None:
+    def __init__(self, pid: int, marker: bytes, tell: Callable[[int], None] | None = None) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._marker = marker
+        self._tell = tell
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -155,9 +160,14 @@ class ServedExec:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        if self._ended.done():
+            return
+        if self._tell is not None:
+            self._tell(sig)
+            return
         # The server reaps the supervisor before we hear of it; the marker check keeps a signal from
         # reaching a process that took over the pid in between.
-        if not self._ended.done() and proctree.has_env_entry(self.pid, self._marker):
+        if proctree.has_env_entry(self.pid, self._marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
@@ -325,6 +335,11 @@ class ExecServer:
         finally:
             self._starting.pop(req_id, None)
 
+    def _tell(self, req_id: int, sig: int) -> None:
+        """Pass ``sig`` to the command ``req_id`` its server supervises itself."""
+        if not self._stdin.is_closing():
+            self._stdin.write(json.dumps({"id": req_id, "signal": int(sig)}).encode() + b"\n")
+
     def prepare_view(self, steps: list[list[str]]) -> None:
         """Have the server build the sandbox's filesystem view now, which its commands then join
         (supervisor_server.py); no answer, and nothing lost if it cannot: each command's init then
@@ -354,7 +369,8 @@ class ExecServer:
         req_id = int(message["id"])
         started = self._starting.get(req_id)
         if "pid" in message:
-            served = self._live[req_id] = ServedExec(int(message["pid"]), self._marker)
+            tell = functools.partial(self._tell, req_id) if message.get("folded") else None
+            served = self._live[req_id] = ServedExec(int(message["pid"]), self._marker, tell)
             if req_id in self._abandoned:
                 self._abandoned.discard(req_id)
                 served.send_signal(signal.SIGTERM)  # nobody waits for it: it ends its tree and exits

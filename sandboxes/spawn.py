@@ -49,16 +49,27 @@ def needs_init(p: dict[str, Any]) -> bool:
 
 
 def _start_init(
-    p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
+    p: dict[str, Any],
+    env: dict[str, str] | None,
+    stdin_fd: int,
+    out_w: int,
+    err_w: int,
+    prepare: Callable[[], None] | None = None,
 ) -> tuple[_Forked, int]:
+    """Fork the command's init. ``prepare``: run in it first, by a parent that is no supervisor (the
+    sandbox's server, folded.py): the init then takes a session of its own, as a supervisor would."""
     status_r, status_w = os.pipe()
     pid = os.fork()
     if pid == 0:
 
         def init() -> int:
             proctree.name_process(b"rollout-init")
-            os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
-            signal.set_wakeup_fd(-1)  # the supervisor's wake-up pipe is not ours to write
+            if prepare is None:
+                os.setpgid(0, 0)  # its own group, which the command joins: killpg reaches both
+            else:
+                os.setsid()
+                prepare()
+            signal.set_wakeup_fd(-1)  # our parent's wake-up pipe is not ours to write
             os.close(status_r)
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, target)

@@ -44,7 +44,7 @@ else:  # run by path, or imported by the agent or the server run so: -I leaves o
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
 DRAIN_S = 2.0  # bound on reading what is left in the pipes after the tree is gone
@@ -61,7 +61,7 @@ EXPIRE_SIGNAL = signal.SIGUSR1
 HANDLED_SIGNALS = (*STOP_SIGNALS, EXPIRE_SIGNAL)
 
 
-class _Pump:
+class Pump:
     """Copies one pipe into a file up to a byte cap, then keeps reading (so the writer never blocks)."""
 
     def __init__(self, fd: int, path: str, cap: int, tail_bytes: int) -> None:
@@ -165,7 +165,7 @@ class Supervisor:
         self.status_pipe: int | None = None  # the namespace init's report of the command's wait status
         self.child_status: int | None = None
         self.sel = selectors.DefaultSelector()
-        self.pumps: dict[int, _Pump] = {}
+        self.pumps: dict[int, Pump] = {}
         self.wake_r, self.wake_w = signal_wakeup(self.sel)
 
     def install_signals(self) -> None:
@@ -189,12 +189,7 @@ class Supervisor:
         proctree.prctl(proctree.PR_SET_CHILD_SUBREAPER, 1)
         if os.getsid(0) != self.me:
             os.setsid()
-        nofile = int(self.p["nofile_limit"])
-        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard != resource.RLIM_INFINITY:
-            nofile = min(nofile, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        limit_process(self.p)
 
     def spawn(self) -> None:
         p = self.p
@@ -213,7 +208,7 @@ class Supervisor:
             for fd in (out_w, err_w, stdin_fd):
                 os.close(fd)
             for fd, path in ((out_r, p["stdout_path"]), (err_r, p["stderr_path"])):
-                self.pumps[fd] = _Pump(fd, path, int(p["output_cap_bytes"]), int(p["tail_bytes"]))
+                self.pumps[fd] = Pump(fd, path, int(p["output_cap_bytes"]), int(p["tail_bytes"]))
                 self.sel.register(fd, selectors.EVENT_READ)
 
     def reap(self) -> None:
@@ -301,32 +296,57 @@ class Supervisor:
             self.idle(remaining)
 
     def result(self, reason: str, clean: bool, error: str | None) -> dict[str, Any]:
-        exit_code = sig = None
-        if self.child_status is not None:
-            code = os.waitstatus_to_exitcode(self.child_status)
-            exit_code, sig = (code, None) if code >= 0 else (None, -code)
-        out: dict[str, Any] = {
-            "reason": reason,
-            "timed_out": reason in ("timeout", "deadline"),
-            "terminated_by": self.terminated_by,
-            "exit_code": exit_code,
-            "signal": sig,
-            "clean": clean,
-            "error": error,
-        }
-        for pump, prefix in zip(self.pumps.values(), ("stdout", "stderr"), strict=False):
-            out.update(pump.report(prefix))
-        return out
+        status, by = self.child_status, self.terminated_by
+        return command_result(reason, clean, error, status, by, self.pumps.values())
 
 
-def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+def limit_process(params: dict[str, Any]) -> None:
+    """The command's descriptor limit (``nofile_limit``, within the hard one) and no core dumps, set on
+    this process for the command it starts to inherit."""
+    nofile = int(params["nofile_limit"])
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        nofile = min(nofile, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def command_result(
+    reason: str,
+    clean: bool,
+    error: str | None,
+    status: int | None,
+    terminated_by: int | None,
+    pumps: Iterable[Pump],
+) -> dict[str, Any]:
+    """A command's result as its owner reads it: why it ended, its wait ``status`` (None: never
+    reaped), whether nothing of it was left, and what its output ``pumps`` (stdout's, then stderr's) kept."""
+    exit_code = sig = None
+    if status is not None:
+        code = os.waitstatus_to_exitcode(status)
+        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+    out: dict[str, Any] = {
+        "reason": reason,
+        "timed_out": reason in ("timeout", "deadline"),
+        "terminated_by": terminated_by,
+        "exit_code": exit_code,
+        "signal": sig,
+        "clean": clean,
+        "error": error,
+    }
+    for pump, prefix in zip(pumps, ("stdout", "stderr"), strict=False):
+        out.update(pump.report(prefix))
+    return out
+
+
+def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
     os.replace(tmp, path)
 
 
-def _spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
+def spawn_failure(params: dict[str, Any], exc: OSError) -> dict[str, Any]:
     # Report like a shell would (127 not found, 126 not executable), with the reason on stderr.
     message = f"cannot run {params['argv'][0]!r}: {exc.strerror or exc}\n".encode(errors="replace")
     with open(params["stderr_path"], "wb") as f:
@@ -361,7 +381,7 @@ def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
         result.update(main)
     else:
         result.update(result["before"])
-    _write_json_atomic(params["result_path"], result)
+    write_json_atomic(params["result_path"], result)
     if failure is not None:
         raise failure
     return 0
@@ -380,7 +400,7 @@ def _supervise(
     if previous is not None:  # read after our handlers took over: no signal falls in between
         sup.terminated_by = previous.terminated_by
     reason, error = "error", None
-    spawn_failure: OSError | None = None
+    failed_start: OSError | None = None
     failure: BaseException | None = None
     try:
         sup.bind_lifetime()
@@ -390,7 +410,7 @@ def _supervise(
             try:
                 sup.spawn()
             except OSError as exc:
-                spawn_failure = exc
+                failed_start = exc
             else:
                 reason = sup.run_until_done()
     except BaseException as exc:
@@ -401,7 +421,7 @@ def _supervise(
     sup.drain()
     sup.reap()
     sup.close()
-    result = _spawn_failure(params, spawn_failure) if spawn_failure else sup.result(reason, clean, error)
+    result = spawn_failure(params, failed_start) if failed_start else sup.result(reason, clean, error)
     result["duration_s"] = time.monotonic() - started
     return result, sup, failure
 

@@ -35,9 +35,10 @@ import sys
 import time
 
 if __package__:
-    from sandboxes import fsview, namespaces, proctree, spawn, supervisor
+    from sandboxes import folded, fsview, namespaces, proctree, spawn, supervisor
 else:  # run by path: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import folded
     import fsview
     import namespaces
     import proctree
@@ -80,6 +81,7 @@ class _Server:
         # built by each command's init instead, which reports why.
         self.views: dict[str, tuple[int, int] | None] = {}
         self.children: dict[int, int] = {}  # supervisor pid -> request id
+        self.folded: dict[int, folded.FoldedCommand] = {}  # by its pid: the commands we supervise
         self.stop_signal: int | None = None
         self.stdin_open = True
         self.buf = bytearray()
@@ -108,6 +110,11 @@ class _Server:
                     self._view(req["view"])
                 return
             req_id = int(req["id"])
+            if "signal" in req:  # {"id": N, "signal": S}: for a command we supervise (folded.py)
+                for command in self.folded.values():
+                    if command.req_id == req_id:
+                        command.signal(int(req["signal"]))
+                return
         except (ValueError, KeyError, TypeError):
             return  # not from our worker; nothing to answer
         # Stop signals wait until the forked supervisor has its own handlers (run() unblocks them), so
@@ -124,6 +131,15 @@ class _Server:
             shared = self._view(params["view"])
             if shared is not None:
                 params["view_fds"] = list(shared)
+        if (
+            isinstance(self.pid_namespace, namespaces.ServerInit)
+            and not self.children
+            and not self.folded
+            and isinstance(params, dict)
+            and folded.can_fold(params)
+        ):
+            self._fold(req_id, params, req.get("env"))
+            return
         proctree.block_signals(signal.SIG_BLOCK, supervisor.HANDLED_SIGNALS)
         try:
             pid = os.fork()
@@ -140,6 +156,45 @@ class _Server:
         except OSError:  # gone already (its status follows): a pid the worker will not find
             shown = 0
         self.reply({"id": req_id, "pid": shown})
+
+    def _fold(self, req_id: int, params: dict[str, Any], env: dict[str, str] | None) -> None:
+        """Run the command with no supervisor of its own (folded.py): its init forked here."""
+        namespace = self.pid_namespace
+        assert isinstance(namespace, namespaces.ServerInit)
+        command = folded.FoldedCommand(req_id, params, f"/proc/self/fd/{namespace.proc}", self.children.keys)
+        try:
+            command.start(env, namespace.enter)
+        except OSError as exc:  # reported as a shell would, as a supervisor reports a command it cannot start
+            try:
+                supervisor.write_json_atomic(params["result_path"], supervisor.spawn_failure(params, exc))
+            except OSError as why:
+                self.reply({"id": req_id, "error": f"cannot start a command: {exc}; nor say so: {why}"})
+                return
+            self.reply({"id": req_id, "pid": 0, "folded": True})
+            self.reply({"id": req_id, "status": 0})
+            return
+        self.folded[command.pid] = command
+        for fd in command.open_fds:
+            self.sel.register(fd, selectors.EVENT_READ, command)
+        self.reply({"id": req_id, "pid": _host_pid(command.pid), "folded": True})
+
+    def _settle(self) -> None:
+        """Finish each command we supervise whose run is over, and say so."""
+        now = time.monotonic()
+        for pid, command in list(self.folded.items()):
+            reason = command.reason(now)
+            if reason is None:
+                continue
+            for fd in command.open_fds:
+                self.sel.unregister(fd)
+            status = 0
+            try:
+                command.finish(reason, self.wake_r, self.reap)
+            except Exception as exc:  # no result written: the worker says the sandbox was lost, and why
+                os.write(2, f"supervisor server: command {command.req_id}: {exc}\n"[:500].encode())
+                status = 1 << 8
+            del self.folded[pid]
+            self.reply({"id": command.req_id, "status": status})
 
     def _child(self, req: dict[str, Any]) -> NoReturn:
         def child() -> int:
@@ -223,27 +278,38 @@ class _Server:
             req_id = self.children.pop(pid, None)
             if req_id is not None:
                 self.reply({"id": req_id, "status": status})
+            elif (command := self.folded.get(pid)) is not None and command.status is None:
+                command.status = status
             elif self.pid_namespace is not None and pid == self.pid_namespace.init_pid:
                 self.pid_namespace.init_reaped = True  # its pid is free for reuse from here on
 
     def serve(self) -> int:
         # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
         # its command's timeout and the sandbox's TTL.
-        while self.stdin_open or self.children:
+        while self.stdin_open or self.children or self.folded:
             if self.stop_signal is not None:
                 proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
+                for command in self.folded.values():
+                    command.signal(self.stop_signal)
+                self._settle()
                 return 0
-            # No timeout: each thing we wait for (a request, a supervisor's exit, a stop signal through
-            # the wake-up pipe, the worker's death) makes a descriptor readable. A sandbox that waits on
-            # its harness for minutes costs nothing here (a 1 s poll cost ~0.1 ms of CPU a second each).
-            for key, _events in self.sel.select():
-                if key.fd == self.wake_r:
+            # No timeout but a folded command's: each thing we wait for (a request, a supervisor's exit, a
+            # stop signal through the wake-up pipe, the worker's death, output) makes a descriptor
+            # readable. A sandbox that waits on its harness for minutes costs nothing here (a 1 s poll
+            # cost ~0.1 ms of CPU a second each).
+            due = min((command.due() for command in self.folded.values()), default=None)
+            for key, _events in self.sel.select(None if due is None else max(0.0, due - time.monotonic())):
+                if key.data is not None:  # a folded command's output
+                    if not key.data.read(key.fd):
+                        self.sel.unregister(key.fd)
+                elif key.fd == self.wake_r:
                     supervisor.drain_wakeup(self.wake_r)
                 elif key.fd == 0:
                     self.read_requests()
                 elif key.fd == self.worker:
                     self.stop_signal = signal.SIGTERM
             self.reap()
+            self._settle()
         return 0
 
 

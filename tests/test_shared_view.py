@@ -97,8 +97,9 @@ def _kernel_clones_detached_mounts() -> bool:
 
 async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tmp_path):
     """Where the kernel can clone a detached mount, the server builds the view in its own process (no
-    child, so the sandbox's PID namespace numbers only its init, the supervisor, and the command); the
-    view's /proc is the namespace's own either way, never the host's."""
+    child, so the sandbox's PID namespace numbers only its init, which supervises the command itself
+    (sandboxes/folded.py), and the command); the view's /proc is the namespace's own either way, never
+    the host's."""
     provider = _provider(tmp_path)
     sandbox = await provider.start(SandboxSpec(run_id="r", session_id="proc", ttl_s=300))
     try:
@@ -108,8 +109,7 @@ async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tm
         await provider.aclose()
     shell, *entries = res.stdout_tail.split()
     pids = sorted(int(entry) for entry in entries if entry.isdigit())
-    # The namespace's init (1: the server itself, namespaces.ServerInit), the supervisor, the shell, its
-    # `ls`: a child that built the view would have taken the pid after the init's, and an exited one is
-    # reaped by then.
-    assert int(shell) == (3 if _kernel_clones_detached_mounts() else 4), res.stdout_tail
-    assert pids == [1, int(shell) - 1, int(shell), int(shell) + 1], res.stdout_tail
+    # The namespace's init (1: the server itself, namespaces.ServerInit), the shell, its `ls`: a child
+    # that built the view would have taken the pid after the init's, and an exited one is reaped by then.
+    assert int(shell) == (2 if _kernel_clones_detached_mounts() else 3), res.stdout_tail
+    assert pids == [1, int(shell), int(shell) + 1], res.stdout_tail

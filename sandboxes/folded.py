@@ -1,0 +1,181 @@
+"""A command its sandbox's server supervises itself, with no supervisor process between them.
+
+A supervisor (supervisor.py) is a forked interpreter per command, ~4 ms of CPU a command (its fork, the
+pages it writes, its exit) for what is mostly waiting. Where the server is the init of its sandbox's PID
+namespace (namespaces.ServerInit) it already takes in every orphan of the namespace, so it can own a
+command the way a supervisor does: it forks the command's init (spawn.py) into a session of its own,
+pumps the command's output into capped files, ends it at its timeout, the sandbox's TTL or the worker's
+word (a ``signal`` request on its pipe), and at its end kills every process the command left behind, then
+writes the result a supervisor writes.
+
+What the command left behind is every process of the namespace but the server and the trees of the
+supervisors running beside it (each a subreaper, so whatever their commands start stays below them):
+no session, process group or name the agent can change decides it. The server folds a command only where
+none other of the sandbox runs at its start (every command after that gets a supervisor while it runs), a
+command with no step before it, and one that joins the view the server built.
+
+Standard library only, like the server that imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import time
+
+if __package__:
+    from sandboxes import proctree, spawn, supervisor
+else:  # imported by the server run by path, with its directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import proctree
+    import spawn
+    import supervisor
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection
+    from typing import Any
+
+
+def can_fold(params: dict[str, Any]) -> bool:
+    """Whether a command's ``params`` allow its server to supervise it itself: an init of its own
+    (spawn.needs_init) that joins the sandbox's view, no step before it and no network of its own."""
+    shared_view = not params.get("view") or params.get("view_fds")
+    return bool(
+        spawn.needs_init(params)
+        and shared_view
+        and not params.get("before")
+        and not params.get("network_forward")
+    )
+
+
+class FoldedCommand:
+    """One command the server runs to its end. ``proc``: the namespace's procfs (a path); ``supervisors``:
+    the pids (the namespace's) of the supervisors running now, whose trees are not this command's."""
+
+    def __init__(
+        self, req_id: int, params: dict[str, Any], proc: str, supervisors: Callable[[], Collection[int]]
+    ) -> None:
+        self.req_id = req_id
+        self.p = params
+        self.proc = proc
+        self.supervisors = supervisors
+        self.pid = 0
+        self.started = time.monotonic()
+        self.timeout_at = self.started + float(params["timeout_s"])
+        self.ttl_at = self.started + (float(params["deadline_epoch"]) - time.time())
+        self.terminated_by: int | None = None
+        self.expired = False
+        self.status: int | None = None  # the command's wait status, once reaped
+        self.pumps: dict[int, supervisor.Pump] = {}
+        self.open_fds: set[int] = set()  # pumps not at their end yet
+
+    def start(self, env: dict[str, str] | None, prepare: Callable[[], None]) -> None:
+        """Fork the command's init (``prepare`` runs in it first). Raises OSError where the command
+        cannot be started; nothing is then left open."""
+        p = self.p
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        stdin_fd = -1
+        try:
+            stdin_fd = os.open(p.get("stdin_path") or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+            def setup() -> None:
+                for fd in (out_r, err_r):
+                    os.close(fd)
+                supervisor.limit_process(p)
+                prepare()
+
+            child, status_r = spawn._start_init(p, env, stdin_fd, out_w, err_w, setup)
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (out_w, err_w, stdin_fd):
+                if fd >= 0:
+                    os.close(fd)
+        # The init becomes the command (it runs no forwarder of its own: the server relays), so the
+        # server reaps the command itself and the status pipe carries nothing.
+        os.close(status_r)
+        self.pid = child.pid
+        cap, tail = int(p["output_cap_bytes"]), int(p["tail_bytes"])
+        for fd, path in ((out_r, p["stdout_path"]), (err_r, p["stderr_path"])):
+            self.pumps[fd] = supervisor.Pump(fd, path, cap, tail)
+            self.open_fds.add(fd)
+
+    def read(self, fd: int) -> bool:
+        """Move what the pipe ``fd`` holds; False at its end (the caller stops watching it)."""
+        if self.pumps[fd].read():
+            return True
+        self.open_fds.discard(fd)
+        return False
+
+    def signal(self, sig: int) -> None:
+        """The worker's word: a stop signal ends the command as terminated, the expire signal as if its
+        timeout had passed."""
+        if sig == supervisor.EXPIRE_SIGNAL:
+            self.expired = True
+        elif sig in supervisor.STOP_SIGNALS and self.terminated_by is None:
+            self.terminated_by = sig
+
+    def reason(self, now: float) -> str | None:
+        """Why the command's run is over, or None while it is not; in the supervisor's order."""
+        if self.terminated_by is not None:
+            return "terminated"
+        if self.status is not None:
+            return "exited"
+        if now >= self.timeout_at or self.expired:
+            return "timeout"
+        if now >= self.ttl_at:
+            return "deadline"
+        return None
+
+    def due(self) -> float:
+        """When (monotonic) its timeout or the TTL falls."""
+        return min(self.timeout_at, self.ttl_at)
+
+    def finish(self, reason: str, wake: int, reap: Callable[[], None]) -> None:
+        """End what is left of the command (SIGTERM, its grace, then SIGKILL), take what its pipes still
+        hold (bounded), and write its result. ``wake``: readable on a SIGCHLD; ``reap`` reaps the
+        server's children (ours among them). Blocks for the kill's bound at most."""
+
+        def idle(timeout: float) -> None:
+            ready = select.select([wake, *self.open_fds], [], [], timeout)[0]
+            for fd in ready:
+                if fd == wake:
+                    supervisor.drain_wakeup(wake)
+                else:
+                    self.read(fd)
+            reap()
+
+        clean = proctree.kill_processes(self.left, grace_s=float(self.p["kill_grace_s"]), idle=idle)
+        reap()
+        deadline = time.monotonic() + supervisor.DRAIN_S
+        while self.open_fds and (remaining := deadline - time.monotonic()) > 0:
+            idle(remaining)
+        result = supervisor.command_result(
+            reason, clean, None, self.status, self.terminated_by, self.pumps.values()
+        )
+        result["duration_s"] = time.monotonic() - self.started
+        for pump in self.pumps.values():
+            pump.close()
+        self.open_fds.clear()
+        supervisor.write_json_atomic(self.p["result_path"], result)
+
+    def left(self) -> set[int]:
+        """The namespace's living processes that are not the server's (pid 1) nor below a running
+        supervisor: what this command (or one it followed) left."""
+        try:
+            names = os.listdir(self.proc)  # bounded by the sandbox's process cap
+        except OSError:
+            return set()
+        procs = {}
+        for name in names:
+            if name.isdigit() and name != "1" and (info := proctree.read_proc(int(name), self.proc)):
+                procs[info.pid] = info
+        for sup in set(self.supervisors()) & procs.keys():
+            for pid in (sup, *proctree.descendants(procs, sup)):
+                procs.pop(pid, None)
+        return {pid for pid, info in procs.items() if info.alive}
