@@ -524,6 +524,8 @@ class LocalSandbox:
                     stdout_path=str(files.stdout),
                     stderr_path=str(files.stderr),
                 )
+            if self._stopping:  # its stop may have taken the result away with the sandbox's directory
+                raise SandboxLostError(f"sandbox {self.id} was stopped while {name!r} was running")
             _n, sup_log = _file_tail(files.log)
             raise SandboxLostError(
                 f"sandbox {self.id}: supervisor of {name!r} ended (status {proc.returncode}) without a "

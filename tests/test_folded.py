@@ -1,0 +1,137 @@
+"""A command its sandbox's server supervises itself (sandboxes/folded.py): where the server is its PID
+namespace's init and the command is alone in the sandbox at its start, no supervisor process runs beside
+it, and at its end nothing it started is left, whatever it did to hide: a session of its own, a name of
+the executor's, SIGTERM ignored. A command started beside it gets a supervisor, and the folded command's
+end leaves that one's processes alone. Real sandboxes, as root; skipped where root's view cannot be made."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from sandboxes import isolation, uidpool
+from sandboxes.base import SandboxLostError, SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+from sandboxes.proctree import descendants, read_proc, snapshot
+from tests.test_local_sandbox import Fifo
+
+pytestmark = pytest.mark.skipif(
+    isolation.mounts_unavailable() is not None, reason=f"no root view: {isolation.mounts_unavailable()}"
+)
+
+# Starts what an agent's command leaves to outlive it: a daemon in a session of its own, named as the
+# executor's supervisors are, that ignores SIGTERM and holds the command's stdout open.
+HIDE = (
+    'setsid sh -c \'printf rollout-sup > /proc/self/comm; trap "" TERM; echo hidden; '
+    "while :; do sleep 1; done' &"
+)
+
+
+def _provider(tmp_path: Path) -> LocalSandboxProvider:
+    return LocalSandboxProvider(
+        tmp_path / "sandboxes",
+        kill_grace_s=0.5,
+        keep=False,
+        pids="isolated",
+        filesystem="readonly",
+        user=uidpool.pool_unavailable() is None,
+    )
+
+
+def _under(server: int) -> set[int]:
+    return descendants(snapshot(), server)
+
+
+async def test_a_lone_command_runs_under_its_server_and_leaves_nothing_behind(tmp_path):
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="lone", ttl_s=300))
+    try:
+        script = f"cat /proc/$PPID/comm; {HIDE} sleep 0.2; echo out; echo err >&2"
+        res = await sandbox.exec(["sh", "-c", script], timeout=60)
+        server = sandbox._server.pid
+        left = _under(server)
+        assert (res.exit_code, res.timed_out) == (0, False), res
+        # Its parent is the server (the namespace's pid 1), not a supervisor of its own.
+        assert res.stdout_tail.split() == ["rollout-server", "hidden", "out"], res.stdout_tail
+        assert res.stderr_tail == "err\n"
+        assert left == set(), [read_proc(pid) for pid in left]
+        # The sandbox runs on: a later command is folded too.
+        again = await sandbox.exec(["sh", "-c", "cat /proc/$PPID/comm"], timeout=60)
+        assert again.stdout_tail == "rollout-server\n"
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+
+
+async def test_a_folded_commands_end_kills_its_leftovers_and_not_a_command_beside_it(tmp_path):
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="beside", ttl_s=300))
+    work = Path(sandbox.workdir)
+    report, go_a, go_b = Fifo(work / "report"), Fifo(work / "go-a"), Fifo(work / "go-b")
+    for fifo in (report, go_a, go_b):
+        os.chmod(fifo.path, 0o666)
+    first = second = None
+    try:
+        server = sandbox._server.pid
+        first = asyncio.ensure_future(
+            sandbox.exec(["sh", "-c", f"{HIDE} echo a >> report; read x < go-a; echo a-done"], timeout=60)
+        )
+        assert await report.lines(1) == ["a"]
+        second = asyncio.ensure_future(
+            sandbox.exec(["sh", "-c", "echo b >> report; read x < go-b; echo b-done"], timeout=60)
+        )
+        assert await report.lines(1) == ["b"]
+        # The first command (its daemon below it while it runs) and the second's supervisor.
+        assert len([pid for pid in _under(server) if read_proc(pid).ppid == server]) == 2
+        os.write(go_a._w, b"go\n")
+        res_a = await first
+        assert (res_a.exit_code, res_a.stdout_tail) == (0, "hidden\na-done\n"), res_a
+        # What the first left is gone; the second, and its supervisor, run on.
+        (supervisor,) = [pid for pid in _under(server) if read_proc(pid).ppid == server]
+        assert read_proc(supervisor).name == b"rollout-sup"
+        assert _under(server) - {supervisor} == descendants(snapshot(), supervisor)
+        assert descendants(snapshot(), supervisor)  # its shell, still waiting
+        os.write(go_b._w, b"go\n")
+        res_b = await second
+        assert (res_b.exit_code, res_b.stdout_tail) == (0, "b-done\n"), res_b
+        assert _under(server) == set()
+    finally:
+        for task in (first, second):
+            if task is not None and not task.done():
+                task.cancel()
+        for fifo in (report, go_a, go_b):
+            fifo.close()
+        await sandbox.stop()
+        await provider.aclose()
+
+
+async def test_the_workers_word_ends_a_folded_command(tmp_path):
+    """The expire signal ends it as timed out, the sandbox's stop as terminated; SIGTERM ignored or not,
+    nothing of it is left."""
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="word", ttl_s=300))
+    work = Path(sandbox.workdir)
+    report = Fifo(work / "report")
+    os.chmod(report.path, 0o666)
+    try:
+        server = sandbox._server.pid
+        expire = asyncio.Event()
+        stubborn = ["sh", "-c", f"{HIDE} trap '' TERM; echo up >> report; while :; do sleep 1; done"]
+        running = asyncio.ensure_future(sandbox.exec(stubborn, timeout=120, expire=expire))
+        assert await report.lines(1) == ["up"]
+        expire.set()
+        res = await running
+        assert res.timed_out and res.signal == 9, res
+        assert _under(server) == set()
+        running = asyncio.ensure_future(sandbox.exec(stubborn, timeout=120))
+        assert await report.lines(1) == ["up"]
+        await sandbox.stop()
+        with pytest.raises(SandboxLostError, match="stopped"):
+            await running
+    finally:
+        report.close()
+        await sandbox.stop()
+        await provider.aclose()
