@@ -40,24 +40,93 @@ if TYPE_CHECKING:
 
 def can_fold(params: dict[str, Any]) -> bool:
     """Whether a command's ``params`` allow its server to supervise it itself: an init of its own
-    (spawn.needs_init) that joins the sandbox's view, no step before it and no network of its own."""
+    (spawn.needs_init) that joins the sandbox's view, and no network of its own."""
     shared_view = not params.get("view") or params.get("view_fds")
-    return bool(
-        spawn.needs_init(params)
-        and shared_view
-        and not params.get("before")
-        and not params.get("network_forward")
-    )
+    return bool(spawn.needs_init(params) and shared_view and not params.get("network_forward"))
+
+
+class FoldedExec:
+    """One exec request the server supervises itself: its step before (``before``), if any, then its
+    command, each a ``FoldedCommand`` in turn, as supervisor.run() runs them; its result written once the
+    last has ended. ``prepare`` runs in each command's init first."""
+
+    def __init__(
+        self,
+        req_id: int,
+        params: dict[str, Any],
+        env: dict[str, str] | None,
+        proc: str,
+        supervisors: Callable[[], Collection[int]],
+        prepare: Callable[[], None],
+    ) -> None:
+        self.req_id = req_id
+        self.result_path = params["result_path"]
+        before = params.get("before")
+        self.steps = [(params, env)]
+        if before:
+            step = {**params, **before, "before": None}
+            # The step empties the uid's keyrings, if the command was to.
+            self.steps = [(step, before.get("env", env)), ({**params, "fresh_uid": False}, env)]
+        self.proc = proc
+        self.supervisors = supervisors
+        self.prepare = prepare
+        self.results: list[dict[str, Any]] = []
+        self.current: FoldedCommand | None = None
+        self.terminated_by: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The running command's pid (the namespace's), 0 when none runs."""
+        return self.current.pid if self.current is not None else 0
+
+    def start(self) -> bool:
+        """Start the next command; True once none is left to run (the result then written)."""
+        while len(self.results) < len(self.steps):
+            params, env = self.steps[len(self.results)]
+            if self.terminated_by is not None:  # the worker's word came during the step before
+                ended = supervisor.command_result("terminated", True, None, None, self.terminated_by, ())
+                self.results.append({**ended, "duration_s": 0.0})
+                continue
+            command = FoldedCommand(params, self.proc, self.supervisors)
+            try:
+                command.start(env, self.prepare)
+            except OSError as exc:  # as a shell would say, as a supervisor says of one it cannot start
+                self.results.append({**supervisor.spawn_failure(params, exc), "duration_s": 0.0})
+                continue
+            self.current = command
+            return False
+        result = self.results[-1]
+        if len(self.results) > 1:
+            result = {**result, "before": self.results[0]}
+        supervisor.write_json_atomic(self.result_path, result)
+        return True
+
+    def signal(self, sig: int) -> None:
+        if sig in supervisor.STOP_SIGNALS and self.terminated_by is None:
+            self.terminated_by = sig
+        if self.current is not None:
+            self.current.signal(sig)
+
+    def advance(self, now: float, wake: int, reap: Callable[[], None]) -> bool:
+        """Finish the running command if its run is over and start the next; True once the request is
+        done (its result written). Blocks for a command's kill bound at most."""
+        command = self.current
+        if command is None:
+            return self.start()
+        reason = command.reason(now)
+        if reason is None:
+            return False
+        self.results.append(command.finish(reason, wake, reap))  # reaped as the current one meanwhile
+        self.current = None
+        return self.start()
 
 
 class FoldedCommand:
-    """One command the server runs to its end. ``proc``: the namespace's procfs (a path); ``supervisors``:
-    the pids (the namespace's) of the supervisors running now, whose trees are not this command's."""
+    """One command (or step) the server runs to its end. ``proc``: the namespace's procfs (a path);
+    ``supervisors``: the pids (the namespace's) of the supervisors running now, whose trees are not this
+    command's."""
 
-    def __init__(
-        self, req_id: int, params: dict[str, Any], proc: str, supervisors: Callable[[], Collection[int]]
-    ) -> None:
-        self.req_id = req_id
+    def __init__(self, params: dict[str, Any], proc: str, supervisors: Callable[[], Collection[int]]) -> None:
         self.p = params
         self.proc = proc
         self.supervisors = supervisors
@@ -136,9 +205,9 @@ class FoldedCommand:
         """When (monotonic) its timeout or the TTL falls."""
         return min(self.timeout_at, self.ttl_at)
 
-    def finish(self, reason: str, wake: int, reap: Callable[[], None]) -> None:
+    def finish(self, reason: str, wake: int, reap: Callable[[], None]) -> dict[str, Any]:
         """End what is left of the command (SIGTERM, its grace, then SIGKILL), take what its pipes still
-        hold (bounded), and write its result. ``wake``: readable on a SIGCHLD; ``reap`` reaps the
+        hold (bounded), and return its result. ``wake``: readable on a SIGCHLD; ``reap`` reaps the
         server's children (ours among them). Blocks for the kill's bound at most."""
 
         def idle(timeout: float) -> None:
@@ -162,7 +231,7 @@ class FoldedCommand:
         for pump in self.pumps.values():
             pump.close()
         self.open_fds.clear()
-        supervisor.write_json_atomic(self.p["result_path"], result)
+        return result
 
     def left(self) -> set[int]:
         """The namespace's living processes that are not the server's (pid 1) nor below a running

@@ -81,7 +81,7 @@ class _Server:
         # built by each command's init instead, which reports why.
         self.views: dict[str, tuple[int, int] | None] = {}
         self.children: dict[int, int] = {}  # supervisor pid -> request id
-        self.folded: dict[int, folded.FoldedCommand] = {}  # by its pid: the commands we supervise
+        self.folded: dict[int, folded.FoldedExec] = {}  # by request id: the ones we supervise
         self.stop_signal: int | None = None
         self.stdin_open = True
         self.buf = bytearray()
@@ -110,10 +110,9 @@ class _Server:
                     self._view(req["view"])
                 return
             req_id = int(req["id"])
-            if "signal" in req:  # {"id": N, "signal": S}: for a command we supervise (folded.py)
-                for command in self.folded.values():
-                    if command.req_id == req_id:
-                        command.signal(int(req["signal"]))
+            if "signal" in req:  # {"id": N, "signal": S}: for a request we supervise (folded.py)
+                if (job := self.folded.get(req_id)) is not None:
+                    job.signal(int(req["signal"]))
                 return
         except (ValueError, KeyError, TypeError):
             return  # not from our worker; nothing to answer
@@ -158,43 +157,49 @@ class _Server:
         self.reply({"id": req_id, "pid": shown})
 
     def _fold(self, req_id: int, params: dict[str, Any], env: dict[str, str] | None) -> None:
-        """Run the command with no supervisor of its own (folded.py): its init forked here."""
+        """Run the request with no supervisor of its own (folded.py): each command's init forked here."""
         namespace = self.pid_namespace
         assert isinstance(namespace, namespaces.ServerInit)
-        command = folded.FoldedCommand(req_id, params, f"/proc/self/fd/{namespace.proc}", self.children.keys)
+        proc = f"/proc/self/fd/{namespace.proc}"
+        job = folded.FoldedExec(req_id, params, env, proc, self.children.keys, namespace.enter)
         try:
-            command.start(env, namespace.enter)
-        except OSError as exc:  # reported as a shell would, as a supervisor reports a command it cannot start
-            try:
-                supervisor.write_json_atomic(params["result_path"], supervisor.spawn_failure(params, exc))
-            except OSError as why:
-                self.reply({"id": req_id, "error": f"cannot start a command: {exc}; nor say so: {why}"})
-                return
-            self.reply({"id": req_id, "pid": 0, "folded": True})
+            done = job.start()
+        except OSError as exc:  # its result could not be written
+            self.reply({"id": req_id, "error": f"cannot start a command: {exc}"})
+            return
+        self.reply({"id": req_id, "pid": _host_pid(job.pid) if job.pid else 0, "folded": True})
+        if done:
             self.reply({"id": req_id, "status": 0})
             return
-        self.folded[command.pid] = command
-        for fd in command.open_fds:
-            self.sel.register(fd, selectors.EVENT_READ, command)
-        self.reply({"id": req_id, "pid": _host_pid(command.pid), "folded": True})
+        self.folded[req_id] = job
+        self._watch(job)
+
+    def _watch(self, job: folded.FoldedExec) -> None:
+        if job.current is not None:
+            for fd in job.current.open_fds:
+                self.sel.register(fd, selectors.EVENT_READ, job.current)
 
     def _settle(self) -> None:
-        """Finish each command we supervise whose run is over, and say so."""
+        """Move on each request we supervise whose command's run is over, and say when one is done."""
         now = time.monotonic()
-        for pid, command in list(self.folded.items()):
-            reason = command.reason(now)
-            if reason is None:
+        for req_id, job in list(self.folded.items()):
+            running = job.current
+            if running is not None and running.reason(now) is None:
                 continue
-            for fd in command.open_fds:
-                self.sel.unregister(fd)
+            if running is not None:
+                for fd in running.open_fds:
+                    self.sel.unregister(fd)
             status = 0
             try:
-                command.finish(reason, self.wake_r, self.reap)
+                done = job.advance(now, self.wake_r, self.reap)
             except Exception as exc:  # no result written: the worker says the sandbox was lost, and why
-                os.write(2, f"supervisor server: command {command.req_id}: {exc}\n"[:500].encode())
-                status = 1 << 8
-            del self.folded[pid]
-            self.reply({"id": command.req_id, "status": status})
+                os.write(2, f"supervisor server: command {req_id}: {exc}\n"[:500].encode())
+                done, status = True, 1 << 8
+            if done:
+                del self.folded[req_id]
+                self.reply({"id": req_id, "status": status})
+            else:
+                self._watch(job)
 
     def _child(self, req: dict[str, Any]) -> NoReturn:
         def child() -> int:
@@ -278,10 +283,11 @@ class _Server:
             req_id = self.children.pop(pid, None)
             if req_id is not None:
                 self.reply({"id": req_id, "status": status})
-            elif (command := self.folded.get(pid)) is not None and command.status is None:
-                command.status = status
             elif self.pid_namespace is not None and pid == self.pid_namespace.init_pid:
                 self.pid_namespace.init_reaped = True  # its pid is free for reuse from here on
+            for job in self.folded.values():
+                if job.current is not None and job.current.pid == pid and job.current.status is None:
+                    job.current.status = status
 
     def serve(self) -> int:
         # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
@@ -289,15 +295,15 @@ class _Server:
         while self.stdin_open or self.children or self.folded:
             if self.stop_signal is not None:
                 proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
-                for command in self.folded.values():
-                    command.signal(self.stop_signal)
+                for job in self.folded.values():
+                    job.signal(self.stop_signal)
                 self._settle()
                 return 0
             # No timeout but a folded command's: each thing we wait for (a request, a supervisor's exit, a
             # stop signal through the wake-up pipe, the worker's death, output) makes a descriptor
             # readable. A sandbox that waits on its harness for minutes costs nothing here (a 1 s poll
             # cost ~0.1 ms of CPU a second each).
-            due = min((command.due() for command in self.folded.values()), default=None)
+            due = min((job.current.due() for job in self.folded.values() if job.current), default=None)
             for key, _events in self.sel.select(None if due is None else max(0.0, due - time.monotonic())):
                 if key.data is not None:  # a folded command's output
                     if not key.data.read(key.fd):

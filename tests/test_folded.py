@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes import isolation, uidpool
-from sandboxes.base import SandboxLostError, SandboxSpec
+from sandboxes.base import ExecStep, SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from sandboxes.proctree import descendants, read_proc, snapshot
 from tests.test_local_sandbox import Fifo
@@ -131,6 +131,39 @@ async def test_the_workers_word_ends_a_folded_command(tmp_path):
         await sandbox.stop()
         with pytest.raises(SandboxLostError, match="stopped"):
             await running
+    finally:
+        report.close()
+        await sandbox.stop()
+        await provider.aclose()
+
+
+async def test_a_step_and_its_command_are_both_the_servers_and_the_step_leaves_the_command_nothing(
+    tmp_path,
+):
+    """One exec of two commands (a diff before the verifier): the step's daemon is gone before the
+    command starts, each has its own output and exit code; a stop during the step runs no command."""
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="steps", ttl_s=300))
+    work = Path(sandbox.workdir)
+    report = Fifo(work / "report")
+    os.chmod(report.path, 0o666)
+    try:
+        step = ExecStep(argv=["sh", "-c", f"{HIDE} sleep 0.2; echo step; exit 4"], timeout=30, name="step")
+        listing = "cat /proc/$PPID/comm; cd /proc && set -- [0-9]* && echo $#"
+        res = await sandbox.exec(["sh", "-c", listing], timeout=30, name="main", before=step)
+        assert res.before is not None
+        assert (res.before.exit_code, res.before.stdout_tail) == (4, "hidden\nstep\n"), res.before
+        # The server (pid 1) and the command's shell: nothing of the step's.
+        assert (res.exit_code, res.stdout_tail) == (0, "rollout-server\n2\n"), res
+        stuck = ExecStep(argv=["sh", "-c", "echo up >> report; sleep 300"], timeout=300, name="stuck")
+        running = asyncio.ensure_future(
+            sandbox.exec(["sh", "-c", "echo ran > ran"], timeout=300, name="never", before=stuck)
+        )
+        assert await report.lines(1) == ["up"]
+        await sandbox.stop()
+        with pytest.raises(SandboxLostError):
+            await running
+        assert not (work / "ran").exists()
     finally:
         report.close()
         await sandbox.stop()
