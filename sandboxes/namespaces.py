@@ -16,9 +16,11 @@ the host's mount namespace as the server is::
             └ supervisor ── command       (one per command, each inside the namespace)
 
 Where the fork server (zygote.py) has a base mount namespace and every command a view, it forks the
-server into a fresh PID namespace instead, and the server is its init itself (``ServerInit``)::
+server into a fresh PID namespace instead, and the server is its init itself (``ServerInit``); a command
+alone in the sandbox needs no supervisor then (folded.py)::
 
-    server (pid 1; the relay's threads) ── supervisor ── command
+    server (pid 1; the relay's threads) ┬ command                  (alone at its start)
+                                        └ supervisor ── command    (started beside another)
 
 With a network forward, the init also unshares the sandbox's loopback-only network namespace and runs the
 gateway forwarder in it (netns.py), and each supervisor joins that namespace too. The filesystem view

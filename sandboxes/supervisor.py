@@ -7,7 +7,9 @@ behind, then writes a small JSON result. Two ways to start one:
 - ``python3 -I -S supervisor.py PARAMS.json``, with the command's environment as its own (the in-sandbox
   agent does this);
 - forked by a sandbox's server (``supervisor_server.py``, the local sandbox's), which calls ``run`` in
-  the child, so a command costs a fork rather than an interpreter start-up and these imports.
+  the child, so a command costs a fork rather than an interpreter start-up and these imports. (A server
+  that is its sandbox's PID-namespace init does this module's work itself for a command alone in the
+  sandbox, with its pumps and result: folded.py.)
 
 Standard library only, so it runs under any python3 >= 3.11 the host has; it needs its siblings
 ``proctree.py`` and ``spawn.py`` (how the command is started), which ship beside it.

@@ -1,4 +1,6 @@
-"""A sandbox's supervisor server: one process per sandbox that forks a supervisor for each command.
+"""A sandbox's supervisor server: one process per sandbox that forks a supervisor for each command, or
+supervises a command itself (folded.py) where it is the sandbox's PID-namespace init and the command the
+only one running.
 
 Starting an interpreter and importing the supervisor costs tens of milliseconds, paid once per sandbox
 instead of once per command, and usually not even that: the provider's fork server (zygote.py) forks a
@@ -14,10 +16,12 @@ death ends the sandbox (every supervisor is told to end its tree), whoever the s
 
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
 supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); or {"view": STEPS}
-(no answer): build the sandbox's filesystem view now, before a command needs it. Out (stdout):
-{"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked, {"id": N, "error": "..."} if it
-could not be, and {"id": N, "status": S} (a wait status) when it has ended; {"exit": CODE} last (0: its
-PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
+(no answer): build the sandbox's filesystem view now, before a command needs it; {"id": N, "signal": S}
+(no answer): for a command the server supervises itself, what a signal S to its supervisor would say.
+Out (stdout): {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked (with "folded": true,
+P is the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be,
+and {"id": N, "status": S} (a wait status) when it has ended, its result written; {"exit": CODE} last
+(0: its PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
 its supervisors have. The environment travels through the pipe, never through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
