@@ -3,8 +3,9 @@ provider's fork server (``zygote.py``) that forks those servers.
 
 One server process per sandbox forks a supervisor for each command (or, for a command alone in its
 sandbox, supervises it itself: sandboxes/folded.py), so a command costs a fork instead of an
-interpreter start-up and the supervisor's imports (tens of milliseconds, several times per rollout); one fork server per provider forks each sandbox's server, so a sandbox costs a fork too. The
-protocols are described beside the servers. The worker waits for a server's end on a pidfd read by its
+interpreter start-up and the supervisor's imports (tens of milliseconds, several times per rollout);
+one fork server per provider forks each sandbox's server, so a sandbox costs a fork too. The protocols
+are described beside the servers. The worker waits for a server's end on a pidfd read by its
 event loop, not on a thread per child (asyncio's child watcher in Python 3.11 holds one per process).
 """
 

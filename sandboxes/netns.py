@@ -157,8 +157,8 @@ class ModelClient:
     command) or a process one of them started may take its place, as a `command` agent running one
     process per model call does. A process started by the agent's tools never can: it descends from a
     client, and once that client is gone it hangs from the supervisor (or the server, the namespace's
-    init) that took it in, which is no launcher. Called by the accepting thread alone, so one connection is decided before the next is
-    looked at."""
+    init) that took it in, which is no launcher. Called by the accepting thread alone, so one connection
+    is decided before the next is looked at."""
 
     def __init__(self, proc: str, port: int) -> None:
         self.proc = proc
