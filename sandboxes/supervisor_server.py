@@ -21,8 +21,9 @@ supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); 
 Out (stdout): {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked (with "folded": true,
 P is the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be,
 and {"id": N, "status": S} (a wait status) when it has ended, its result written; {"exit": CODE} last
-(0: its PID namespace ended with every process in it). End of stdin: no more commands; the server exits when
-its supervisors have. The environment travels through the pipe, never through a file.
+(0: its PID namespace ended with every process in it). End of stdin: no more commands; the server exits
+when its supervisors, and the commands it supervises, have. The environment travels through the pipe,
+never through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
 """
