@@ -7,38 +7,49 @@ end leaves that one's processes alone. Real sandboxes, as root; skipped where ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from sandboxes import isolation, uidpool
+from sandboxes import isolation
 from sandboxes.base import ExecStep, SandboxLostError, SandboxSpec
-from sandboxes.local import LocalSandboxProvider
+from sandboxes.local_sandbox import LocalSandbox
 from sandboxes.proctree import descendants, read_proc, snapshot
 from tests.test_local_sandbox import Fifo
+from tests.test_shared_view import _provider
 
 pytestmark = pytest.mark.skipif(
     isolation.mounts_unavailable() is not None, reason=f"no root view: {isolation.mounts_unavailable()}"
 )
 
 # Starts what an agent's command leaves to outlive it: a daemon in a session of its own, named as the
-# executor's supervisors are, that ignores SIGTERM and holds the command's stdout open.
+# executor's supervisors are, that ignores SIGTERM and holds the command's stdout open. It says "hidden"
+# there and makes `hid` in the workspace once it runs, which the command waits for.
 HIDE = (
-    'setsid sh -c \'printf rollout-sup > /proc/self/comm; trap "" TERM; echo hidden; '
-    "while :; do sleep 1; done' &"
+    'setsid sh -c \'printf rollout-sup > /proc/self/comm; trap "" TERM; echo hidden; touch hid; '
+    "while :; do sleep 1; done' & until [ -e hid ]; do sleep 0.01; done;"
 )
 
 
-def _provider(tmp_path: Path) -> LocalSandboxProvider:
-    return LocalSandboxProvider(
-        tmp_path / "sandboxes",
-        kill_grace_s=0.5,
-        keep=False,
-        pids="isolated",
-        filesystem="readonly",
-        user=uidpool.pool_unavailable() is None,
-    )
+@contextlib.asynccontextmanager
+async def _sandbox(tmp_path: Path, name: str, *fifos: str) -> AsyncIterator[tuple[LocalSandbox, list[Fifo]]]:
+    """A sandbox of root's view, every layer on, with named pipes in its workspace its commands report to."""
+    provider = _provider(tmp_path)
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id=name, ttl_s=300))
+    opened: list[Fifo] = []
+    try:
+        for fifo_name in fifos:
+            opened.append(Fifo(Path(sandbox.workdir) / fifo_name))
+            os.chmod(opened[-1].path, 0o666)
+        yield sandbox, opened
+    finally:
+        for fifo in opened:
+            fifo.close()
+        await sandbox.stop()
+        await provider.aclose()
 
 
 def _under(server: int) -> set[int]:
@@ -46,10 +57,8 @@ def _under(server: int) -> set[int]:
 
 
 async def test_a_lone_command_runs_under_its_server_and_leaves_nothing_behind(tmp_path):
-    provider = _provider(tmp_path)
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="lone", ttl_s=300))
-    try:
-        script = f"cat /proc/$PPID/comm; {HIDE} sleep 0.2; echo out; echo err >&2"
+    async with _sandbox(tmp_path, "lone") as (sandbox, _):
+        script = f"cat /proc/$PPID/comm; {HIDE} echo out; echo err >&2"
         res = await sandbox.exec(["sh", "-c", script], timeout=60)
         server = sandbox._server.pid
         left = _under(server)
@@ -61,62 +70,45 @@ async def test_a_lone_command_runs_under_its_server_and_leaves_nothing_behind(tm
         # The sandbox runs on: a later command is folded too.
         again = await sandbox.exec(["sh", "-c", "cat /proc/$PPID/comm"], timeout=60)
         assert again.stdout_tail == "rollout-server\n"
-    finally:
-        await sandbox.stop()
-        await provider.aclose()
 
 
 async def test_a_folded_commands_end_kills_its_leftovers_and_not_a_command_beside_it(tmp_path):
-    provider = _provider(tmp_path)
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="beside", ttl_s=300))
-    work = Path(sandbox.workdir)
-    report, go_a, go_b = Fifo(work / "report"), Fifo(work / "go-a"), Fifo(work / "go-b")
-    for fifo in (report, go_a, go_b):
-        os.chmod(fifo.path, 0o666)
-    first = second = None
-    try:
+    async with _sandbox(tmp_path, "beside", "report", "go-a", "go-b") as (sandbox, (report, go_a, go_b)):
         server = sandbox._server.pid
         first = asyncio.ensure_future(
             sandbox.exec(["sh", "-c", f"{HIDE} echo a >> report; read x < go-a; echo a-done"], timeout=60)
         )
-        assert await report.lines(1) == ["a"]
-        second = asyncio.ensure_future(
-            sandbox.exec(["sh", "-c", "echo b >> report; read x < go-b; echo b-done"], timeout=60)
-        )
-        assert await report.lines(1) == ["b"]
-        # The first command (its daemon below it while it runs) and the second's supervisor.
-        assert len([pid for pid in _under(server) if read_proc(pid).ppid == server]) == 2
-        os.write(go_a._w, b"go\n")
-        res_a = await first
-        assert (res_a.exit_code, res_a.stdout_tail) == (0, "hidden\na-done\n"), res_a
-        # What the first left is gone; the second, and its supervisor, run on.
-        (supervisor,) = [pid for pid in _under(server) if read_proc(pid).ppid == server]
-        assert read_proc(supervisor).name == b"rollout-sup"
-        assert _under(server) - {supervisor} == descendants(snapshot(), supervisor)
-        assert descendants(snapshot(), supervisor)  # its shell, still waiting
-        os.write(go_b._w, b"go\n")
-        res_b = await second
-        assert (res_b.exit_code, res_b.stdout_tail) == (0, "b-done\n"), res_b
-        assert _under(server) == set()
-    finally:
-        for task in (first, second):
-            if task is not None and not task.done():
-                task.cancel()
-        for fifo in (report, go_a, go_b):
-            fifo.close()
-        await sandbox.stop()
-        await provider.aclose()
+        second = None
+        try:
+            assert await report.lines(1) == ["a"]
+            second = asyncio.ensure_future(
+                sandbox.exec(["sh", "-c", "echo b >> report; read x < go-b; echo b-done"], timeout=60)
+            )
+            assert await report.lines(1) == ["b"]
+            # The first command (its daemon below it while it runs) and the second's supervisor.
+            assert len([pid for pid in _under(server) if read_proc(pid).ppid == server]) == 2
+            os.write(go_a._w, b"go\n")
+            res_a = await first
+            assert (res_a.exit_code, res_a.stdout_tail) == (0, "hidden\na-done\n"), res_a
+            # What the first left is gone; the second, and its supervisor, run on.
+            (supervisor,) = [pid for pid in _under(server) if read_proc(pid).ppid == server]
+            assert read_proc(supervisor).name == b"rollout-sup"
+            assert _under(server) - {supervisor} == descendants(snapshot(), supervisor)
+            assert descendants(snapshot(), supervisor)  # its shell, still waiting
+            os.write(go_b._w, b"go\n")
+            res_b = await second
+            assert (res_b.exit_code, res_b.stdout_tail) == (0, "b-done\n"), res_b
+            assert _under(server) == set()
+        finally:
+            for task in (first, second):
+                if task is not None and not task.done():
+                    task.cancel()
 
 
 async def test_the_workers_word_ends_a_folded_command(tmp_path):
     """The expire signal ends it as timed out, the sandbox's stop as terminated; SIGTERM ignored or not,
     nothing of it is left."""
-    provider = _provider(tmp_path)
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="word", ttl_s=300))
-    work = Path(sandbox.workdir)
-    report = Fifo(work / "report")
-    os.chmod(report.path, 0o666)
-    try:
+    async with _sandbox(tmp_path, "word", "report") as (sandbox, (report,)):
         server = sandbox._server.pid
         expire = asyncio.Event()
         stubborn = ["sh", "-c", f"{HIDE} trap '' TERM; echo up >> report; while :; do sleep 1; done"]
@@ -131,10 +123,6 @@ async def test_the_workers_word_ends_a_folded_command(tmp_path):
         await sandbox.stop()
         with pytest.raises(SandboxLostError, match="stopped"):
             await running
-    finally:
-        report.close()
-        await sandbox.stop()
-        await provider.aclose()
 
 
 async def test_a_step_and_its_command_are_both_the_servers_and_the_step_leaves_the_command_nothing(
@@ -142,13 +130,8 @@ async def test_a_step_and_its_command_are_both_the_servers_and_the_step_leaves_t
 ):
     """One exec of two commands (a diff before the verifier): the step's daemon is gone before the
     command starts, each has its own output and exit code; a stop during the step runs no command."""
-    provider = _provider(tmp_path)
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="steps", ttl_s=300))
-    work = Path(sandbox.workdir)
-    report = Fifo(work / "report")
-    os.chmod(report.path, 0o666)
-    try:
-        step = ExecStep(argv=["sh", "-c", f"{HIDE} sleep 0.2; echo step; exit 4"], timeout=30, name="step")
+    async with _sandbox(tmp_path, "steps", "report") as (sandbox, (report,)):
+        step = ExecStep(argv=["sh", "-c", f"{HIDE} echo step; exit 4"], timeout=30, name="step")
         listing = "cat /proc/$PPID/comm; cd /proc && set -- [0-9]* && echo $#"
         res = await sandbox.exec(["sh", "-c", listing], timeout=30, name="main", before=step)
         assert res.before is not None
@@ -163,8 +146,4 @@ async def test_a_step_and_its_command_are_both_the_servers_and_the_step_leaves_t
         await sandbox.stop()
         with pytest.raises(SandboxLostError):
             await running
-        assert not (work / "ran").exists()
-    finally:
-        report.close()
-        await sandbox.stop()
-        await provider.aclose()
+        assert not (Path(sandbox.workdir) / "ran").exists()
