@@ -1,7 +1,8 @@
 """A command its sandbox's server supervises itself, with no supervisor process between them.
 
-A supervisor (supervisor.py) is a forked interpreter per command, ~4 ms of CPU a command (its fork, the
-pages it writes, its exit) for what is mostly waiting. Where the server is the init of its sandbox's PID
+A supervisor (supervisor.py) is a forked interpreter per command: its fork, the pages it writes and its
+exit cost ~2 ms of the machine's CPU a command beyond what its work costs in the server, for what is
+mostly waiting. Where the server is the init of its sandbox's PID
 namespace (namespaces.ServerInit) it already takes in every orphan of the namespace, so it can own a
 command the way a supervisor does: it forks the command's init (spawn.py) into a session of its own,
 pumps the command's output into capped files, ends it at its timeout, the sandbox's TTL or the worker's
@@ -10,9 +11,10 @@ writes the result a supervisor writes.
 
 What the command left behind is every process of the namespace but the server and the trees of the
 supervisors running beside it (each a subreaper, so whatever their commands start stays below them):
-no session, process group or name the agent can change decides it. The server folds a command only where
-none other of the sandbox runs at its start (every command after that gets a supervisor while it runs), a
-command with no step before it, and one that joins the view the server built.
+no session, process group or name the agent can change decides it. The server folds a request only where
+no other command of the sandbox runs at its start (a command started while it runs gets a supervisor),
+and whose commands join the view the server built; a request's step before its command (the diff before
+the verifier) runs the same way first.
 
 Standard library only, like the server that imports it.
 """
@@ -148,6 +150,10 @@ class FoldedCommand:
         err_r, err_w = os.pipe()
         stdin_fd = -1
         try:
+            # Its files and input opened before the fork: a command that starts has an owner.
+            cap, tail = int(p["output_cap_bytes"]), int(p["tail_bytes"])
+            for fd, path in ((out_r, p["stdout_path"]), (err_r, p["stderr_path"])):
+                self.pumps[fd] = supervisor.Pump(fd, path, cap, tail)
             stdin_fd = os.open(p.get("stdin_path") or os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
             def setup() -> None:
@@ -159,7 +165,10 @@ class FoldedCommand:
             child, status_r = spawn._start_init(p, env, stdin_fd, out_w, err_w, setup)
         except BaseException:
             for fd in (out_r, err_r):
-                os.close(fd)
+                if (pump := self.pumps.pop(fd, None)) is not None:
+                    pump.close()
+                else:
+                    os.close(fd)
             raise
         finally:
             for fd in (out_w, err_w, stdin_fd):
@@ -169,10 +178,7 @@ class FoldedCommand:
         # server reaps the command itself and the status pipe carries nothing.
         os.close(status_r)
         self.pid = child.pid
-        cap, tail = int(p["output_cap_bytes"]), int(p["tail_bytes"])
-        for fd, path in ((out_r, p["stdout_path"]), (err_r, p["stderr_path"])):
-            self.pumps[fd] = supervisor.Pump(fd, path, cap, tail)
-            self.open_fds.add(fd)
+        self.open_fds.update(self.pumps)
 
     def read(self, fd: int) -> bool:
         """Move what the pipe ``fd`` holds; False at its end (the caller stops watching it)."""

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from sandboxes import isolation
+from sandboxes import folded, isolation
 from sandboxes.base import ExecStep, SandboxLostError, SandboxSpec
 from sandboxes.local_sandbox import LocalSandbox
 from sandboxes.proctree import descendants, read_proc, snapshot
@@ -147,3 +149,31 @@ async def test_a_step_and_its_command_are_both_the_servers_and_the_step_leaves_t
         with pytest.raises(SandboxLostError):
             await running
         assert not (Path(sandbox.workdir) / "ran").exists()
+
+
+def test_a_command_whose_output_cannot_be_kept_is_not_started(tmp_path):
+    """Its files are opened before its init is forked: a command the server could not own never runs,
+    and its result says it could not start, as a supervisor's would."""
+    params = {
+        "argv": ["touch", str(tmp_path / "ran")],
+        "cwd": str(tmp_path),
+        "stdout_path": str(tmp_path / "gone" / "out"),  # its directory was removed
+        "stderr_path": str(tmp_path / "err"),
+        "result_path": str(tmp_path / "result.json"),
+        "timeout_s": 30.0,
+        "deadline_epoch": time.time() + 60,
+        "output_cap_bytes": 1024,
+        "tail_bytes": 64,
+        "kill_grace_s": 0.5,
+        "nofile_limit": 1024,
+        "user": [os.getuid(), os.getgid()],  # an init of its own (spawn.needs_init)
+    }
+    job = folded.FoldedExec(1, params, None, "/proc", set, lambda: None)
+    ours = {pid for pid, info in snapshot().items() if info.ppid == os.getpid()}
+    assert job.start() is True
+    assert job.current is None and job.pid == 0
+    # No init was forked (one would be our child, alive or not yet reaped).
+    assert {pid for pid, info in snapshot().items() if info.ppid == os.getpid()} <= ours
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["reason"], result["exit_code"]) == ("spawn_failed", 127), result
+    assert not (tmp_path / "ran").exists()
