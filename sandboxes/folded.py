@@ -54,21 +54,14 @@ class FoldedExec:
 
     def __init__(
         self,
-        req_id: int,
         params: dict[str, Any],
         env: dict[str, str] | None,
         proc: str,
         supervisors: Callable[[], Collection[int]],
         prepare: Callable[[], None],
     ) -> None:
-        self.req_id = req_id
         self.result_path = params["result_path"]
-        before = params.get("before")
-        self.steps = [(params, env)]
-        if before:
-            step = {**params, **before, "before": None}
-            # The step empties the uid's keyrings, if the command was to.
-            self.steps = [(step, before.get("env", env)), ({**params, "fresh_uid": False}, env)]
+        self.steps = supervisor.split_steps(params, env)
         self.proc = proc
         self.supervisors = supervisors
         self.prepare = prepare
@@ -196,16 +189,9 @@ class FoldedCommand:
             self.terminated_by = sig
 
     def reason(self, now: float) -> str | None:
-        """Why the command's run is over, or None while it is not; in the supervisor's order."""
-        if self.terminated_by is not None:
-            return "terminated"
-        if self.status is not None:
-            return "exited"
-        if now >= self.timeout_at or self.expired:
-            return "timeout"
-        if now >= self.ttl_at:
-            return "deadline"
-        return None
+        """Why the command's run is over, or None while it is not."""
+        stopped, exited = self.terminated_by is not None, self.status is not None
+        return supervisor.end_reason(stopped, exited, self.expired, now, self.timeout_at, self.ttl_at)
 
     def due(self) -> float:
         """When (monotonic) its timeout or the TTL falls."""

@@ -236,16 +236,10 @@ class Supervisor:
         ttl_at = time.monotonic() + (float(self.p["deadline_epoch"]) - time.time())
         while True:
             self.reap()
-            # Told to stop outranks the command's exit: a tree killed from outside is no clean exit.
-            if self.terminated_by is not None:
-                return "terminated"
-            if self.child_status is not None:
-                return "exited"
             now = time.monotonic()
-            if now >= timeout_at or self.expired:
-                return "timeout"
-            if now >= ttl_at:
-                return "deadline"
+            stopped, exited = self.terminated_by is not None, self.child_status is not None
+            if reason := end_reason(stopped, exited, self.expired, now, timeout_at, ttl_at):
+                return reason
             self.idle(min(timeout_at, ttl_at) - now)
 
     def tree(self) -> set[int]:
@@ -300,6 +294,34 @@ class Supervisor:
     def result(self, reason: str, clean: bool, error: str | None) -> dict[str, Any]:
         status, by = self.child_status, self.terminated_by
         return command_result(reason, clean, error, status, by, self.pumps.values())
+
+
+def end_reason(
+    terminated: bool, exited: bool, expired: bool, now: float, timeout_at: float, ttl_at: float
+) -> str | None:
+    """Why a command's run is over (monotonic ``now`` against its timeout and the TTL), or None."""
+    if terminated:  # told to stop outranks the command's exit: a tree killed from outside is no clean exit
+        return "terminated"
+    if exited:
+        return "exited"
+    if now >= timeout_at or expired:
+        return "timeout"
+    if now >= ttl_at:
+        return "deadline"
+    return None
+
+
+def split_steps(
+    params: dict[str, Any], env: dict[str, str] | None
+) -> list[tuple[dict[str, Any], dict[str, str] | None]]:
+    """The commands of one request, each with its environment: its step before (``before``: argv,
+    timeout_s, stdout_path, stderr_path and env), if any, then its command."""
+    before = params.get("before")
+    if not before:
+        return [(params, env)]
+    step = {**params, **before, "before": None}
+    # The step empties the uid's keyrings, if the command was to.
+    return [(step, before.get("env", env)), ({**params, "fresh_uid": False}, env)]
 
 
 def limit_process(params: dict[str, Any]) -> None:
@@ -373,11 +395,9 @@ def run(params: dict[str, Any], env: dict[str, str] | None = None) -> int:
     result: dict[str, Any] = {}
     previous: Supervisor | None = None
     failure: BaseException | None = None
-    before = params.get("before")
-    if before:
-        step = {**params, **before, "before": None}
-        result["before"], previous, failure = _supervise(step, before.get("env", env))
-        params = {**params, "fresh_uid": False}  # the step emptied the uid's keyrings, if it was to
+    *before, (params, env) = split_steps(params, env)
+    for step, step_env in before:
+        result["before"], previous, failure = _supervise(step, step_env)
     if failure is None:
         main, _sup, failure = _supervise(params, env, previous)
         result.update(main)

@@ -166,7 +166,7 @@ class _Server:
         namespace = self.pid_namespace
         assert isinstance(namespace, namespaces.ServerInit)
         proc = f"/proc/self/fd/{namespace.proc}"
-        job = folded.FoldedExec(req_id, params, env, proc, self.children.keys, namespace.enter)
+        job = folded.FoldedExec(params, env, proc, self.children.keys, namespace.enter)
         try:
             done = job.start()
         except OSError as exc:  # its result could not be written

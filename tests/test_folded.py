@@ -168,7 +168,7 @@ def test_a_command_whose_output_cannot_be_kept_is_not_started(tmp_path):
         "nofile_limit": 1024,
         "user": [os.getuid(), os.getgid()],  # an init of its own (spawn.needs_init)
     }
-    job = folded.FoldedExec(1, params, None, "/proc", set, lambda: None)
+    job = folded.FoldedExec(params, None, "/proc", set, lambda: None)
     ours = {pid for pid, info in snapshot().items() if info.ppid == os.getpid()}
     assert job.start() is True
     assert job.current is None and job.pid == 0
