@@ -189,9 +189,13 @@ class ExecServer:
         marker_token: str,
         pid_namespace: bool,
         child: subprocess.Popen[bytes] | None,
+        reusable: bool = False,
     ) -> None:
         self.pid = pid
         self.pid_namespace = pid_namespace
+        # It serves another sandbox once one has ended (``hand_on``): the init of its PID namespace itself.
+        self.reusable = reusable
+        self.loop = asyncio.get_running_loop()
         self.marker_token = marker_token
         self.cgroups: dict[str, str] = {}  # its sandbox's cgroup.procs by controller (pidlimit.py)
         self._marker = marker_entry(marker_token)
@@ -206,6 +210,7 @@ class ExecServer:
         self._starting: dict[int, asyncio.Future[ServedExec]] = {}
         self._live: dict[int, ServedExec] = {}
         self._abandoned: set[int] = set()  # requests whose caller was cancelled before the fork was told
+        self._handed_on: asyncio.Future[None] | None = None  # the answer to a "next" under way
         self._closed = False
         self._reader = asyncio.ensure_future(self._read())
 
@@ -261,7 +266,7 @@ class ExecServer:
             asyncio.streams.FlowControlMixin, open(stdin_w, "wb", 0)
         )
         try:
-            pid = await cls._ready(stdout, zygote)
+            pid, reusable = await cls._ready(stdout, zygote)
             if child is not None and pid != child.pid:
                 raise OSError(f"the supervisor server says it is pid {pid}, not {child.pid}")
             pidfd = os.pidfd_open(pid)
@@ -276,18 +281,18 @@ class ExecServer:
                     child.kill()
                 await asyncio.to_thread(child.wait)
             raise
-        return cls(pid, pidfd, (stdout, transport, protocol), marker_token, pid_namespace, child)
+        return cls(pid, pidfd, (stdout, transport, protocol), marker_token, pid_namespace, child, reusable)
 
     @staticmethod
-    async def _ready(stdout: asyncio.StreamReader, zygote: Zygote | None) -> int:
-        """The server's pid, from its first line."""
+    async def _ready(stdout: asyncio.StreamReader, zygote: Zygote | None) -> tuple[int, bool]:
+        """The server's pid, and whether it is reusable, from its first line."""
         try:
             line = await asyncio.wait_for(stdout.readline(), SPAWN_TIMEOUT_S)
         except TimeoutError:
             raise OSError(f"no supervisor server within {SPAWN_TIMEOUT_S:.0f} s") from None
         try:
             message = json.loads(line) if line else {}
-            return int(message["ready"])
+            return int(message["ready"]), message.get("reusable") is True
         except (ValueError, KeyError, TypeError):
             pass
         if zygote is not None and not line and await zygote.ended(ZYGOTE_EXIT_S):
@@ -362,10 +367,16 @@ class ExecServer:
                     started.set_exception(SandboxLostError("the sandbox's supervisor server has exited"))
             for served in self._live.values():
                 served._end(None)
+            if self._handed_on is not None and not self._handed_on.done():
+                self._handed_on.set_exception(SandboxLostError("the supervisor server has exited"))
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         if "exit" in message:
             self._exit_code = int(message["exit"])
+            return
+        if "next" in message:
+            if self._handed_on is not None and not self._handed_on.done():
+                self._handed_on.set_result(None)
             return
         req_id = int(message["id"])
         started = self._starting.get(req_id)
@@ -382,6 +393,27 @@ class ExecServer:
                 started.set_exception(SandboxError(f"cannot start a command: {str(message['error'])[:500]}"))
         elif "status" in message and (served := self._live.pop(req_id, None)) is not None:
             served._end(int(message["status"]))
+
+    async def hand_on(self, timeout: float) -> bool:
+        """End the sandbox's use of a reusable server, which then serves another: True once the server
+        says its PID namespace is empty (every process of the sandbox killed and reaped; the kernel keeps
+        nothing of them there), its views and the uid's lock let go. False where it is not reusable, or
+        could not say so within ``timeout``: it is then closed (``close``) as any other."""
+        if not self.reusable or self._closed or self._live or self._starting or self._stdin.is_closing():
+            await self.close(timeout)
+            return False
+        answered = self._handed_on = self.loop.create_future()
+        token = uuid.uuid4().hex  # each sandbox its own marker, as a new server's
+        self._stdin.write(json.dumps({"next": token}).encode() + b"\n")
+        try:
+            await asyncio.wait_for(asyncio.shield(answered), timeout)
+            self.marker_token, self._marker = token, marker_entry(token)
+            return True
+        except (TimeoutError, SandboxLostError):
+            await self.close(timeout)
+            return False
+        finally:
+            self._handed_on = None
 
     async def close(self, timeout: float) -> None:
         """No more commands: the server exits once its supervisors have; forced past ``timeout``."""

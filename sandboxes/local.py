@@ -64,6 +64,9 @@ CLOSE_WAIT_S = 120.0
 # Caps of ended sandboxes kept for later ones (``keep_caps``): as many as end at once between two
 # starts, at most this many.
 MAX_SPARE_CAPS = 64
+# Servers of ended sandboxes kept for later ones (``keep_server``), at most this many: each holds ~3 MB
+# and its sandbox's caps while it waits.
+MAX_IDLE_SERVERS = 64
 
 # The provider's parts, each a module of its own; their names stay importable from here.
 from sandboxes.local_files import confined_path, copy_tree, write_confined  # noqa: E402, F401
@@ -122,6 +125,9 @@ class LocalSandboxProvider:
         self.mounts = list(mounts)
         self._server_log = self.root / "supervisor-servers.log"
         self._spare: tuple[asyncio.AbstractEventLoop, asyncio.Future[ExecServer]] | None = None
+        # Servers whose sandboxes have ended, their namespaces empty, for later sandboxes (``keep_server``).
+        self._idle: list[ExecServer] = []
+        self._closing = False
         # The fork server of supervisor servers (sandboxes/zygote.py), started with the first sandbox.
         self._zygote: Zygote | None = None
         self._zygote_starts = 0
@@ -220,9 +226,19 @@ class LocalSandboxProvider:
         return sandbox
 
     async def _take_server(self) -> ExecServer:
-        """The spare supervisor server if there is a live one, else a new one. A server's interpreter
-        start-up and imports take tens of milliseconds, which a spare moves off the session's path."""
+        """An ended sandbox's server (``keep_server``), else the spare if there is a live one, else a new
+        one. A server's interpreter start-up and imports take tens of milliseconds, which a spare moves
+        off the session's path."""
         loop = asyncio.get_running_loop()
+        while self._idle:
+            idle = self._idle.pop()
+            if idle.loop is not loop:
+                continue  # a closed loop's: its transport ends it
+            with contextlib.suppress(OSError):
+                if idle.alive:
+                    self._limit_again(idle.cgroups)  # a few small writes: microseconds
+                    return idle
+            await self._discard(idle, 0)
         spare, self._spare = self._spare, None
         server: ExecServer | None = None
         # A spare of another event loop (a closed one) cannot be used here; its transport ends it.
@@ -254,6 +270,8 @@ class LocalSandboxProvider:
         runs, so that its start-up neither delays a session's setup on this event loop nor takes the
         CPU from a harness (it runs at the lowest priority until taken)."""
         loop = asyncio.get_running_loop()
+        if any(idle.loop is loop for idle in self._idle):
+            return  # the next sandbox takes an ended one's server
         if self._spare is None or self._spare[0] is not loop:
             self._spare = (loop, asyncio.ensure_future(self._new_spare()))
 
@@ -294,18 +312,23 @@ class LocalSandboxProvider:
                 groups[controller] = group
         return groups
 
+    def _limit_again(self, groups: dict[str, str]) -> None:
+        """This provider's limits on an ended sandbox's caps again, whatever it left (a task's own memory
+        cap). Raises OSError where that fails (a limit below what the group still holds)."""
+        limits = {pidlimit.PIDS: self.max_processes, pidlimit.MEMORY: self.max_memory_bytes}
+        for controller, group in groups.items():
+            if not os.path.isdir(os.path.dirname(group)):  # swept meanwhile by another provider
+                raise OSError(f"{group}: gone")
+            limit = limits[controller]
+            if not limit:
+                raise OSError(f"{group}: no {controller} cap here")
+            pidlimit.set_limit(group, limit, controller)
+
     def _recap(self, groups: dict[str, str], server: ExecServer) -> bool:
         """Take an ended sandbox's caps for ``server``: this provider's limits again, ``server`` moved in.
-        False, and the groups removed, where that fails (a limit below what the group still holds)."""
-        limits = {pidlimit.PIDS: self.max_processes, pidlimit.MEMORY: self.max_memory_bytes}
+        False, and the groups removed, where that fails."""
         try:
-            for controller, group in groups.items():
-                if not os.path.isdir(os.path.dirname(group)):  # swept meanwhile by another provider
-                    raise OSError(f"{group}: gone")
-                limit = limits[controller]
-                if not limit:
-                    raise OSError(f"{group}: no {controller} cap here")
-                pidlimit.set_limit(group, limit, controller)
+            self._limit_again(groups)
         except OSError:
             for group in set(groups.values()):
                 pidlimit.remove(group)
@@ -325,6 +348,21 @@ class LocalSandboxProvider:
             return False
         self._spare_caps.append(groups)
         return True
+
+    def may_hand_on(self, server: ExecServer) -> bool:
+        """Whether ``server``, its sandbox ended, may serve a later one (``ExecServer.hand_on``): one that
+        is its PID namespace's init, where no command ran as root (none could have changed the network
+        namespace it keeps, nor reached the server: the same bounds as ``network_handed_on``)."""
+        return server.reusable and self.isolation.user
+
+    async def keep_server(self, server: ExecServer) -> None:
+        """Keep a server whose sandbox has ended and whose namespace is empty for a later sandbox: a
+        forked server's start, its caps' and its exit cost ~5 ms of the machine's CPU a sandbox (its
+        pages copied again, its interpreter torn down), one kept microseconds. Ended when enough are."""
+        if len(self._idle) < MAX_IDLE_SERVERS and server.alive and not self._closing:
+            self._idle.append(server)
+        else:
+            await self._discard(server, self.kill_grace_s)
 
     async def _discard(self, server: ExecServer, timeout: float) -> None:
         """End a server no sandbox took, and the cap made for it."""
@@ -386,20 +424,28 @@ class LocalSandboxProvider:
         return self._zygote
 
     async def aclose(self) -> None:
-        """End the spare supervisor server, if any, and finish the stops begun and the removal of stopped
-        sandboxes' directories. Sandboxes not being stopped are not affected."""
-        spare, self._spare = self._spare, None
-        if spare is not None and spare[0] is asyncio.get_running_loop():
-            with contextlib.suppress(Exception):
-                await self._discard(await spare[1], self.kill_grace_s)
-        zygote, self._zygote = self._zygote, None
-        if zygote is not None:
-            await zygote.close()
-        await self.finish_removals()
-        kept, self._spare_caps = self._spare_caps, []
-        for groups in kept:
-            for group in set(groups.values()):
-                await asyncio.to_thread(pidlimit.remove, group, 2.0)
+        """Finish the stops begun and the removal of stopped sandboxes' directories, then end the spare
+        supervisor server and the ended sandboxes' servers kept. Sandboxes not being stopped are not
+        affected."""
+        self._closing = True  # a stop that ends meanwhile ends its server rather than keep it
+        try:
+            await self.finish_removals()
+            spare, self._spare = self._spare, None
+            if spare is not None and spare[0] is asyncio.get_running_loop():
+                with contextlib.suppress(Exception):
+                    await self._discard(await spare[1], self.kill_grace_s)
+            idle, self._idle = self._idle, []
+            ours = [server for server in idle if server.loop is asyncio.get_running_loop()]
+            await asyncio.gather(*(self._discard(server, self.kill_grace_s) for server in ours))
+            zygote, self._zygote = self._zygote, None
+            if zygote is not None:
+                await zygote.close()
+            kept, self._spare_caps = self._spare_caps, []
+            for groups in kept:
+                for group in set(groups.values()):
+                    await asyncio.to_thread(pidlimit.remove, group, 2.0)
+        finally:
+            self._closing = False
 
     async def finish_removals(self) -> None:
         """Wait for the stops begun so far, whoever gave up waiting for them, and then for the deletions

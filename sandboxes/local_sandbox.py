@@ -54,6 +54,12 @@ class SandboxOwner(Protocol):
 
     def want_spare(self) -> None: ...
 
+    def keep_caps(self, groups: dict[str, str]) -> bool: ...
+
+    def may_hand_on(self, server: ExecServer) -> bool: ...
+
+    async def keep_server(self, server: ExecServer) -> None: ...
+
     def remove_later(self, session_dir: Path, owner_name: str) -> None: ...
 
     def finish_at_close(self, task: asyncio.Task[None]) -> None: ...
@@ -574,8 +580,15 @@ class LocalSandbox:
                         task.cancel()
             # Whatever did not go by itself, and anything of ours that escaped every tree: by force.
             overran = [p.pid for p in procs if not p.ended]
-            await self._server.close(self._grace + sup.DRAIN_S + 2.0)
-            clean = not overran and self._server.emptied_its_namespace
+            bound = self._grace + sup.DRAIN_S + 2.0
+            # A server that empties its namespace serves a later sandbox, its caps with it: a forked
+            # server's start and exit (~5 ms of CPU) a sandbox less (LocalSandboxProvider.keep_server).
+            handed_on = False
+            if not overran and self._provider.may_hand_on(self._server):
+                handed_on = await self._server.hand_on(bound)
+            else:
+                await self._server.close(bound)
+            clean = not overran and (handed_on or self._server.emptied_its_namespace)
             if not clean:  # a walk of all of /proc for our marker: milliseconds, needed only here
                 overran.append(self._server.pid)
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
@@ -583,7 +596,9 @@ class LocalSandbox:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
             caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
             caps = {controller: group for controller, group in caps.items() if group}
-            if not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
+            if handed_on:
+                caps = {}  # the server's still, for its next sandbox
+            elif not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
                 for group in set(caps.values()):
                     if not pidlimit.remove(group):  # its last process may not be released yet
                         await asyncio.to_thread(pidlimit.remove, group, 2.0)
@@ -594,6 +609,8 @@ class LocalSandbox:
             if not self._keep:
                 self._provider.remove_later(self.root, self._owner)
             self._stopped = True
+            if handed_on:  # last: nothing of this sandbox's is left for the next one to meet
+                await self._provider.keep_server(self._server)
 
     def _unmount_disk(self) -> None:
         if self._provider.disk_fs:

@@ -160,13 +160,14 @@ class ServerInit:
         if os.getpid() != 1:
             raise OSError("the server is not the init of a PID namespace")
         self.proc = fsview.detached_proc()
+        self.forwarder: netns.Forwarder | None = None
         if network is not None:
             if network_ns is not None:  # made by the fork server, or an ended sandbox's (zygote.py)
                 proctree.libc_call("setns", network_ns, CLONE_NEWNET)
                 os.close(network_ns)
             else:
                 proctree.libc_call("unshare", CLONE_NEWNET)
-            netns.start_forwarder(*network, proc=f"/proc/self/fd/{self.proc}")
+            self.forwarder = netns.start_forwarder(*network, proc=f"/proc/self/fd/{self.proc}")
             proctree.libc_call("unshare", CLONE_FS)
 
     def enter(self) -> None:
@@ -197,6 +198,12 @@ class ServerInit:
             if pid == 0:
                 select.select([wake], [], [], remaining)
                 _drain(wake)
+
+    def ready_for_next(self) -> bool:
+        """Once ``end`` has emptied the namespace (a PID namespace keeps nothing of a process once it has
+        been reaped): whether the gateway's relay is ready for the next sandbox we serve too
+        (netns.Forwarder.forget)."""
+        return self.forwarder is None or self.forwarder.forget()
 
 
 def _drain(wake: int) -> None:

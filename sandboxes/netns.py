@@ -125,9 +125,40 @@ def _unix(socket_path: str) -> socket.socket:
     return upstream
 
 
-def _relay(
-    client: socket.socket, connect: Callable[[], socket.socket], slots: threading.BoundedSemaphore
-) -> None:
+class Forwarder:
+    """A forwarder's state: its relays in flight (at most ``_MAX_CONNECTIONS``: a harness opens a handful;
+    a runaway one must not exhaust threads), and where it has a procfs of its sandbox, the model client."""
+
+    def __init__(self, model_client: ModelClient | None) -> None:
+        self.model_client = model_client
+        self._lock = threading.Lock()
+        self.relaying = 0
+
+    def take_slot(self) -> bool:
+        with self._lock:
+            if self.relaying >= _MAX_CONNECTIONS:
+                return False
+            self.relaying += 1
+            return True
+
+    def release_slot(self) -> None:
+        with self._lock:
+            self.relaying -= 1
+
+    def forget(self) -> bool:
+        """Make ready for the next sandbox in this network namespace (namespaces.ServerInit.hand_on), the
+        ended one's processes all gone: nobody pinned as its model client. False while a relay of the
+        ended one is still in flight: its slot is not the next sandbox's to lose."""
+        with self._lock:
+            if self.relaying:
+                return False
+        if self.model_client is not None:
+            self.model_client.pinned = None
+            self.model_client.launchers = frozenset()
+        return True
+
+
+def _relay(client: socket.socket, connect: Callable[[], socket.socket], forwarder: Forwarder) -> None:
     try:
         try:
             upstream = connect()
@@ -140,7 +171,7 @@ def _relay(
         upstream.close()
     finally:
         client.close()
-        slots.release()
+        forwarder.release_slot()
 
 
 def other_socket(socket_path: str) -> str:
@@ -257,13 +288,13 @@ def _made_by(model_client: ModelClient, client: socket.socket) -> bool:
 def _serve(
     listener: socket.socket,
     connect: Callable[[], socket.socket],
-    model_client: ModelClient | None = None,
+    forwarder: Forwarder,
     connect_other: Callable[[], socket.socket] | None = None,
 ) -> None:
-    slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+    model_client = forwarder.model_client
     while True:
         client, _addr = listener.accept()
-        if not slots.acquire(blocking=False):
+        if not forwarder.take_slot():
             client.close()
             continue
         # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
@@ -272,7 +303,7 @@ def _serve(
         target = connect
         if model_client is not None and connect_other is not None and not _made_by(model_client, client):
             target = connect_other
-        threading.Thread(target=_relay, args=(client, target, slots), daemon=True).start()
+        threading.Thread(target=_relay, args=(client, target, forwarder), daemon=True).start()
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
@@ -288,16 +319,15 @@ def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
     return listener
 
 
-def serve(listener: socket.socket, socket_path: str, proc: str | None = None) -> None:
+def serve(listener: socket.socket, socket_path: str, proc: str | None = None) -> Forwarder:
     """Relay each connection to ``listener`` to ``socket_path``, from a daemon thread. With ``proc``, a
     procfs of the sandbox's own PID namespace, a connection the sandbox's model client did not make goes
     to ``other_socket(socket_path)`` instead."""
     if proc is None:
-        serve_to(listener, lambda: _unix(socket_path))
-        return
+        return serve_to(listener, lambda: _unix(socket_path))
     other = other_socket(socket_path)
     client = ModelClient(proc, listener.getsockname()[1])
-    serve_to(listener, lambda: _unix(socket_path), client, lambda: _unix(other))
+    return serve_to(listener, lambda: _unix(socket_path), client, lambda: _unix(other))
 
 
 def serve_to(
@@ -305,15 +335,17 @@ def serve_to(
     connect: Callable[[], socket.socket],
     model_client: ModelClient | None = None,
     connect_other: Callable[[], socket.socket] | None = None,
-) -> None:
+) -> Forwarder:
     """Relay each connection to ``listener`` to what ``connect`` opens, from a daemon thread; one that
     ``model_client`` did not make, to what ``connect_other`` opens."""
-    args = (listener, connect, model_client, connect_other)
+    forwarder = Forwarder(model_client)
+    args = (listener, connect, forwarder, connect_other)
     threading.Thread(target=_serve, args=args, daemon=True).start()
+    return forwarder
 
 
 def start_forwarder(
     port: int, socket_path: str, *, bring_up_loopback: bool = True, proc: str | None = None
-) -> None:
+) -> Forwarder:
     """Serve 127.0.0.1:``port`` in this network namespace by relaying to ``socket_path`` (``serve``)."""
-    serve(listen(port, bring_up_loopback=bring_up_loopback), socket_path, proc)
+    return serve(listen(port, bring_up_loopback=bring_up_loopback), socket_path, proc)

@@ -17,13 +17,17 @@ death ends the sandbox (every supervisor is told to end its tree), whoever the s
 Protocol, one JSON object per line. In (stdin): {"id": N, "params": {...}, "env": {...}}; params as for
 supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); or {"view": STEPS}
 (no answer): build the sandbox's filesystem view now, before a command needs it; {"id": N, "signal": S}
-(no answer): for a command the server supervises itself, what a signal S to its supervisor would say.
-Out (stdout): {"ready": PID} first; {"id": N, "pid": P} once a supervisor is forked (with "folded": true,
-P is the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be,
-and {"id": N, "status": S} (a wait status) when it has ended, its result written; {"exit": CODE} last
-(0: its PID namespace ended with every process in it). End of stdin: no more commands; the server exits
-when its supervisors, and the commands it supervises, have. The environment travels through the pipe,
-never through a file.
+(no answer): for a command the server supervises itself, what a signal S to its supervisor would say;
+{"next": TOKEN}, to a reusable server: the sandbox has ended; once its commands are over, empty the
+namespace and serve the next sandbox, whose marker is TOKEN (``_Server.hand_on``).
+Out (stdout): {"ready": PID, "reusable": BOOL} first (reusable: its PID namespace's init, forked by the
+fork server, it takes "next"); {"id": N, "pid": P}
+once a supervisor is forked (with "folded": true, P is the command's init and the server supervises it),
+{"id": N, "error": "..."} if it could not be, and {"id": N, "status": S} (a wait status) when it has
+ended, its result written; {"next": true} once the namespace is empty after a "next" (the next sandbox's
+requests follow); {"exit": CODE} last (0: its PID namespace ended with every process in it). End of
+stdin: no more commands; the server exits when its supervisors, and the commands it supervises, have.
+The environment travels through the pipe, never through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
 """
@@ -58,7 +62,25 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 CLONE_NEWIPC = 0x08000000
+MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
 MAX_REQUEST_BYTES = 256 * 1024 * 1024  # argv may hold a whole prompt; a runaway writer must still stop
+
+
+def is_marker(token: str, placeholder: str) -> bool:
+    """Whether ``token`` may be written over ``placeholder``, a marker in our environment block: the
+    block's length cannot change."""
+    return len(token) == len(placeholder) and token.isalnum()
+
+
+def set_marker(address: int, token: str) -> None:
+    """Write ``token`` over the marker's value in our environment block, at ``address`` (where the fork
+    server found it: zygote.py), which /proc/PID/environ shows, and into ``os.environ``."""
+    mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.pwrite(mem, token.encode(), address)
+    finally:
+        os.close(mem)
+    os.environ[MARKER_VAR] = token
 
 
 def write_line(fd: int, message: dict[str, Any]) -> None:
@@ -71,9 +93,14 @@ def write_line(fd: int, message: dict[str, Any]) -> None:
 
 class _Server:
     def __init__(
-        self, worker: int, pid_namespace: namespaces.PidNamespace | None, base_mounts: int | None = None
+        self,
+        worker: int,
+        pid_namespace: namespaces.PidNamespace | None,
+        base_mounts: int | None = None,
+        marker_at: int | None = None,
     ) -> None:
         self.worker = worker  # a pidfd of the worker: readable once it has died
+        self.marker_at = marker_at  # where our environment block holds the marker's value (``set_marker``)
         self.base_mounts = base_mounts  # a mount namespace to unshare views from (zygote.py), if any
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
@@ -89,6 +116,7 @@ class _Server:
         self.folded: dict[int, folded.FoldedExec] = {}  # by request id: the ones we supervise
         self.stop_signal: int | None = None
         self.stdin_open = True
+        self.next_wanted: str | None = None  # {"next": TOKEN}: the sandbox has ended, TOKEN's follows
         self.buf = bytearray()
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = supervisor.signal_wakeup(self.sel)
@@ -96,6 +124,12 @@ class _Server:
         self.sel.register(0, selectors.EVENT_READ)
         # The worker's death is our SIGTERM; each supervisor is bound to us by its parent-death signal.
         self.sel.register(worker, selectors.EVENT_READ)
+
+    @property
+    def reusable(self) -> bool:
+        """Whether we can serve another sandbox once ours has ended: its PID namespace's init, with a
+        marker of the fork server's to write over."""
+        return isinstance(self.pid_namespace, namespaces.ServerInit) and self.marker_at is not None
 
     def install_signals(self) -> None:
         def on_stop(signum: int, _frame: object) -> None:
@@ -110,6 +144,11 @@ class _Server:
     def handle(self, line: bytes) -> None:
         try:
             req = json.loads(line)
+            if isinstance(req, dict) and "next" in req and "id" not in req:
+                token = req["next"]
+                if self.reusable and isinstance(token, str) and is_marker(token, os.environ[MARKER_VAR]):
+                    self.next_wanted = token
+                return
             if isinstance(req, dict) and "view" in req and "id" not in req:  # {"view": STEPS}: no answer
                 if self.pid_namespace is not None and isinstance(req["view"], list) and req["view"]:
                     self._view(req["view"])
@@ -294,10 +333,39 @@ class _Server:
                 if job.current is not None and job.current.pid == pid and job.current.status is None:
                     job.current.status = status
 
+    def hand_on(self) -> int | None:
+        """Serve the next sandbox: the namespace emptied and ready for it (namespaces.ServerInit), and
+        nothing of the ended sandbox's kept (its views, its uid's lock), as a new server would have
+        nothing; None once we do. Else our exit code: 1 where the namespace could not be emptied (the
+        sandbox's stop says what is left), 0 where it is empty but not ready (we end as at the end of
+        our requests)."""
+        namespace, token = self.pid_namespace, self.next_wanted
+        assert isinstance(namespace, namespaces.ServerInit) and token is not None and self.marker_at
+        self.next_wanted = None
+        if not namespace.end(namespaces.NAMESPACE_END_S, self.wake_r):
+            return 1
+        if not namespace.ready_for_next():
+            return 0
+        for view in self.views.values():
+            for fd in view or ():
+                os.close(fd)
+        self.views.clear()
+        if self.busy is not None:  # the uid is free for another sandbox once none of its processes is left
+            os.close(self.busy)
+            self.busy = None
+        self.uid_taken = False
+        set_marker(self.marker_at, token)  # what our later supervisors carry too: the next sandbox's
+        self.reply({"next": True})
+        return None
+
     def serve(self) -> int:
         # Bounded by the worker: it closes stdin when the sandbox stops, and each supervisor is bounded by
         # its command's timeout and the sandbox's TTL.
         while self.stdin_open or self.children or self.folded:
+            if self.next_wanted is not None and not (self.children or self.folded or self.stop_signal):
+                if (code := self.hand_on()) is not None:
+                    return code
+                continue
             if self.stop_signal is not None:
                 proctree.send(self.children, signal.SIGTERM)  # each ends its tree and records "terminated"
                 for job in self.folded.values():
@@ -455,15 +523,18 @@ def serve(
     views: bool = False,
     as_init: bool = False,
     network_ns: int | None = None,
+    marker_at: int | None = None,
 ) -> int:
     """Serve the worker's requests on stdin until it closes them (or dies: ``worker`` is its pidfd).
     ``base_mounts``: a mount namespace of one empty tmpfs that each command's view is unshared from.
     ``views``: every command of the sandbox has a view; with ``base_mounts``, its PID namespace then
     needs no mount namespace of its own (namespaces.py). ``as_init``: we were forked as the init of the
-    sandbox's PID namespace (namespaces.ServerInit), which needs both."""
+    sandbox's PID namespace (namespaces.ServerInit), which needs both; then, with ``marker_at`` (where
+    our environment block holds the marker), we can serve later sandboxes too (``_Server.hand_on``)."""
     # Forked into a PID namespace of its own (``as_init``), we are its pid 1: the worker knows us by the
     # host's pid, which the host's /proc (our mount namespace's) names as "self".
-    write_line(1, {"ready": int(os.readlink("/proc/self")) if as_init else os.getpid()})
+    ready = int(os.readlink("/proc/self")) if as_init else os.getpid()
+    write_line(1, {"ready": ready, "reusable": as_init and marker_at is not None})
     # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
     # where a walk would copy every page it touches.
     gc.freeze()
@@ -476,7 +547,7 @@ def serve(
             namespace = namespaces.ServerInit(network, network_ns)
         elif pid_namespace:
             namespace = namespaces.PidNamespace(network, held, own_mounts=own_mounts)
-        server = _Server(worker, namespace, base_mounts)
+        server = _Server(worker, namespace, base_mounts, marker_at if as_init else None)
         server.install_signals()
         code = server.serve()
         # Exit 0 only once the namespace is empty: the sandbox's stop() then needs no sweep of /proc.

@@ -49,7 +49,8 @@ import spawn
 import supervisor
 import supervisor_server
 
-MARKER_VAR = "ROLLOUT_SANDBOX"  # sandboxes/environment.py's SANDBOX_MARKER_VAR
+MARKER_VAR = supervisor_server.MARKER_VAR
+
 WORKER_FD = 3  # where a forked server finds the worker's pidfd
 BASE_FD = 4  # where it finds the base mount namespace, if there is one
 NET_FD = 5  # where it finds the network namespace to join, if it is given one
@@ -213,7 +214,7 @@ class _Zygote:
         try:
             req = json.loads(data)
             token = str(req["marker"])
-            if len(fds) != 2 or len(token) != len(self.placeholder) or not token.isalnum():
+            if len(fds) != 2 or not supervisor_server.is_marker(token, self.placeholder):
                 raise ValueError("a request takes a marker of the placeholder's length and two descriptors")
             pid_ns, views = bool(req.get("pid_namespace")), bool(req.get("views"))
             handed_on = bool(req.get("network_handed_on"))
@@ -261,7 +262,9 @@ class _Zygote:
             forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
             base = BASE_FD if self.base is not None else None
             joined = NET_FD if network_ns is not None else None
-            return supervisor_server.serve(WORKER_FD, pid_namespace, forward, base, views, as_init, joined)
+            return supervisor_server.serve(
+                WORKER_FD, pid_namespace, forward, base, views, as_init, joined, self.marker_at
+            )
 
         proctree.end_child("zygote child", server)
 
@@ -288,12 +291,7 @@ class _Zygote:
         os.closerange(
             (WORKER_FD if self.base is None else NET_FD if network is not None else BASE_FD) + 1, spawn.MAX_FD
         )
-        mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            os.pwrite(mem, token.encode(), self.marker_at)
-        finally:
-            os.close(mem)
-        os.environ[MARKER_VAR] = token
+        supervisor_server.set_marker(self.marker_at, token)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,128 @@
+"""An ended sandbox's supervisor server serves a later sandbox (LocalSandboxProvider.keep_server): its
+PID namespace emptied, its caps and network namespace kept, nothing of the ended sandbox's left for the
+next one to meet, whatever it did to stay: a daemon in a session of its own named as the executor's
+processes are, files in its view's /tmp and /dev/shm, a shared memory segment, its model client pinned
+at the gateway's relay. Real sandboxes, as root with a uid of their own; skipped where they cannot be
+made."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sandboxes import isolation, uidpool
+from sandboxes.base import SandboxLostError, SandboxSpec
+from sandboxes.local import LocalSandboxProvider
+from sandboxes.local_sandbox import LocalSandbox
+from sandboxes.proctree import descendants, has_env_entry, snapshot
+from sandboxes.testing.leaks import ended
+from tests.test_local_sandbox import Fifo
+from tests.test_netns import _isolated
+from tests.test_shared_view import _provider
+
+pytestmark = pytest.mark.skipif(
+    isolation.mounts_unavailable() is not None or uidpool.pool_unavailable() is not None,
+    reason=f"no root view, or no uid pool: {isolation.mounts_unavailable() or uidpool.pool_unavailable()}",
+)
+
+# What the first sandbox leaves as it is stopped: a daemon in a session of its own that ignores SIGTERM
+# and is named as the executor's supervisors are, files in the view's /tmp and /dev/shm, a shared memory
+# segment; then it says so and waits to be stopped.
+STAY = """echo a > /tmp/left && echo a > /dev/shm/left && ipcmk -M 4096 >/dev/null
+setsid sh -c 'printf rollout-sup > /proc/self/comm; trap "" TERM; touch hid; while :; do sleep 1; done' &
+until [ -e hid ]; do sleep 0.01; done
+echo staying > report
+sleep 1000
+"""
+# What the next sandbox sees: every process of its PID namespace by name, what was left in its view.
+LOOK = """for p in /proc/[0-9]*; do cat "$p/comm"; done | sort -u | tr '\\n' ' '; echo
+echo "$(cat /tmp/left /dev/shm/left 2>/dev/null | wc -l) $(ipcs -m | grep -c 4096)"
+"""
+
+
+async def _start(provider: LocalSandboxProvider, name: str) -> LocalSandbox:
+    return await provider.start(SandboxSpec(run_id="r", session_id=name, ttl_s=300))
+
+
+async def test_an_ended_sandboxs_server_serves_the_next_with_nothing_of_the_first_left(tmp_path):
+    provider = _provider(tmp_path)
+    try:
+        first = await _start(provider, "first")
+        server, caps = first._server.pid, (first.pids_cgroup, first.memory_cgroup)
+        report = Fifo(Path(first.workdir) / "report")
+        report.path.chmod(0o666)  # for the sandbox's own uid
+        staying = asyncio.ensure_future(first.exec(["sh", "-c", STAY], timeout=120))
+        try:
+            assert await report.lines(1) == ["staying"]
+            left = descendants(snapshot(), server)
+            assert len(left) >= 3, left  # the command, its sleep, the daemon (and its sleep)
+            await first.stop()
+        finally:
+            report.close()
+        with pytest.raises(SandboxLostError):  # its command was running
+            await staying
+        assert all(ended(pid, 10) for pid in left), left
+
+        second = await _start(provider, "second")
+        assert second._server.pid == server  # handed on, with its caps, under a marker of its own
+        assert second._marker_token != first._marker_token and has_env_entry(server, second._marker)
+        assert (second.pids_cgroup, second.memory_cgroup) == caps
+        looked = await second.exec(["sh", "-c", LOOK], timeout=60)
+        await second.stop()
+    finally:
+        await provider.aclose()
+    names, kept = looked.stdout_tail.splitlines()
+    # The namespace's own init (the server), the command and its pipeline: nothing of the first sandbox's.
+    assert "rollout-server" in names.split() and set(names.split()) <= {
+        "rollout-server",
+        "sh",
+        "cat",
+        "sort",
+        "tr",
+    }, names
+    assert kept == "0 0", looked  # no line of the files left in /tmp and /dev/shm, no segment
+    assert ended(server, 10)  # the provider's close ends the servers it kept
+
+
+ASK = textwrap.dedent(
+    """\
+    import json, sys, urllib.error, urllib.request
+    req = urllib.request.Request(
+        sys.argv[1] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Authorization": "Bearer " + sys.argv[2], "Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(req, timeout=60).read()
+        print("answered")
+    except urllib.error.HTTPError as exc:
+        print("refused", exc.code, exc.read().decode()[:200])
+    """
+)
+
+
+async def test_the_next_sandboxs_model_client_is_its_own_not_the_ended_ones(tmp_path):
+    """The gateway's relay pins the sandbox's first model client, and refuses a model call from any
+    other process of it (sandboxes/netns.py): the next sandbox on the same server pins its own."""
+    async with _isolated(tmp_path, pids="isolated", filesystem="readonly", user=True) as (first, gateway):
+        provider = first._provider
+        server = first._server.pid
+        answers = []
+        sandboxes = [first]
+        for name in ("first", "second", "third"):
+            sandbox = sandboxes[-1] if name == "first" else await _start(provider, name)
+            sandboxes.append(sandbox)
+            session = gateway.open_session(name, tmp_path / name, one_client=True)
+            asked = await sandbox.exec(
+                [sys.executable, "-c", ASK, session.base_url, session.token], timeout=60
+            )
+            answers.append((sandbox._server.pid, asked.stdout_tail.strip(), session.summary()))
+            await sandbox.stop()
+        await provider.aclose()
+    assert [pid for pid, _answer, _summary in answers] == [server] * 3
+    assert [answer for _pid, answer, _summary in answers] == ["answered"] * 3, answers
+    assert [summary["not_the_harness"] for _pid, _answer, summary in answers] == [0] * 3
