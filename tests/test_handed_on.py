@@ -8,6 +8,7 @@ made."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -126,3 +127,44 @@ async def test_the_next_sandboxs_model_client_is_its_own_not_the_ended_ones(tmp_
     assert [pid for pid, _answer, _summary in answers] == [server] * 3
     assert [answer for _pid, answer, _summary in answers] == ["answered"] * 3, answers
     assert [summary["not_the_harness"] for _pid, _answer, summary in answers] == [0] * 3
+
+
+CONNECT = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as conn:
+    conn.sendall(b"GET / HTTP/1.1\\r\\n\\r\\n")
+print("sent")
+"""
+
+
+async def test_a_server_whose_relay_still_carries_a_connection_of_the_ended_sandbox_ends_instead(tmp_path):
+    """The gateway relay's connections are bounded per server (netns.py): one of the ended sandbox's still
+    in flight (here its upstream never answers nor closes) is not the next sandbox's to inherit, so the
+    server ends rather than serve it, and the next sandbox gets another."""
+    gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listens, never accepts: a stalled upstream
+    gateway.bind(str(tmp_path / "gw.sock"))
+    gateway.listen()
+    provider = LocalSandboxProvider(
+        tmp_path / "sandboxes",
+        kill_grace_s=0.5,
+        keep=False,
+        network_forward=(8, str(tmp_path / "gw.sock")),
+        pids="isolated",
+        filesystem="readonly",
+        user=True,
+    )
+    try:
+        first = await _start(provider, "first")
+        server = first._server.pid
+        sent = await first.exec([sys.executable, "-c", CONNECT, "8"], timeout=60)
+        assert sent.stdout_tail == "sent\n", sent
+        await first.stop()
+        assert ended(server, 10)
+        second = await _start(provider, "second")
+        assert second._server.pid != server
+        again = await second.exec([sys.executable, "-c", CONNECT, "8"], timeout=60)
+        assert again.stdout_tail == "sent\n", again
+        await second.stop()
+    finally:
+        await provider.aclose()
+        gateway.close()
