@@ -355,11 +355,12 @@ class LocalSandboxProvider:
         namespace it keeps, nor reached the server: the same bounds as ``network_handed_on``)."""
         return server.reusable and self.isolation.user
 
-    async def keep_server(self, server: ExecServer) -> None:
+    async def keep_server(self, server: ExecServer, *, usable: bool) -> None:
         """Keep a server whose sandbox has ended and whose namespace is empty for a later sandbox: a
-        forked server's start, its caps' and its exit cost ~5 ms of the machine's CPU a sandbox (its
-        pages copied again, its interpreter torn down), one kept microseconds. Ended when enough are."""
-        if len(self._idle) < MAX_IDLE_SERVERS and server.alive and not self._closing:
+        forked server's start, its caps' move and its exit cost ~3 ms of a sandbox's processes' CPU (its
+        pages copied again, its interpreter torn down), one kept microseconds. Ended when enough are
+        kept, or when its sandbox's stop failed after it (``usable`` False), its caps with it."""
+        if usable and len(self._idle) < MAX_IDLE_SERVERS and server.alive and not self._closing:
             self._idle.append(server)
         else:
             await self._discard(server, self.kill_grace_s)

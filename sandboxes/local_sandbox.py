@@ -58,7 +58,7 @@ class SandboxOwner(Protocol):
 
     def may_hand_on(self, server: ExecServer) -> bool: ...
 
-    async def keep_server(self, server: ExecServer) -> None: ...
+    async def keep_server(self, server: ExecServer, *, usable: bool) -> None: ...
 
     def remove_later(self, session_dir: Path, owner_name: str) -> None: ...
 
@@ -582,7 +582,7 @@ class LocalSandbox:
             overran = [p.pid for p in procs if not p.ended]
             bound = self._grace + sup.DRAIN_S + 2.0
             # A server that empties its namespace serves a later sandbox, its caps with it: a forked
-            # server's start and exit (~5 ms of CPU) a sandbox less (LocalSandboxProvider.keep_server).
+            # server's start and exit (~3 ms of CPU) a sandbox less (LocalSandboxProvider.keep_server).
             handed_on = False
             if not overran and self._provider.may_hand_on(self._server):
                 handed_on = await self._server.hand_on(bound)
@@ -594,23 +594,28 @@ class LocalSandbox:
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
-            caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
-            caps = {controller: group for controller, group in caps.items() if group}
-            if handed_on:
-                caps = {}  # the server's still, for its next sandbox
-            elif not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
-                for group in set(caps.values()):
-                    if not pidlimit.remove(group):  # its last process may not be released yet
-                        await asyncio.to_thread(pidlimit.remove, group, 2.0)
-            await asyncio.to_thread(self._unmount_disk)
-            if self._lease is not None:  # its processes are gone: the uid is free for another sandbox
-                self._lease.release()
-            self.descriptor_path.unlink(missing_ok=True)
-            if not self._keep:
-                self._provider.remove_later(self.root, self._owner)
-            self._stopped = True
-            if handed_on:  # last: nothing of this sandbox's is left for the next one to meet
-                await self._provider.keep_server(self._server)
+            try:
+                await self._release(handed_on)
+            finally:
+                if handed_on:  # last: nothing of this sandbox's is left for the next one to meet
+                    await self._provider.keep_server(self._server, usable=self._stopped)
+
+    async def _release(self, handed_on: bool) -> None:
+        """What a stopped sandbox holds besides its processes: its caps (unless they went on with its
+        server), its disk, its uid, its descriptor and directory."""
+        caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
+        caps = {controller: group for controller, group in caps.items() if group}
+        if not handed_on and not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
+            for group in set(caps.values()):
+                if not pidlimit.remove(group):  # its last process may not be released yet
+                    await asyncio.to_thread(pidlimit.remove, group, 2.0)
+        await asyncio.to_thread(self._unmount_disk)
+        if self._lease is not None:  # its processes are gone: the uid is free for another sandbox
+            self._lease.release()
+        self.descriptor_path.unlink(missing_ok=True)
+        if not self._keep:
+            self._provider.remove_later(self.root, self._owner)
+        self._stopped = True
 
     def _unmount_disk(self) -> None:
         if self._provider.disk_fs:

@@ -21,13 +21,13 @@ supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); 
 {"next": TOKEN}, to a reusable server: the sandbox has ended; once its commands are over, empty the
 namespace and serve the next sandbox, whose marker is TOKEN (``_Server.hand_on``).
 Out (stdout): {"ready": PID, "reusable": BOOL} first (reusable: its PID namespace's init, forked by the
-fork server, it takes "next"); {"id": N, "pid": P}
-once a supervisor is forked (with "folded": true, P is the command's init and the server supervises it),
-{"id": N, "error": "..."} if it could not be, and {"id": N, "status": S} (a wait status) when it has
-ended, its result written; {"next": true} once the namespace is empty after a "next" (the next sandbox's
-requests follow); {"exit": CODE} last (0: its PID namespace ended with every process in it). End of
-stdin: no more commands; the server exits when its supervisors, and the commands it supervises, have.
-The environment travels through the pipe, never through a file.
+fork server: it takes "next"); {"id": N, "pid": P} once a supervisor is forked (with "folded": true, P is
+the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be, and
+{"id": N, "status": S} (a wait status) when it has ended, its result written; {"next": true} once the
+namespace is empty after a "next" (the next sandbox's requests follow); {"exit": CODE} last (0: its PID
+namespace ended with every process in it). End of stdin: no more commands; the server exits when its
+supervisors, and the commands it supervises, have. The environment travels through the pipe, never
+through a file.
 
 Standard library only, like its siblings supervisor.py, proctree.py and namespaces.py.
 """

@@ -1,0 +1,73 @@
+"""The worker's own CPU per session, without Ray: N sessions of a null harness (``sleep S; echo done``)
+run by ``run_session`` in this one process, ``--at-once`` of them at a time, as a worker actor runs its
+share of a run (its provider, gateway and scripted model included; the sandboxes' processes not).
+
+    .venv/bin/python tests/bench/bench_worker_cpu.py [--sessions 400] [--at-once 125] [--sleep 5]
+
+Set against the workers' part of `python -m executor.testing.bench_scale` (f), what is left is Ray's
+task path and the cores the workers share. Prints its figures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from executor.session import SessionRequest, run_session  # noqa: E402
+from executor.tasks import Task  # noqa: E402
+from harnesses.command import CommandHarness  # noqa: E402
+from tests.conftest import session_context  # noqa: E402
+
+WARM_UP = 8  # sessions run first and left out: the provider's fork server, the imports of first use
+
+
+async def measure(sessions: int, at_once: int, sleep_s: float, scratch: Path) -> dict[str, float]:
+    task = Task.model_validate({"id": "null", "prompt": "p", "verify": "true"})
+    harness = CommandHarness(command=f"sleep {sleep_s:g}; echo done")
+    async with session_context(scratch, harness=harness) as ctx:
+        slots = asyncio.Semaphore(at_once)
+
+        async def one(index: int) -> str:
+            async with slots:
+                row = await run_session(SessionRequest(f"s{index}", task, 0, 1), ctx)
+            return str(row["failure_kind"])
+
+        await asyncio.gather(*(one(i) for i in range(WARM_UP)))
+        cpu, wall = time.process_time(), time.monotonic()
+        kinds = await asyncio.gather(*(one(i) for i in range(WARM_UP, WARM_UP + sessions)))
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    return {
+        "cpu_ms_per_session": 1000 * cpu / sessions,
+        "wall_s": wall,
+        "not_completed": sum(kind != "none" for kind in kinds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sessions", type=int, default=400)
+    parser.add_argument("--at-once", type=int, default=125)
+    parser.add_argument("--sleep", type=float, default=5.0)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-worker-cpu-", dir=str(Path.home())))
+    try:
+        figures = asyncio.run(measure(args.sessions, args.at_once, args.sleep, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"{args.sessions} sessions of `sleep {args.sleep:g}`, {args.at_once} at once, in one process: "
+        f"{figures['cpu_ms_per_session']:.1f} ms of its CPU per session, wall {figures['wall_s']:.1f} s, "
+        f"{figures['not_completed']} not completed"
+    )
+
+
+if __name__ == "__main__":
+    main()
