@@ -34,6 +34,10 @@ else:  # imported by the server run by path, with its directory on sys.path
     import spawn
     import supervisor
 
+# How long the server waits for a command's init to become the command (``FoldedCommand.start``): the
+# init's own steps take a millisecond or two; past this, on a host that has not run it yet, we go on.
+EXEC_WAIT_S = 2.0
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
@@ -168,7 +172,11 @@ class FoldedCommand:
                 if fd >= 0:
                     os.close(fd)
         # The init becomes the command (it runs no forwarder of its own: the server relays), so the
-        # server reaps the command itself and the status pipe carries nothing.
+        # server reaps the command itself and the status pipe carries nothing; its end closes at the
+        # init's exec (or death). Until then we wait: every page we wrote meanwhile, the init still
+        # sharing it, the kernel would copy (a server that serves sandbox after sandbox has made its
+        # pages its own, and would have each copied again at each command).
+        select.select([status_r], [], [], EXEC_WAIT_S)
         os.close(status_r)
         self.pid = child.pid
         self.open_fds.update(self.pumps)

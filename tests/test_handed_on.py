@@ -129,21 +129,23 @@ async def test_the_next_sandboxs_model_client_is_its_own_not_the_ended_ones(tmp_
     assert [summary["not_the_harness"] for _pid, _answer, summary in answers] == [0] * 3
 
 
+# The sandbox's model client: asks, and waits for an answer that never comes.
 CONNECT = """
 import socket, sys
-with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as conn:
-    conn.sendall(b"GET / HTTP/1.1\\r\\n\\r\\n")
-print("sent")
+conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+conn.sendall(b"GET / HTTP/1.1\\r\\n\\r\\n")
+conn.recv(1)
 """
 
 
 async def test_a_server_whose_relay_still_carries_a_connection_of_the_ended_sandbox_ends_instead(tmp_path):
     """The gateway relay's connections are bounded per server (netns.py): one of the ended sandbox's still
-    in flight (here its upstream never answers nor closes) is not the next sandbox's to inherit, so the
+    in flight (here its upstream neither answers nor closes) is not the next sandbox's to inherit, so the
     server ends rather than serve it, and the next sandbox gets another."""
-    gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listens, never accepts: a stalled upstream
+    gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a stalled upstream
     gateway.bind(str(tmp_path / "gw.sock"))
     gateway.listen()
+    gateway.settimeout(60)
     provider = LocalSandboxProvider(
         tmp_path / "sandboxes",
         kill_grace_s=0.5,
@@ -153,18 +155,27 @@ async def test_a_server_whose_relay_still_carries_a_connection_of_the_ended_sand
         filesystem="readonly",
         user=True,
     )
+    held: list[socket.socket] = []
     try:
         first = await _start(provider, "first")
         server = first._server.pid
-        sent = await first.exec([sys.executable, "-c", CONNECT, "8"], timeout=60)
-        assert sent.stdout_tail == "sent\n", sent
+        asking = asyncio.ensure_future(first.exec([sys.executable, "-c", CONNECT, "8"], timeout=60))
+        upstream, _addr = await asyncio.to_thread(gateway.accept)  # relayed: held open, never answered
+        held.append(upstream)
         await first.stop()
+        with pytest.raises(SandboxLostError):  # its command was waiting
+            await asking
         assert ended(server, 10)
         second = await _start(provider, "second")
         assert second._server.pid != server
-        again = await second.exec([sys.executable, "-c", CONNECT, "8"], timeout=60)
-        assert again.stdout_tail == "sent\n", again
+        asking = asyncio.ensure_future(second.exec([sys.executable, "-c", CONNECT, "8"], timeout=60))
+        upstream, _addr = await asyncio.to_thread(gateway.accept)  # the new server relays too
+        held.append(upstream)
         await second.stop()
+        with pytest.raises(SandboxLostError):
+            await asking
     finally:
         await provider.aclose()
+        for conn in held:
+            conn.close()
         gateway.close()
