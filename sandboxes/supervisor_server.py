@@ -104,8 +104,8 @@ class _Server:
         self.base_mounts = base_mounts  # a mount namespace to unshare views from (zygote.py), if any
         self.me = os.getpid()
         self.pid_namespace = pid_namespace
-        # Held shared until we exit, after our PID namespace is empty: the sandbox's uid is not leased
-        # again while a process of it may be left (sandboxes/identity.py).
+        # Held shared until our PID namespace is empty (at our exit, or before we serve another sandbox):
+        # the sandbox's uid is not leased again while a process of it may be left (sandboxes/identity.py).
         self.busy: int | None = None
         self.uid_taken = False  # a command of the sandbox has run under its leased uid
         # The sandbox's filesystem view, built once (``_view``): its mount and IPC namespaces by the
