@@ -81,7 +81,7 @@ def lease(directory: str = LEASE_DIR) -> Lease:
         fd = _try_lock(path, fcntl.LOCK_EX)
         if fd is None:
             continue
-        busy = _try_lock(path + ".busy", fcntl.LOCK_EX)  # free once the last tenant's server has ended
+        busy = _try_lock(path + ".busy", fcntl.LOCK_EX)  # free once no process of its last tenant is left
         if busy is None or _has_account(uid):
             os.close(fd)
             if busy is not None:
