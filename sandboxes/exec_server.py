@@ -319,6 +319,10 @@ class ExecServer:
     def alive(self) -> bool:
         return not self._closed and not self._exited.done()
 
+    def _send(self, message: dict[str, Any]) -> None:
+        """One request line to the server (supervisor_server.py's protocol)."""
+        self._stdin.write(json.dumps(message).encode() + b"\n")
+
     async def spawn(self, params: dict[str, Any], env: dict[str, str]) -> ServedExec:
         """Fork a supervisor for ``params`` with the command's environment ``env``."""
         if self._closed:
@@ -327,7 +331,7 @@ class ExecServer:
         started: asyncio.Future[ServedExec] = asyncio.get_running_loop().create_future()
         self._starting[req_id] = started
         try:
-            self._stdin.write(json.dumps({"id": req_id, "params": params, "env": env}).encode() + b"\n")
+            self._send({"id": req_id, "params": params, "env": env})
             await self._stdin.drain()
             return await asyncio.wait_for(asyncio.shield(started), SPAWN_TIMEOUT_S)
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -344,14 +348,14 @@ class ExecServer:
     def _tell(self, req_id: int, sig: int) -> None:
         """Pass ``sig`` to the command ``req_id`` its server supervises itself."""
         if not self._stdin.is_closing():
-            self._stdin.write(json.dumps({"id": req_id, "signal": int(sig)}).encode() + b"\n")
+            self._send({"id": req_id, "signal": int(sig)})
 
     def prepare_view(self, steps: list[list[str]]) -> None:
         """Have the server build the sandbox's filesystem view now, which its commands then join
         (supervisor_server.py); no answer, and nothing lost if it cannot: each command's init then
         builds its own."""
         if not self._closed:
-            self._stdin.write(json.dumps({"view": steps}).encode() + b"\n")
+            self._send({"view": steps})
 
     async def _read(self) -> None:
         try:
@@ -404,7 +408,7 @@ class ExecServer:
             return False
         answered = self._handed_on = self.loop.create_future()
         token = uuid.uuid4().hex  # each sandbox its own marker, as a new server's
-        self._stdin.write(json.dumps({"next": token}).encode() + b"\n")
+        self._send({"next": token})
         try:
             await asyncio.wait_for(asyncio.shield(answered), timeout)
             self.marker_token, self._marker = token, marker_entry(token)

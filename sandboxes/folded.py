@@ -35,7 +35,7 @@ else:  # imported by the server run by path, with its directory on sys.path
     import supervisor
 
 # How long the server waits for a command's init to become the command (``FoldedCommand.start``): the
-# init's own steps take a millisecond or two; past this, on a host that has not run it yet, we go on.
+# init's own steps take a millisecond or two; past this (a host too busy to have run it yet), we go on.
 EXEC_WAIT_S = 2.0
 
 TYPE_CHECKING = False

@@ -146,9 +146,9 @@ class Forwarder:
             self.relaying -= 1
 
     def forget(self) -> bool:
-        """Make ready for the next sandbox in this network namespace (namespaces.ServerInit.hand_on), the
-        ended one's processes all gone: nobody pinned as its model client. False while a relay of the
-        ended one is still in flight: its slot is not the next sandbox's to lose."""
+        """Make ready for the next sandbox in this network namespace, the ended one's processes all gone
+        (namespaces.ServerInit.ready_for_next): nobody pinned as its model client. False while a relay
+        of the ended one is still in flight: its slot is not the next sandbox's to lose."""
         with self._lock:
             if self.relaying:
                 return False
