@@ -10,6 +10,12 @@ and freed under a run's churn costs the kernel a search (an ext4 without a journ
 in the last minutes, one lookup each). Each command's view (sandboxes/fsview.py) binds the directories
 in; the tmpfs's root is in no view. A mount: microseconds, where a filesystem image would need a mkfs.
 
+The session directory itself is a tmpfs too where its sandbox is not kept (``mount_session``): its logs,
+its supervisors' results and its descriptor, a dozen inodes a sandbox that the host's disk would make and
+free (measured: ~3 ms of a worker's CPU a session on such an ext4, tests/bench/bench_worker_cpu.py). No
+size of its own: what is written there is bounded by the output caps. What a sandbox's server writes
+there (its commands' output) counts toward the sandbox's memory cap, as its page cache did on the disk.
+
 Its pages are memory: what the sandbox's commands write counts toward the sandbox's memory cap
 (sandboxes/pidlimit.py), so the tighter of the two bounds holds; what the worker copies in counts toward
 the worker's. They are freed at ``unmount`` (the sandbox's stop); a kept session directory (``sandbox.keep``)
@@ -30,7 +36,7 @@ DISK_DIR = "disk"
 _LEGACY_DISK_DIR = ".disk"
 _LEGACY_BINDS = ("work", "home", "tmp", "baseline.git")
 _KEPT_SUFFIX = ".kept"
-_MS_NOSUID, _MS_NODEV = 2, 4
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
 
@@ -75,11 +81,21 @@ def mount(session_dir: str, size_bytes: int) -> str:
     return disk
 
 
-def unmount(session_dir: str, keep: Callable[[str, str], None] | None = None) -> None:
+def mount_session(session_dir: str) -> None:
+    """Mount a tmpfs on the session's directory, just made and empty, where its logs, results and
+    descriptor then go; ``unmount(..., session=True)`` takes it and the directory away. Raises OSError."""
+    flags = _MS_NOSUID | _MS_NODEV
+    _mount(_libc(), "tmpfs", session_dir, "tmpfs", flags, "mode=0700")
+
+
+def unmount(
+    session_dir: str, keep: Callable[[str, str], None] | None = None, *, session: bool = False
+) -> None:
     """Detach the session's tmpfs (idempotent; lazily, so a process still holding a file open cannot keep
     the mount from going), and an older version's binds of it. ``keep(src, dst)``: copies what the tmpfs
     holds into a directory on the disk before it goes (a kept session), which then takes its place, so the
-    kept files are where the sandbox had them. Blocking."""
+    kept files are where the sandbox had them. ``session``: the session directory's own tmpfs goes too
+    (``mount_session``), every file in it, and the directory. Blocking."""
     disk = os.path.join(session_dir, DISK_DIR)
     kept = None
     if keep is not None and os.path.ismount(disk):
@@ -98,6 +114,10 @@ def unmount(session_dir: str, keep: Callable[[str, str], None] | None = None) ->
     if kept is not None:
         with contextlib.suppress(OSError):  # else the kept files stay in disk.kept
             os.rename(kept, disk)
+    if session:
+        _detach(session_dir)
+        with contextlib.suppress(OSError):  # not empty: a tmpfs that never was mounted; remove_later's
+            os.rmdir(session_dir)
 
 
 def _detach(path: str) -> None:

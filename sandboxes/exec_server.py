@@ -190,11 +190,14 @@ class ExecServer:
         pid_namespace: bool,
         child: subprocess.Popen[bytes] | None,
         reusable: bool = False,
+        later_mounts: bool = False,
     ) -> None:
         self.pid = pid
         self.pid_namespace = pid_namespace
         # It serves another sandbox once one has ended (``hand_on``): the init of its PID namespace itself.
         self.reusable = reusable
+        # Its commands see what is mounted on the host after its start (a session directory's tmpfs).
+        self.later_mounts = later_mounts
         self.loop = asyncio.get_running_loop()
         self.marker_token = marker_token
         self.cgroups: dict[str, str] = {}  # its sandbox's cgroup.procs by controller (pidlimit.py)
@@ -266,7 +269,7 @@ class ExecServer:
             asyncio.streams.FlowControlMixin, open(stdin_w, "wb", 0)
         )
         try:
-            pid, reusable = await cls._ready(stdout, zygote)
+            pid, reusable, later_mounts = await cls._ready(stdout, zygote)
             if child is not None and pid != child.pid:
                 raise OSError(f"the supervisor server says it is pid {pid}, not {child.pid}")
             pidfd = os.pidfd_open(pid)
@@ -281,18 +284,20 @@ class ExecServer:
                     child.kill()
                 await asyncio.to_thread(child.wait)
             raise
-        return cls(pid, pidfd, (stdout, transport, protocol), marker_token, pid_namespace, child, reusable)
+        pipes = (stdout, transport, protocol)
+        return cls(pid, pidfd, pipes, marker_token, pid_namespace, child, reusable, later_mounts)
 
     @staticmethod
-    async def _ready(stdout: asyncio.StreamReader, zygote: Zygote | None) -> tuple[int, bool]:
-        """The server's pid, and whether it is reusable, from its first line."""
+    async def _ready(stdout: asyncio.StreamReader, zygote: Zygote | None) -> tuple[int, bool, bool]:
+        """The server's pid, whether it is reusable and whether its commands see later mounts, from its
+        first line."""
         try:
             line = await asyncio.wait_for(stdout.readline(), SPAWN_TIMEOUT_S)
         except TimeoutError:
             raise OSError(f"no supervisor server within {SPAWN_TIMEOUT_S:.0f} s") from None
         try:
             message = json.loads(line) if line else {}
-            return int(message["ready"]), message.get("reusable") is True
+            return int(message["ready"]), message.get("reusable") is True, message.get("later_mounts") is True
         except (ValueError, KeyError, TypeError):
             pass
         if zygote is not None and not line and await zygote.ended(ZYGOTE_EXIT_S):

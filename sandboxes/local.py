@@ -1,6 +1,7 @@
 """The ``local`` sandbox: a private directory tree per session; every command runs under a supervisor.
 
-Layout of one session, ``<root>/<run_id>/<session_id>/``::
+Layout of one session, ``<root>/<run_id>/<session_id>/`` (a tmpfs of its own unless kept, as root:
+diskfs.py)::
 
     disk/         the sandbox's own filesystem where it has one (a tmpfs of its disk bound: diskfs.py),
                   else these are directly in the session's directory:
@@ -154,6 +155,8 @@ class LocalSandboxProvider:
         )
         # The disk bound kept by the filesystem where root's view binds it in (diskfs.py), else watched.
         self.disk_fs = bool(self.max_disk_bytes) and view_maker == "mounts" and diskfs.unavailable() is None
+        # A session directory no one keeps is a tmpfs where its server's commands see it (diskfs.py).
+        self.session_fs = not keep and diskfs.unavailable() is None
         # What no command may see besides homes and /tmp: every sandbox's directory, the run's directory.
         self.hidden: list[str] = [str(self.root), *hidden]
 
@@ -201,6 +204,7 @@ class LocalSandboxProvider:
             if sandbox.memory_cgroup and sandbox.memory_max != self.max_memory_bytes:  # the task's own
                 assert sandbox.memory_max
                 pidlimit.set_limit(sandbox.memory_cgroup, sandbox.memory_max, pidlimit.MEMORY)
+            sandbox.session_fs = self.session_fs and server.later_mounts
             self._make_tree(session_dir, sandbox)
             sandbox._write_descriptor(create=True)
 
@@ -489,6 +493,8 @@ class LocalSandboxProvider:
     def _make_tree(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
+        if sandbox.session_fs:
+            diskfs.mount_session(str(session_dir))
         for sub in ("logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
         if self.disk_fs:

@@ -105,14 +105,16 @@ def reap_stale(
                 continue
             pidlimit.remove(desc.get("pids_cgroup"), 2.0)
             pidlimit.remove(desc.get("memory_cgroup"), 2.0)
-            if desc.get("disk_fs"):
+            # A live owner (its TTL passed) still reads the logs on the session's own tmpfs: its to take.
+            session = bool(desc.get("session_fs")) and owner_dead
+            if desc.get("disk_fs") or session:
                 with contextlib.suppress(OSError):
-                    diskfs.unmount(str(path.parent))
+                    diskfs.unmount(str(path.parent), session=session)
         elif desc.get("host") != host:
             continue  # another machine's
         else:
             owner_dead = True  # this host before its last boot: its owner died with it
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # gone already with the session's tmpfs
         # A live owner whose TTL passed still collects from the directory, and removes it at its stop.
         if owner_dead and not desc.get("keep"):
             shutil.rmtree(path.parent, ignore_errors=True)

@@ -131,6 +131,7 @@ class LocalSandbox:
         self.home = str(self.files_dir / "home")
         self.tmpdir = str(self.files_dir / "tmp")
         self._logs = session_dir / "logs"
+        self.session_fs = False  # the session directory a tmpfs of its own (diskfs.py): set at its start
         self._run = session_dir / "run"
         self._keep = provider.keep
         self._provider = provider
@@ -217,6 +218,7 @@ class LocalSandbox:
             "pids_cgroup": self.pids_cgroup,
             "memory_cgroup": self.memory_cgroup,
             "disk_fs": self._provider.disk_fs,
+            "session_fs": self.session_fs,
             "uid": self._user.uid if self._user is not None else None,
             # Whether the directory outlives the sandbox: a reaper removes a dead owner's unless kept.
             "keep": self._keep,
@@ -612,14 +614,15 @@ class LocalSandbox:
         await asyncio.to_thread(self._unmount_disk)
         if self._lease is not None:  # its processes are gone: the uid is free for another sandbox
             self._lease.release()
-        self.descriptor_path.unlink(missing_ok=True)
-        if not self._keep:
+        self.descriptor_path.unlink(missing_ok=True)  # gone already with a tmpfs of its own
+        if not self._keep and not self.session_fs:
             self._provider.remove_later(self.root, self._owner)
         self._stopped = True
 
     def _unmount_disk(self) -> None:
-        if self._provider.disk_fs:
-            diskfs.unmount(str(self.root), self._keep_files if self._keep else None)
+        if self._provider.disk_fs or self.session_fs:
+            keep = self._keep_files if self._keep else None
+            diskfs.unmount(str(self.root), keep, session=self.session_fs)
 
     def _keep_files(self, src: str, dst: str) -> None:
         """A kept session's files, copied off its tmpfs before it goes (links as links)."""

@@ -20,10 +20,11 @@ supervisor.run() plus "log_path" (the forked supervisor's stderr, appended to); 
 (no answer): for a command the server supervises itself, what a signal S to its supervisor would say;
 {"next": TOKEN}, to a reusable server: the sandbox has ended; once its commands are over, empty the
 namespace and serve the next sandbox, whose marker is TOKEN (``_Server.hand_on``).
-Out (stdout): {"ready": PID, "reusable": BOOL} first (reusable: its PID namespace's init, forked by the
-fork server: it takes "next"); {"id": N, "pid": P} once a supervisor is forked (with "folded": true, P is
-the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be, and
-{"id": N, "status": S} (a wait status) when it has ended, its result written; {"next": true} once the
+Out (stdout): {"ready": PID, "reusable": BOOL, "later_mounts": BOOL} first (reusable: its PID namespace's
+init, forked by the fork server: it takes "next"; later_mounts: what is mounted on the host after its start
+is where its commands' supervisors look); {"id": N, "pid": P} once a supervisor is forked (with "folded":
+true, P is the command's init and the server supervises it), {"id": N, "error": "..."} if it could not be,
+and {"id": N, "status": S} (a wait status) when it has ended, its result written; {"next": true} once the
 namespace is empty after a "next" (the next sandbox's requests follow); {"exit": CODE} last (0: its PID
 namespace ended with every process in it). End of stdin: no more commands; the server exits when its
 supervisors, and the commands it supervises, have. The environment travels through the pipe, never
@@ -534,14 +535,18 @@ def serve(
     # Forked into a PID namespace of its own (``as_init``), we are its pid 1: the worker knows us by the
     # host's pid, which the host's /proc (our mount namespace's) names as "self".
     ready = int(os.readlink("/proc/self")) if as_init else os.getpid()
-    write_line(1, {"ready": ready, "reusable": as_init and marker_at is not None})
+    own_mounts = not (views and base_mounts is not None)
+    # Whether a mount the worker makes on the host after now (a session's tmpfs: diskfs.py) is where our
+    # supervisors look: not in a PID namespace's own copy of the host's mounts, which it never reaches.
+    later_mounts = as_init or not pid_namespace or not own_mounts
+    reusable = as_init and marker_at is not None
+    write_line(1, {"ready": ready, "reusable": reusable, "later_mounts": later_mounts})
     # What is alive now lives as long as we do: no collection need walk it, in here or in a forked child,
     # where a walk would copy every page it touches.
     gc.freeze()
     code = 1
     try:
         held = (worker,) if base_mounts is None else (worker, base_mounts)
-        own_mounts = not (views and base_mounts is not None)
         namespace: namespaces.PidNamespace | namespaces.ServerInit | None = None
         if as_init:
             namespace = namespaces.ServerInit(network, network_ns)

@@ -234,6 +234,10 @@ async def test_the_defaults_keep_a_sandboxs_files_on_its_own_filesystem(tmp_path
         # `id -un` fails without a passwd entry for the sandbox's uid: its view finds the file there.
         res = await sandbox.exec(["sh", "-c", "echo mine > note && id -un"], timeout=30)
         assert res.exit_code == 0 and res.stdout_tail.strip(), res
+        # Not kept, the session directory is a tmpfs too: its logs and descriptor on no disk's inode.
+        assert os.path.ismount(sandbox.root) is not keep
+        session = [res.stdout_path, str(sandbox.descriptor_path)]
+        assert ({os.stat(path).st_dev for path in session} == {os.stat(sandbox.root.parent).st_dev}) is keep
     finally:
         await sandbox.stop()
         await provider.aclose()
@@ -727,7 +731,7 @@ from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 
 async def main() -> None:
-    provider = LocalSandboxProvider(Path(sys.argv[1]))
+    provider = LocalSandboxProvider(Path(sys.argv[1]), keep=sys.argv[4] == "keep")
     sandbox = await provider.start(SandboxSpec(run_id="run", session_id=sys.argv[2], ttl_s=600))
     await sandbox.exec(["bash", "-c", sys.argv[3]], timeout=300)
 
@@ -736,12 +740,12 @@ asyncio.run(main())
 
 
 async def _start_owner(
-    root: Path, session_id: str, script: str, tmp_path: Path
+    root: Path, session_id: str, script: str, tmp_path: Path, *, keep: bool = True
 ) -> asyncio.subprocess.Process:
     """A separate worker process that owns a sandbox with one long exec running."""
     with open(tmp_path / "owner.log", "wb") as errors:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-c", OWNER, str(root), session_id, script,
+            sys.executable, "-c", OWNER, str(root), session_id, script, "keep" if keep else "",
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=errors,
         )  # fmt: skip
@@ -766,9 +770,11 @@ async def _owner_tree(fifo: Fifo) -> tuple[list[Proc], int]:
 
 
 async def test_owner_death_kills_the_tree_and_reap_cleans_up(root: Path, tmp_path: Path) -> None:
+    """A dead owner's sandbox, not kept: its processes end, and a reaper takes away its descriptor and
+    its directory (as root, a tmpfs of its own, unmounted)."""
     mark, session_id = new_mark(), "owned"
     fifo = Fifo(tmp_path / "ready.fifo")
-    owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path)
+    owner = await _start_owner(root, session_id, _owner_script(mark, fifo), tmp_path, keep=False)
     procs, supervisor_pid = await _owner_tree(fifo)
     descriptor = root / "run" / session_id / "sandbox.json"
     # On disk the root is the sandbox's supervisor server; each command's supervisor is its child.
@@ -785,6 +791,8 @@ async def test_owner_death_kills_the_tree_and_reap_cleans_up(root: Path, tmp_pat
 
     assert await asyncio.to_thread(reap_stale, root) == [f"local-{session_id}"]
     assert not descriptor.exists()
+    assert not descriptor.parent.exists()
+    assert str(root) not in Path("/proc/self/mountinfo").read_text()
     assert await asyncio.to_thread(reap_stale, root) == []
 
 
