@@ -31,6 +31,7 @@ from harnesses.gateway import GatewaySession
 from harnesses.install import InstallError
 from policy import FailureKind, Outcome, Status
 from sandboxes.base import (
+    EndsCommands,
     ExecResult,
     Sandbox,
     SandboxLostError,
@@ -306,6 +307,10 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
         if expire is not None and result.timed_out and not expire.is_set():
             outcome = _wall_cap_fell(outcome, wall, deadline, gw)
         _record_agent(row, result, report, gw)
+        if isinstance(sandbox, EndsCommands) and not harbor.is_harbor(req.task):
+            # Nothing of the agent's runs on while it is graded (a Harbor task's logs are carried by a
+            # command in its sandbox), and its sandbox's server can serve the grading sandbox.
+            await sandbox.end_commands()
         # The evidence copy reads the harness's files while the diff and the verifier use the workspace.
         evidence = asyncio.ensure_future(_keep_evidence(sandbox, result, report, evidence_dir, row))
         try:

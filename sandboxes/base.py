@@ -135,6 +135,14 @@ class StopsOnEvent(Protocol):
 
 
 @runtime_checkable
+class EndsCommands(Protocol):
+    """A sandbox whose processes can all be ended before its stop, its files kept until then
+    (``end_commands``): a session ends the agent's once its harness has, before the grading."""
+
+    async def end_commands(self) -> None: ...
+
+
+@runtime_checkable
 class StartsInMilliseconds(Protocol):
     """A provider whose sandboxes start in milliseconds: a session starts its grading sandbox beside the
     harness, where one that takes a while (a container, a job) is started as soon as the agent's is up."""

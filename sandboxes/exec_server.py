@@ -93,6 +93,11 @@ class Zygote:
         self.pid = self._proc.pid
 
     @property
+    def idle(self) -> bool:
+        """No command of it runs, nor is being started."""
+        return not self._live and not self._starting
+
+    @property
     def alive(self) -> bool:
         return self._sock is not None and self._proc.poll() is None
 
@@ -319,6 +324,11 @@ class ExecServer:
         """Whether the server has exited after its PID namespace ended with every process in it: nothing
         it ran can be left anywhere."""
         return self.pid_namespace and self._exited.done() and self._exit_code == 0
+
+    @property
+    def idle(self) -> bool:
+        """No command of it runs, nor is being started."""
+        return not self._live and not self._starting
 
     @property
     def alive(self) -> bool:

@@ -369,6 +369,14 @@ class LocalSandboxProvider:
         else:
             await self._discard(server, self.kill_grace_s)
 
+    def reclaim(self, server: ExecServer) -> bool:
+        """Take back a server kept by ``keep_server`` that no sandbox has taken since: True if it was
+        still kept (it is then the caller's again)."""
+        if server in self._idle:
+            self._idle.remove(server)
+            return True
+        return False
+
     async def _discard(self, server: ExecServer, timeout: float) -> None:
         """End a server no sandbox took, and the cap made for it."""
         await server.close(timeout)

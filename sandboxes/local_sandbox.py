@@ -58,6 +58,8 @@ class SandboxOwner(Protocol):
 
     def may_hand_on(self, server: ExecServer) -> bool: ...
 
+    def reclaim(self, server: ExecServer) -> bool: ...
+
     async def keep_server(self, server: ExecServer, *, usable: bool) -> None: ...
 
     def remove_later(self, session_dir: Path, owner_name: str) -> None: ...
@@ -182,6 +184,10 @@ class LocalSandbox:
         self._name_counts: dict[str, int] = {}
         self._stopping = False
         self._stopped = False
+        # Its commands ended before its stop (``end_commands``): its server is no longer its own, and
+        # with ``_handed_early`` serves another sandbox.
+        self._ended = False
+        self._handed_early = False
         self._reaped = False
         self._stop_lock = asyncio.Lock()
         self._stop_task: asyncio.Task[None] | None = None
@@ -311,6 +317,8 @@ class LocalSandbox:
     def _check_open(self) -> None:
         if self._stopping:
             raise SandboxError(f"sandbox {self.id} is stopped")
+        if self._ended:
+            raise SandboxError(f"sandbox {self.id}: its commands have ended")
         if self._reaped or not self.descriptor_path.exists():
             self._reaped = True
             raise SandboxLostError(f"sandbox {self.id} was reaped")
@@ -566,6 +574,26 @@ class LocalSandbox:
             self._provider.finish_at_close(task)
         await asyncio.shield(task)
 
+    async def end_commands(self) -> None:
+        """The agent is done with this sandbox: end every process of it now, before its stop, and let its
+        server serve the provider's next sandbox (most often the session's grading one, which then forks
+        no server of its own: ~3 ms of CPU). Its files stay until ``stop``, readable (``read_file``, the
+        workspace carried to the grading sandbox), and count toward its caps, which stay here: the
+        server takes others. No command runs in it after. Does nothing where its server cannot be
+        handed on, or something of it still runs; ``stop`` then does it all."""
+        async with self._stop_lock:
+            server = self._server
+            if self._stopping or self._ended or self._running or not server.idle:
+                return
+            if not self._provider.may_hand_on(server):
+                return
+            self._ended = True  # from here no exec: the server is about to be another sandbox's
+            if await server.hand_on(self._grace + sup.DRAIN_S + 2.0):
+                self._handed_early = True
+                # The next sandbox gives it caps of its own; until one does, it is still in ours.
+                server.cgroups = {}
+                await self._provider.keep_server(server, usable=True)
+
     async def _stop(self) -> None:
         async with self._stop_lock:
             if self._stopped:
@@ -586,28 +614,45 @@ class LocalSandbox:
             # A server that empties its namespace serves a later sandbox, its caps with it: a forked
             # server's start and exit (~3 ms of CPU) a sandbox less (LocalSandboxProvider.keep_server).
             handed_on = False
-            if not overran and self._provider.may_hand_on(self._server):
+            if self._handed_early:
+                pass  # our processes ended with its namespace's emptying, which it said
+            elif not overran and not self._ended and self._provider.may_hand_on(self._server):
                 handed_on = await self._server.hand_on(bound)
             else:
                 await self._server.close(bound)
-            clean = not overran and (handed_on or self._server.emptied_its_namespace)
+            clean = not overran and (handed_on or self._namespace_emptied)
             if not clean:  # a walk of all of /proc for our marker: milliseconds, needed only here
-                overran.append(self._server.pid)
+                if not self._handed_early:
+                    overran.append(self._server.pid)
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
+            if self._handed_early and self._provider.reclaim(self._server):
+                # No sandbox took it, and it is still in our caps, empty of all else: they go on with it
+                # after our release, as with a server handed on at the stop.
+                self._server.cgroups, handed_on = self._caps, True
             try:
                 await self._release(handed_on)
             finally:
                 if handed_on:  # last: nothing of this sandbox's is left for the next one to meet
                     await self._provider.keep_server(self._server, usable=self._stopped)
 
+    @property
+    def _namespace_emptied(self) -> bool:
+        """Whether every process of ours ended with our PID namespace, as its server said: at its exit,
+        or when it was handed on from us (``end_commands``)."""
+        return self._handed_early or self._server.emptied_its_namespace
+
+    @property
+    def _caps(self) -> dict[str, str]:
+        caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
+        return {controller: group for controller, group in caps.items() if group}
+
     async def _release(self, handed_on: bool) -> None:
         """What a stopped sandbox holds besides its processes: its caps (unless they went on with its
         server), its disk, its uid, its descriptor and directory."""
-        caps = {pidlimit.PIDS: self.pids_cgroup, pidlimit.MEMORY: self.memory_cgroup}
-        caps = {controller: group for controller, group in caps.items() if group}
-        if not handed_on and not (self._server.emptied_its_namespace and self._provider.keep_caps(caps)):
+        caps = self._caps
+        if not handed_on and not (self._namespace_emptied and self._provider.keep_caps(caps)):
             for group in set(caps.values()):
                 if not pidlimit.remove(group):  # its last process may not be released yet
                     await asyncio.to_thread(pidlimit.remove, group, 2.0)

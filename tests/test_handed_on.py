@@ -8,6 +8,7 @@ made."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import textwrap
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import isolation, uidpool
-from sandboxes.base import SandboxLostError, SandboxSpec
+from sandboxes import isolation, pidlimit, uidpool
+from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from sandboxes.local_sandbox import LocalSandbox
 from sandboxes.proctree import descendants, has_env_entry, snapshot
@@ -179,3 +180,77 @@ async def test_a_server_whose_relay_still_carries_a_connection_of_the_ended_sand
         for conn in held:
             conn.close()
         gateway.close()
+
+
+def _capped(tmp_path: Path) -> LocalSandboxProvider:
+    """``_provider``'s sandboxes with a process and a memory cap, where the host has the cgroups."""
+    return LocalSandboxProvider(
+        tmp_path / "sandboxes",
+        kill_grace_s=0.5,
+        keep=False,
+        pids="isolated",
+        filesystem="readonly",
+        user=True,
+        max_processes=64 if pidlimit.unavailable(pidlimit.PIDS) is None else None,
+        max_memory_mb=512 if pidlimit.unavailable(pidlimit.MEMORY) is None else None,
+    )
+
+
+def _members(groups: list[str]) -> list[str]:
+    """The processes still in ``groups`` (cgroup.procs files) that exist."""
+    return [pid for group in groups if os.path.exists(group) for pid in Path(group).read_text().split()]
+
+
+async def test_an_agents_ended_sandbox_hands_its_server_to_the_grading_one_and_keeps_its_caps(tmp_path):
+    """Once its harness has ended (``end_commands``), an agent's sandbox runs nothing more, and its server
+    serves the next sandbox (the grading one), under that one's marker and in caps of that one's own:
+    the agent's caps stay with the agent's files, which count toward them and stay readable until its
+    stop, which then leaves the caps empty or gone."""
+    provider = _capped(tmp_path)
+    try:
+        agent = await _start(provider, "agent")
+        server = agent._server.pid
+        caps = [group for group in (agent.pids_cgroup, agent.memory_cgroup) if group]
+        wrote = await agent.exec(["sh", "-c", "echo mine > note; echo $$"], timeout=60)
+        assert wrote.exit_code == 0, wrote
+        await agent.end_commands()
+        with pytest.raises(SandboxError, match="commands have ended"):
+            await agent.exec(["true"], timeout=30)
+        assert await agent.read_file("note", 100) == b"mine\n"
+
+        grading = await _start(provider, "grading")
+        assert grading._server.pid == server
+        assert grading._marker_token != agent._marker_token and has_env_entry(server, grading._marker)
+        assert not has_env_entry(server, agent._marker)
+        theirs = [group for group in (grading.pids_cgroup, grading.memory_cgroup) if group]
+        assert len(theirs) == len(caps) and not set(theirs) & set(caps)
+        assert str(server) not in _members(caps)  # the server left the agent's caps for the grading's
+        looked = await grading.exec(["sh", "-c", LOOK], timeout=60)
+        await agent.stop()
+        assert _members(caps) == []
+        assert grading._server.pid == server and await grading.exec(["true"], timeout=30)
+        await grading.stop()
+    finally:
+        await provider.aclose()
+    names = looked.stdout_tail.splitlines()[0]
+    assert set(names.split()) <= {"rollout-server", "sh", "cat", "sort", "tr"}, names
+    assert ended(server, 10)
+
+
+async def test_a_server_handed_on_early_that_no_sandbox_took_goes_on_with_the_caps_at_the_stop(tmp_path):
+    """An agent's server handed on before its stop (``end_commands``) and not taken by then is still in
+    the agent's caps: they go on with it, as with a server handed on at the stop, to the next sandbox."""
+    provider = _capped(tmp_path)
+    try:
+        agent = await _start(provider, "agent")
+        server = agent._server.pid
+        caps = (agent.pids_cgroup, agent.memory_cgroup)
+        await agent.exec(["true"], timeout=60)
+        await agent.end_commands()
+        await agent.stop()
+        later = await _start(provider, "later")
+        assert later._server.pid == server and (later.pids_cgroup, later.memory_cgroup) == caps
+        assert (await later.exec(["sh", "-c", "echo $((1 + 1))"], timeout=30)).stdout_tail.strip() == "2"
+        await later.stop()
+    finally:
+        await provider.aclose()
