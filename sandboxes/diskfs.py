@@ -116,7 +116,7 @@ def unmount(
             os.rename(kept, disk)
     if session:
         _detach(session_dir)
-        with contextlib.suppress(OSError):  # not empty: a tmpfs that never was mounted; remove_later's
+        with contextlib.suppress(OSError):  # a reaper's to remove, else
             os.rmdir(session_dir)
 
 

@@ -93,11 +93,6 @@ class Zygote:
         self.pid = self._proc.pid
 
     @property
-    def idle(self) -> bool:
-        """No command of it runs, nor is being started."""
-        return not self._live and not self._starting
-
-    @property
     def alive(self) -> bool:
         return self._sock is not None and self._proc.poll() is None
 

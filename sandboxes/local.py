@@ -156,7 +156,7 @@ class LocalSandboxProvider:
         # The disk bound kept by the filesystem where root's view binds it in (diskfs.py), else watched.
         self.disk_fs = bool(self.max_disk_bytes) and view_maker == "mounts" and diskfs.unavailable() is None
         # A session directory no one keeps is a tmpfs where its server's commands see it (diskfs.py).
-        self.session_fs = not keep and diskfs.unavailable() is None
+        self.session_fs = not keep and diskfs.unavailable() is None and isolation.mounts_unavailable() is None
         # What no command may see besides homes and /tmp: every sandbox's directory, the run's directory.
         self.hidden: list[str] = [str(self.root), *hidden]
 
@@ -502,7 +502,11 @@ class LocalSandboxProvider:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         if sandbox.session_fs:
-            diskfs.mount_session(str(session_dir))
+            try:
+                diskfs.mount_session(str(session_dir))
+            except OSError as exc:  # the directory on the disk, as for a kept one: this and later ones
+                sandbox.session_fs = self.session_fs = False
+                log.warning("sandboxes: session directories on the disk: %s", str(exc)[:300])
         for sub in ("logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
         if self.disk_fs:
