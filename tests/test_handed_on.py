@@ -184,13 +184,8 @@ async def test_a_server_whose_relay_still_carries_a_connection_of_the_ended_sand
 
 def _capped(tmp_path: Path) -> LocalSandboxProvider:
     """``_provider``'s sandboxes with a process and a memory cap, where the host has the cgroups."""
-    return LocalSandboxProvider(
-        tmp_path / "sandboxes",
-        kill_grace_s=0.5,
-        keep=False,
-        pids="isolated",
-        filesystem="readonly",
-        user=True,
+    return _provider(
+        tmp_path,
         max_processes=64 if pidlimit.unavailable(pidlimit.PIDS) is None else None,
         max_memory_mb=512 if pidlimit.unavailable(pidlimit.MEMORY) is None else None,
     )

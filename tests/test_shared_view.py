@@ -37,7 +37,9 @@ echo done
 """
 
 
-def _provider(tmp_path: Path) -> LocalSandboxProvider:
+def _provider(tmp_path: Path, **caps: int | None) -> LocalSandboxProvider:
+    """Root's view for every command, a uid of the sandbox's own where the pool has one; ``caps``: the
+    provider's process and memory caps, if any."""
     return LocalSandboxProvider(
         tmp_path / "sandboxes",
         kill_grace_s=0.5,
@@ -45,6 +47,7 @@ def _provider(tmp_path: Path) -> LocalSandboxProvider:
         pids="isolated",
         filesystem="readonly",
         user=uidpool.pool_unavailable() is None,
+        **caps,
     )
 
 
