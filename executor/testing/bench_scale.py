@@ -396,9 +396,13 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     kernel = _kernel_threads_cpu_s(kernel0)
     left = _left_behind(sandbox_root) + ours.left
     phases = ["t_setup_s", "t_agent_s", "t_verify_s", "t_cleanup_s"]
-    columns = ["started_at", "t_total_s", "status", "failure_kind", *phases]
+    columns = ["started_at", "t_total_s", "status", "failure_kind", "worker_id", *phases]
     cols = read_table(Path(summary.run_dir), columns).to_pydict()
     starts = [s.timestamp() for s in cols["started_at"]]
+    # Each worker's first session: how much of the starts' spread is the workers' own start-up.
+    firsts: dict[object, float] = {}
+    for worker, start in zip(cols["worker_id"], starts, strict=True):
+        firsts[worker] = min(start, firsts.get(worker, start))
     ends = [s + t for s, t in zip(starts, cols["t_total_s"], strict=True)]
     span = max(ends) - min(starts) if ends else 0.0
     waves = math.ceil(sessions / (per_worker * workers))
@@ -430,6 +434,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
         "overhead_of_span": (span - ideal) / span if span else 0.0,
         "span_over_ideal": span / ideal - 1 if ideal else 0.0,
         "starts_spread_s": max(starts) - min(starts) if starts else 0.0,
+        "workers_first_spread_s": max(firsts.values()) - min(starts) if starts else 0.0,
         "phase_median_p90_s": {
             name: _median_p90([v for v in cols[name] if v is not None]) for name in phases
         },
@@ -503,7 +508,8 @@ def line(f: dict[str, Any]) -> str:
         f"{p.get('workers_threads', 0):.0f}; other cluster processes "
         f"{p.get('cluster_processes', 0):.0f} (PSS {p.get('cluster_pss_mb', 0):.0f} MB); sandbox "
         f"processes {p.get('sandbox_processes', 0):.0f} (PSS {p.get('sandbox_pss_mb', 0):.0f} MB); "
-        f"outcomes {f['outcomes']}; the last session started {f['starts_spread_s']:.1f} s after the first; "
+        f"outcomes {f['outcomes']}; the last session started {f['starts_spread_s']:.1f} s after the first "
+        f"(the last worker's first {f['workers_first_spread_s']:.1f} s after); "
         "phases median/p90 s: "
         + ", ".join(f"{k[2:-2]} {m:.2f}/{q:.2f}" for k, (m, q) in f["phase_median_p90_s"].items())
     )
