@@ -23,7 +23,7 @@ import time
 
 # Standard library, and os.path rather than pathlib: each command's init imports this (by path).
 DEFAULT_LIMIT = 2048
-PIDS, MEMORY, CPU = "pids", "memory", "cpu"
+PIDS, MEMORY = "pids", "memory"
 _V1 = "/sys/fs/cgroup"
 _V2 = "/sys/fs/cgroup"
 _OURS = "rollout-executor"
@@ -184,23 +184,6 @@ def adopt(procs_path: str, pid: int) -> None:
     init joins the group itself (``join``)."""
     with contextlib.suppress(OSError), open(procs_path, "w") as procs:
         procs.write(str(pid))
-
-
-def share_cpu() -> None:
-    """Move the calling process (a worker's fork server of sandboxes) into the one cpu cgroup that every
-    sandbox of this host shares, where there is one (cgroup v1's cpu hierarchy, as root; else nothing):
-    what it starts from then on is born there. The kernel's autogroup scheduling gives each session of
-    the root group the weight of all the rest of a session's processes together, and a sandbox's
-    processes start sessions of their own (any command can): a thousand sandboxes weighed a thousand
-    times the executor's worker, whose start, sessions' steps and model traffic waited behind them (the
-    last of 8 workers took its first session 17.5 s after the first did, 1,000 sessions starting on 2
-    cores). In a group of their own, all sandboxes together weigh as one session does, and no command
-    gains a share by starting sessions; inside it, each process weighs as its niceness says."""
-    root = _v1_root(CPU)
-    if not os.path.exists(os.path.join(root, "cgroup.procs")) or _why_not(CPU) is not None:
-        return
-    with contextlib.suppress(OSError), open(os.path.join(root, _OURS, "cgroup.procs"), "w") as procs:
-        procs.write("0")
 
 
 def spare_from_oom_killer(pid: int) -> None:

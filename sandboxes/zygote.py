@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path wi
 import fsview
 import namespaces
 import netns
-import pidlimit
+import pidlimit  # noqa: F401
 import proctree
 import seccomp  # noqa: F401
 import spawn
@@ -299,7 +299,6 @@ def main(argv: list[str]) -> int:
         print("usage: zygote.py WORKER_PID CONTROL_FD", file=sys.stderr)
         return 2
     proctree.name_process(b"rollout-zygote")
-    pidlimit.share_cpu()  # every process of every sandbox we start is born there
     zygote = _Zygote(int(argv[1]), int(argv[2]))
     return zygote.serve()
 

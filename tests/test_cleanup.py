@@ -44,8 +44,7 @@ def _left_behind(root: Path, rollout: str, record: str) -> list[str]:
     for line in (line for line in record.splitlines() if line.count(":") >= 2):
         # cgroup v1 lines (N:controller:/path) and v2 (0::/path), of the sandbox's own caps only.
         _n, controller, path = line.lstrip("+").split(":", 2)
-        # The cpu group every sandbox of the host shares (pidlimit.share_cpu) is no sandbox's own.
-        if "rollout-executor/" in path:
+        if "rollout-executor" in path:
             group = Path("/sys/fs/cgroup", controller.removeprefix("name="), path.lstrip("/"))
             if not controller:
                 group = Path("/sys/fs/cgroup", path.lstrip("/"))
