@@ -107,6 +107,12 @@ def bench(
             help="(f) first one session per worker: the CPU per session beyond the run's fixed costs."
         ),
     ] = False,
+    scale_nodes: Annotated[
+        int,
+        typer.Option(
+            min=0, max=64, help="(f) raylets of this machine (`ray start`) the workers spread over; 0: one."
+        ),
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures here.")] = None,
     markdown_out: Annotated[
         Path | None,
@@ -162,6 +168,7 @@ def bench(
         container=container,
         scale=(scale_sessions, scale_workers, scale_sleep),
         scale_fixed=scale_fixed,
+        scale_nodes=scale_nodes,
         isolation=isolation,
         store_out=store_out,
     )

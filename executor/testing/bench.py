@@ -76,6 +76,7 @@ def run_all(
     container: Any = None,
     scale: tuple[int, int, float] = (1000, 8, 30.0),
     scale_fixed: bool = False,
+    scale_nodes: int = 0,
     isolation: str | None = None,
     store_out: str | None = None,
 ) -> dict[str, Any]:
@@ -145,9 +146,9 @@ def run_all(
 
             (scratch / "f").mkdir()
             if scale_fixed:
-                out["f"] = bench_scale.scale_and_fixed(*scale, scratch / "f", 0, echo)
+                out["f"] = bench_scale.scale_and_fixed(*scale, scratch / "f", scale_nodes, echo)
             else:
-                out["f"] = f = bench_scale.scale(*scale, scratch / "f")
+                out["f"] = f = bench_scale.scale(*scale, scratch / "f", scale_nodes)
                 echo(bench_scale.line(f))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
