@@ -36,7 +36,7 @@ DISK_DIR = "disk"
 _LEGACY_DISK_DIR = ".disk"
 _LEGACY_BINDS = ("work", "home", "tmp", "baseline.git")
 _KEPT_SUFFIX = ".kept"
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
 
@@ -116,7 +116,7 @@ def unmount(
             os.rename(kept, disk)
     if session:
         _detach(session_dir)
-        with contextlib.suppress(OSError):  # a reaper's to remove, else
+        with contextlib.suppress(OSError):  # else left for a reaper
             os.rmdir(session_dir)
 
 

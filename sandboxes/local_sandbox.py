@@ -583,9 +583,8 @@ class LocalSandbox:
         handed on, or something of it still runs; ``stop`` then does it all."""
         async with self._stop_lock:
             server = self._server
-            if self._stopping or self._ended or self._running or not server.idle:
-                return
-            if not self._provider.may_hand_on(server):
+            busy = self._running or not server.idle
+            if self._stopping or self._ended or busy or not self._provider.may_hand_on(server):
                 return
             self._ended = True  # from here no exec: the server is about to be another sandbox's
             if await server.hand_on(self._grace + sup.DRAIN_S + 2.0):
@@ -622,8 +621,7 @@ class LocalSandbox:
                 await self._server.close(bound)
             clean = not overran and (handed_on or self._namespace_emptied)
             if not clean:  # a walk of all of /proc for our marker: milliseconds, needed only here
-                if not self._handed_early:
-                    overran.append(self._server.pid)
+                overran.append(self._server.pid)
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
