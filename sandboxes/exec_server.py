@@ -49,19 +49,18 @@ class ZygoteGone(OSError):
     """The fork server has died: the provider starts another, or the server the old way."""
 
 
-async def _ready(fd: int | socket.socket, timeout: float, *, write: bool = False) -> bool:
-    """Whether ``fd`` becomes readable (a pidfd: its process has ended), or writable, within ``timeout``."""
+async def _readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` (a pidfd: its process has ended) becomes readable within ``timeout``."""
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
     try:
         await asyncio.wait_for(ready, timeout)
         return True
     except TimeoutError:
         return False
     finally:
-        remove(fd)
+        loop.remove_reader(fd)
 
 
 class Zygote:
@@ -90,6 +89,12 @@ class Zygote:
             theirs.close()
         ours.setblocking(False)
         self._sock: socket.socket | None = ours
+        # One request at a time waits for room on the socket (``_room``): an event loop keeps one writer
+        # callback per descriptor, and a second waiter's took the first one's place, which then waited out
+        # SPAWN_TIMEOUT_S (a burst of starts beyond the socket's buffer, ~150 requests). By event loop:
+        # the provider, and so we, may outlive one (a lock once waited on is bound to its loop).
+        self._sending: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._room_wait: asyncio.Future[None] | None = None
         self.pid = self._proc.pid
 
     @property
@@ -102,20 +107,42 @@ class Zygote:
 
     async def fork(self, request: dict[str, Any], fds: tuple[int, int]) -> None:
         """Send one request with the new server's two pipe ends; the server answers on its own pipe."""
-        if self._sock is None:
-            raise ZygoteGone("the fork server is closed")
         message = [json.dumps(request).encode()]
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        for _ in range(1000):  # bounded: each round waits for room, which a live fork server makes
-            try:
-                self._sock.sendmsg(message, rights)
-                return
-            except BlockingIOError:
-                if not await _ready(self._sock, SPAWN_TIMEOUT_S, write=True):
-                    raise ZygoteGone(f"the fork server took no request for {SPAWN_TIMEOUT_S:.0f} s") from None
-            except OSError as exc:  # EPIPE, ECONNRESET: it has died
-                raise ZygoteGone(f"the fork server has exited: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        if self._sending is None or self._sending[0] is not loop:
+            self._sending = (loop, asyncio.Lock())
+        async with self._sending[1]:
+            for _ in range(1000):  # bounded: each round waits for room, which a live fork server makes
+                sock = self._sock  # closed meanwhile (another request found it gone): None
+                if sock is None:
+                    raise ZygoteGone("the fork server is closed")
+                try:
+                    sock.sendmsg(message, rights)
+                    return
+                except BlockingIOError:
+                    if not await self._room(sock):
+                        waited = f"{SPAWN_TIMEOUT_S:.0f} s"
+                        raise ZygoteGone(f"the fork server took no request for {waited}") from None
+                except OSError as exc:  # EPIPE, ECONNRESET: it has died
+                    raise ZygoteGone(f"the fork server has exited: {exc}") from exc
         raise ZygoteGone("the fork server takes no requests")
+
+    async def _room(self, sock: socket.socket) -> bool:
+        """Whether the fork server makes room for a request within SPAWN_TIMEOUT_S (or is closed)."""
+        loop = asyncio.get_running_loop()
+        fd = sock.fileno()
+        self._room_wait = waiting = loop.create_future()
+        loop.add_writer(fd, lambda: waiting.done() or waiting.set_result(None))
+        try:
+            await asyncio.wait_for(waiting, SPAWN_TIMEOUT_S)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._room_wait = None
+            if sock.fileno() >= 0:  # else ``close`` took the callback off before closing it
+                loop.remove_writer(fd)
 
     async def ended(self, timeout: float) -> bool:
         """Whether the fork server ends within ``timeout``; reaped if it has."""
@@ -126,7 +153,7 @@ class Zygote:
         except ProcessLookupError:
             return self._proc.poll() is not None
         try:
-            await _ready(pidfd, timeout)
+            await _readable(pidfd, timeout)
         finally:
             os.close(pidfd)
         return self._proc.poll() is not None
@@ -135,6 +162,9 @@ class Zygote:
         """No more forks: it exits once the servers it forked have (they outlive it if it must go);
         waited for a short while, and reaped if it is gone (else by ``subprocess`` later)."""
         if self._sock is not None:
+            if self._room_wait is not None and not self._room_wait.done():  # a request waits for room
+                asyncio.get_running_loop().remove_writer(self._sock.fileno())
+                self._room_wait.set_result(None)  # it finds us closed
             self._sock.close()
             self._sock = None
         await self.ended(ZYGOTE_EXIT_S)

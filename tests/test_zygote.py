@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
+from sandboxes import exec_server
 from sandboxes.base import SandboxLostError
 from sandboxes.environment import marker_entry
 from sandboxes.local import MAX_ZYGOTE_STARTS, LocalSandbox, LocalSandboxProvider
@@ -101,6 +103,29 @@ async def test_a_killed_fork_server_is_started_again_and_then_given_up_and_no_sa
     finally:
         for sandbox in survivors:
             await sandbox.stop()
+
+
+async def test_a_burst_of_starts_beyond_the_fork_servers_queue_all_start_on_it(
+    provider: LocalSandboxProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The control socket's send buffer holds ~150 requests by default (a burst of 400 starts in one worker
+    # overflowed it); made as small as it gets, it holds a few. The others wait for room, and each must
+    # be woken when there is some, however many wait: none may sit out a timeout (shortened here, so
+    # that a lost wake-up fails fast), and none may take the fork server for gone.
+    zygote = provider._live_zygote()
+    assert zygote is not None and zygote._sock is not None
+    zygote._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+    burst = 30
+    monkeypatch.setattr(exec_server, "SPAWN_TIMEOUT_S", 20.0)
+    started = await asyncio.gather(*(provider.start(spec()) for _ in range(burst)), return_exceptions=True)
+    sandboxes = [s for s in started if isinstance(s, LocalSandbox)]
+    try:
+        assert len(sandboxes) == burst, [repr(s) for s in started if not isinstance(s, LocalSandbox)][:3]
+        assert provider._zygote is zygote and provider._zygote_starts == 1
+        assert {read_proc(s._server.pid).ppid for s in sandboxes} == {zygote.pid}
+        assert (await sandboxes[-1].exec(["true"], timeout=30)).exit_code == 0
+    finally:
+        await asyncio.gather(*(s.stop() for s in sandboxes))
 
 
 async def test_a_forked_server_that_dies_loses_its_sandbox(provider: LocalSandboxProvider, tmp_path: Path):
