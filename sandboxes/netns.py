@@ -21,13 +21,13 @@ answers with a 5xx) and turn its row into an infrastructure failure: masked, nev
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import fcntl
 import os
 import socket
 import struct
 import sys
-import threading
 
 if __package__:
     from sandboxes import proctree
@@ -131,7 +131,7 @@ class Forwarder:
 
     def __init__(self, model_client: ModelClient | None) -> None:
         self.model_client = model_client
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self.relaying = 0
 
     def take_slot(self) -> bool:
@@ -164,14 +164,22 @@ def _relay(client: socket.socket, connect: Callable[[], socket.socket], forwarde
             upstream = connect()
         except OSError:
             return
-        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
-        back.start()
+        back_done = _thread.allocate_lock()
+        back_done.acquire()
+        _thread.start_new_thread(_pump_then_release, (upstream, client, back_done))
         _pump(client, upstream)
-        back.join()
+        back_done.acquire()  # the answer's pump has ended
         upstream.close()
     finally:
         client.close()
         forwarder.release_slot()
+
+
+def _pump_then_release(source: socket.socket, sink: socket.socket, done: _thread.LockType) -> None:
+    try:
+        _pump(source, sink)
+    finally:
+        done.release()
 
 
 def other_socket(socket_path: str) -> str:
@@ -303,7 +311,7 @@ def _serve(
         target = connect
         if model_client is not None and connect_other is not None and not _made_by(model_client, client):
             target = connect_other
-        threading.Thread(target=_relay, args=(client, target, forwarder), daemon=True).start()
+        _thread.start_new_thread(_relay, (client, target, forwarder))
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
@@ -340,7 +348,7 @@ def serve_to(
     ``model_client`` did not make, to what ``connect_other`` opens."""
     forwarder = Forwarder(model_client)
     args = (listener, connect, forwarder, connect_other)
-    threading.Thread(target=_serve, args=args, daemon=True).start()
+    _thread.start_new_thread(_serve, args)
     return forwarder
 
 
