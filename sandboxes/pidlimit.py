@@ -19,9 +19,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import time
 
 # Standard library, and os.path rather than pathlib: each command's init imports this (by path).
+if __package__:
+    from sandboxes import proctree
+else:  # imported by a command's init, with our directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import proctree
+
 DEFAULT_LIMIT = 2048
 PIDS, MEMORY = "pids", "memory"
 _V1 = "/sys/fs/cgroup"
@@ -43,8 +50,7 @@ def _parent(controller: str = PIDS) -> str | None:
 
 def _enable(control: str, controller: str) -> None:
     if controller not in _read(control).split():
-        with open(control, "w") as f:
-            f.write("+" + controller)
+        proctree.write_small(control, "+" + controller)
 
 
 def _why_not(controller: str = PIDS) -> str | None:
@@ -75,8 +81,7 @@ def _why_not(controller: str = PIDS) -> str | None:
 
 def _read(path: str) -> str:
     try:
-        with open(path) as f:
-            return f.read()
+        return proctree.read_small(path)
     except OSError:
         return ""
 
@@ -109,8 +114,7 @@ def set_limit(procs_path: str, limit: int, controller: str = PIDS) -> None:
     """Set the cap of the group whose ``cgroup.procs`` is ``procs_path``. Raises OSError."""
     for path, value in _limit_files(os.path.dirname(procs_path), controller, limit):
         if os.path.exists(path):
-            with open(path, "w") as f:
-                f.write(value)
+            proctree.write_small(path, value)
 
 
 def make(name: str, limit: int = DEFAULT_LIMIT, controller: str = PIDS) -> str | None:
@@ -182,8 +186,8 @@ def adopt(procs_path: str, pid: int) -> None:
     """Move process ``pid`` (a sandbox's supervisor server) into the cgroup whose ``cgroup.procs`` is
     ``procs_path``: what it starts from then on is born there. Where it cannot be moved, each command's
     init joins the group itself (``join``)."""
-    with contextlib.suppress(OSError), open(procs_path, "w") as procs:
-        procs.write(str(pid))
+    with contextlib.suppress(OSError):
+        proctree.write_small(procs_path, str(pid))
 
 
 def spare_from_oom_killer(pid: int) -> None:
@@ -191,8 +195,8 @@ def spare_from_oom_killer(pid: int) -> None:
     this process may (CAP_SYS_RESOURCE): a memory cap's kill must take a command of the sandbox, not its
     supervisor. Each command raises its own score to the top (supervisor.py), which is what keeps the
     supervisors where this cannot be done."""
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as adj:
-        adj.write("-1000")
+    with contextlib.suppress(OSError):
+        proctree.write_small(f"/proc/{pid}/oom_score_adj", "-1000")
 
 
 def member(procs_path: str, controller: str = PIDS) -> bool:
@@ -217,8 +221,7 @@ def join(procs_path: str, limit: int, controller: str = PIDS) -> None:
         os.makedirs(group, exist_ok=True)
         try:
             set_limit(procs_path, limit, controller)
-            with open(procs_path, "w") as procs:
-                procs.write("0")
+            proctree.write_small(procs_path, "0")
             return
         except FileNotFoundError:
             continue

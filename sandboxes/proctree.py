@@ -43,6 +43,35 @@ def set_handler(signum: int, handler: Callable[[int, object], None] | int) -> No
     _signal.signal(signum, handler if callable(handler) else int(handler))  # SIG_DFL, SIG_IGN: ints
 
 
+def read_small(path: str, limit: int = 1 << 22) -> str:
+    """A small file of the kernel's (procfs, cgroupfs), at most ``limit`` bytes: with ``os.read`` rather
+    than ``open``, whose text-file layers a forked interpreter pays for in pages copied (~100 for the
+    first ``open`` in a command's init). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit and (chunk := os.read(fd, min(1 << 16, limit - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def write_small(path: str, text: str, *, create: bool = False) -> None:
+    """Write ``text`` to a file of the kernel's (a cgroup's limit, /proc/self/oom_score_adj), as
+    ``read_small`` reads one; with ``create``, to a file made (or emptied) for it. Raises OSError."""
+    data = text.encode()
+    flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
+    fd = os.open(path, flags, 0o666)
+    try:
+        while data:  # each write takes at least a byte, or raises
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
 def block_signals(how: int, signums: Iterable[int]) -> None:
     """``signal.pthread_sigmask`` without converting the old mask it returns to enums."""
     _signal.pthread_sigmask(how, signums)

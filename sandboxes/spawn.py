@@ -192,7 +192,12 @@ _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRIN
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
     """Where ``argv[0]`` may be, as execvpe looks: resolved before the switch to the sandbox user, past
     which nothing may need a file of ours (an import, say)."""
-    return [argv[0]] if os.sep in argv[0] else [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
+    if os.sep in argv[0]:
+        return [argv[0]]
+    # os.get_exec_path's split, without its guard against bytes keys (ours are str), whose warnings filters
+    # a forked init pays for in pages copied.
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    return [os.path.join(d, argv[0]) for d in path.split(os.pathsep)]
 
 
 def _fork_exec(p: dict[str, Any], env: dict[str, str] | None, user: list[int] | None) -> int:
@@ -224,8 +229,7 @@ def _exec_command(
         if p.get("memory_procs"):
             # The memory cap's OOM killer takes a command before a supervisor (pidlimit.py): raising
             # one's own score needs no privilege, where lowering the server's needs CAP_SYS_RESOURCE.
-            with open("/proc/self/oom_score_adj", "w") as adj:
-                adj.write("1000")
+            proctree.write_small("/proc/self/oom_score_adj", "1000")
         if limits is not None:
             limits()
         if user:
@@ -266,12 +270,8 @@ def _spawn(
     given stdio, no other descriptor: every one of ours is close-on-exec) with posix_spawn, which needs
     no `subprocess` import and no copy of our address space. Raises the OSError of a failed start."""
     os.chdir(cwd)
-    if os.sep in argv[0]:
-        candidates = [argv[0]]
-    else:
-        candidates = [os.path.join(d, argv[0]) for d in os.get_exec_path(env)]
     denied: OSError | None = None
-    for path in candidates:
+    for path in _candidates(argv, env):
         # A check first: each spawn that fails costs a clone, where Popen tries every entry in one child.
         if not os.access(path, os.X_OK):
             if os.path.lexists(path):

@@ -365,8 +365,7 @@ def command_result(
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
+    proctree.write_small(tmp, json.dumps(data), create=True)
     os.replace(tmp, path)
 
 

@@ -566,9 +566,6 @@ def serve(
 def main(argv: list[str]) -> int:
     # What an isolated command's init imports (spawn._init), once here rather than in every init:
     # ~10 ms a command, paid instead while this server waits as a spare at the lowest CPU priority.
-    # (os.get_exec_path imports warnings, in the init past its view: ~1 ms a command.)
-    import warnings  # noqa: F401
-
     import fsview  # noqa: F401
     import netns  # noqa: F401
     import pidlimit  # noqa: F401

@@ -35,7 +35,6 @@ import selectors
 import signal
 import socket
 import sys
-import warnings  # noqa: F401  os.get_exec_path imports it, in each command's init past its view
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path with -I
 # fsview, netns, pidlimit, seccomp: what supervisor_server.main imports for a command's init, here once.
