@@ -49,18 +49,24 @@ class ZygoteGone(OSError):
     """The fork server has died: the provider starts another, or the server the old way."""
 
 
-async def _readable(fd: int, timeout: float) -> bool:
-    """Whether ``fd`` (a pidfd: its process has ended) becomes readable within ``timeout``."""
+async def _ready(
+    fd: int, timeout: float, *, write: bool = False, ready: asyncio.Future[None] | None = None
+) -> bool:
+    """Whether ``fd`` becomes readable (a pidfd: its process has ended), or writable, within ``timeout``;
+    or first ``ready``, the future waited on, is resolved by someone else (the descriptor's owner, closing
+    it). An event loop keeps one callback per descriptor and direction: one waiter at a time per ``fd``."""
     loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    if ready is None:
+        ready = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: ready.done() or ready.set_result(None))
     try:
         await asyncio.wait_for(ready, timeout)
         return True
     except TimeoutError:
         return False
     finally:
-        loop.remove_reader(fd)
+        remove(fd)  # a no-op where the owner took the callback off before closing it
 
 
 class Zygote:
@@ -130,19 +136,11 @@ class Zygote:
 
     async def _room(self, sock: socket.socket) -> bool:
         """Whether the fork server makes room for a request within SPAWN_TIMEOUT_S (or is closed)."""
-        loop = asyncio.get_running_loop()
-        fd = sock.fileno()
-        self._room_wait = waiting = loop.create_future()
-        loop.add_writer(fd, lambda: waiting.done() or waiting.set_result(None))
+        self._room_wait = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(waiting, SPAWN_TIMEOUT_S)
-            return True
-        except TimeoutError:
-            return False
+            return await _ready(sock.fileno(), SPAWN_TIMEOUT_S, write=True, ready=self._room_wait)
         finally:
             self._room_wait = None
-            if sock.fileno() >= 0:  # else ``close`` took the callback off before closing it
-                loop.remove_writer(fd)
 
     async def ended(self, timeout: float) -> bool:
         """Whether the fork server ends within ``timeout``; reaped if it has."""
@@ -153,7 +151,7 @@ class Zygote:
         except ProcessLookupError:
             return self._proc.poll() is not None
         try:
-            await _readable(pidfd, timeout)
+            await _ready(pidfd, timeout)
         finally:
             os.close(pidfd)
         return self._proc.poll() is not None

@@ -128,6 +128,37 @@ async def test_a_burst_of_starts_beyond_the_fork_servers_queue_all_start_on_it(
         await asyncio.gather(*(s.stop() for s in sandboxes))
 
 
+async def test_a_request_waiting_for_room_is_told_at_once_when_the_fork_server_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(exec_server, "SPAWN_TIMEOUT_S", 60.0)
+    zygote = exec_server.Zygote(tmp_path / "zygote.log")
+    os.kill(zygote.pid, signal.SIGSTOP)  # it reads nothing: its socket fills
+    assert zygote._sock is not None
+    zygote._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+    read_end, write_end = os.pipe()
+    waiting = None
+    try:
+        for _ in range(64):
+            task = asyncio.ensure_future(zygote.fork({"marker": "x"}, (read_end, write_end)))
+            await asyncio.sleep(0)  # it runs up to its first wait: sent, or waiting for room
+            if not task.done():
+                waiting = task
+                break
+            task.result()
+        assert waiting is not None and zygote._room_wait is not None
+        await zygote.close()
+        # Woken by the close, not by the timeout: the request says the fork server is closed.
+        with pytest.raises(exec_server.ZygoteGone, match="closed"):
+            await waiting
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        os.kill(zygote.pid, signal.SIGKILL)
+        os.kill(zygote.pid, signal.SIGCONT)
+        assert await zygote.ended(60)
+
+
 async def test_a_forked_server_that_dies_loses_its_sandbox(provider: LocalSandboxProvider, tmp_path: Path):
     sandbox = await _started(provider)
     fifo = Fifo(tmp_path / "fifo")
