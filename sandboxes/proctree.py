@@ -45,8 +45,8 @@ def set_handler(signum: int, handler: Callable[[int, object], None] | int) -> No
 
 def read_small(path: str, limit: int = 1 << 22) -> str:
     """A small file of the kernel's (procfs, cgroupfs), at most ``limit`` bytes: with ``os.read`` rather
-    than ``open``, whose text-file layers a forked interpreter pays for in pages copied (~100 for the
-    first ``open`` in a command's init). Raises OSError."""
+    than ``open``, whose text-file layers a forked interpreter pays for in pages copied (~35 of the ~100
+    its cgroup checks took in a command's init). Raises OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks: list[bytes] = []
