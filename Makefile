@@ -33,11 +33,13 @@ $(STAMP_OLDEST): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/python -m sandboxes.native_init
 	$(VENV)/bin/rollout run examples/demo.yaml
 	$(VENV)/bin/rollout status runs/demo
 
 test: $(STAMP)
 	.ci/system-deps
+	$(VENV)/bin/python -m sandboxes.native_init
 	$(VENV)/bin/ruff check .
 	@# The oldest Ray's venv (about a minute of wheel installs) is made while the suite runs, not after
 	@# it; its output goes to a log shown if it fails. pytest exits 5 when it collected no tests: a

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandboxes import proctree
+from sandboxes import native_init, proctree
 from sandboxes.base import SandboxError, SandboxLostError
 from sandboxes.environment import SANDBOX_MARKER_VAR, marker_entry
 
@@ -69,11 +69,19 @@ async def _ready(
         remove(fd)  # a no-op where the owner took the callback off before closing it
 
 
+@functools.cache
+def _build_native_init() -> str | None:
+    """The native init's build (native_init.py), made once a process: a machine without a compiler is
+    asked once."""
+    return native_init.build()
+
+
 class Zygote:
     """A running fork server. Started with the environment a server gets (the marker variable alone, a
     placeholder token), from /, every descriptor of ours closed but its end of the control socket."""
 
     def __init__(self, log_path: Path) -> None:
+        _build_native_init()  # before the fork server's start: it looks for the build once, at import
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,10 @@ import sys
 import time
 
 if __package__:
-    from sandboxes import proctree, spawn, supervisor
+    from sandboxes import native_init, proctree, spawn, supervisor
 else:  # imported by the server run by path, with its directory on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import native_init
     import proctree
     import spawn
     import supervisor
@@ -120,6 +121,21 @@ class FoldedExec:
         return self.start()
 
 
+def _start_native(
+    p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int
+) -> int | None:
+    """The command started under the native init (native_init.py) where it fits, which takes the steps
+    of ``limit_process`` and of the server's ``prepare`` (namespaces.ServerInit.enter: no CAP_SYS_ADMIN)
+    itself; None where it does not fit or cannot be spawned (spawn.py's init is then forked)."""
+    if not native_init.fits(p):
+        return None
+    try:
+        return native_init.start(p, env, stdin_fd, out_w, err_w)
+    except OSError as exc:  # the program gone since the server's start, say: the forked init does it all
+        os.write(2, f"supervisor server: native init: {exc}\n"[: proctree.CHILD_ERROR_CHARS].encode())
+        return None
+
+
 class FoldedCommand:
     """One command (or step) the server runs to its end. ``proc``: the namespace's procfs (a path);
     ``supervisors``: the pids (the namespace's) of the supervisors running now, whose trees are not this
@@ -159,7 +175,11 @@ class FoldedCommand:
                 supervisor.limit_process(p)
                 prepare()
 
-            child, status_r = spawn._start_init(p, env, stdin_fd, out_w, err_w, setup)
+            status_r = None
+            pid = _start_native(p, env, stdin_fd, out_w, err_w)
+            if pid is None:
+                child, status_r = spawn._start_init(p, env, stdin_fd, out_w, err_w, setup)
+                pid = child.pid
         except BaseException:
             for fd in (out_r, err_r):
                 if (pump := self.pumps.pop(fd, None)) is not None:
@@ -171,14 +191,15 @@ class FoldedCommand:
             for fd in (out_w, err_w, stdin_fd):
                 if fd >= 0:
                     os.close(fd)
-        # The init becomes the command (it runs no forwarder of its own: the server relays), so the
-        # server reaps the command itself and the status pipe carries nothing; its end closes at the
-        # init's exec (or death). Until then we wait: every page we wrote meanwhile, the init still
-        # sharing it, the kernel would copy (a server that serves sandbox after sandbox has made its
-        # pages its own, and would have each copied again at each command).
-        select.select([status_r], [], [], EXEC_WAIT_S)
-        os.close(status_r)
-        self.pid = child.pid
+        if status_r is not None:
+            # The init becomes the command (it runs no forwarder of its own: the server relays), so the
+            # server reaps the command itself and the status pipe carries nothing; its end closes at the
+            # init's exec (or death). Until then we wait: every page we wrote meanwhile, the init still
+            # sharing it, the kernel would copy (a server that serves sandbox after sandbox has made its
+            # pages its own, and would have each copied again at each command).
+            select.select([status_r], [], [], EXEC_WAIT_S)
+            os.close(status_r)
+        self.pid = pid
         self.open_fds.update(self.pumps)
 
     def read(self, fd: int) -> bool:

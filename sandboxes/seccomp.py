@@ -70,18 +70,22 @@ class _Fprog(ctypes.Structure):
     _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
 
-def _made(machine: str) -> tuple[_Fprog, ctypes.Array[ctypes.c_char]] | None:
-    arches = _FORBIDDEN.get(machine)
-    if arches is None:
+def _made(packed: bytes | None) -> tuple[_Fprog, ctypes.Array[ctypes.c_char]] | None:
+    if packed is None:
         return None
-    program = _program(arches)
-    code = ctypes.create_string_buffer(_packed(program))
-    return _Fprog(len(program), ctypes.addressof(code)), code  # the buffer lives as long as the header
+    code = ctypes.create_string_buffer(packed)
+    return _Fprog(len(packed) // _OP_BYTES, ctypes.addressof(code)), code  # the buffer lives as the header
 
 
+_OP_BYTES = struct.calcsize("=HBBI")
+_ARCHES = _FORBIDDEN.get(os.uname().machine)
+_PACKED = _packed(_program(_ARCHES)) if _ARCHES is not None else None
+# The same filter for the native init (native_init.c), which installs it from its argument: None on a
+# machine this does not know.
+FILTER_HEX = _PACKED.hex() if _PACKED is not None else None
 # Made once, at import (the fork server's: every command's init is forked from it), not in each init: a
 # ctypes structure class made and a libc loaded cost an init ~0.5 ms and ~150 pages copied.
-_FILTER = _made(os.uname().machine)
+_FILTER = _made(_PACKED)
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here too: a child would resolve it again
 
 

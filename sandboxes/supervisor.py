@@ -327,12 +327,16 @@ def split_steps(
 def limit_process(params: dict[str, Any]) -> None:
     """The command's descriptor limit (``nofile_limit``, within the hard one) and no core dumps, set on
     this process for the command it starts to inherit."""
-    nofile = int(params["nofile_limit"])
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY:
-        nofile = min(nofile, hard)
+    nofile = nofile_limit(params)
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def nofile_limit(params: dict[str, Any]) -> int:
+    """The command's descriptor limit: its ``nofile_limit``, within our hard one."""
+    nofile = int(params["nofile_limit"])
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return nofile if hard == resource.RLIM_INFINITY else min(nofile, hard)
 
 
 def command_result(

@@ -1,0 +1,183 @@
+"""The native init (native_init.c): a command's init as a small compiled program the server starts with
+posix_spawn, where spawn.py's init is a fork of the server's interpreter.
+
+A forked init costs the machine ~1 ms before its exec on top of the fork itself: the pages the
+interpreter writes on its way there (~250 of them, each copied) and every page the server writes while
+they share them. posix_spawn copies none: the server waits (vfork) until the program runs, and the
+program's steps are a few system calls. It is used for the commands a server supervises itself (folded.py)
+whose view the server built (spawn._init's ``view_fds``), whose network is the sandbox's and whose
+process and memory caps the server's own cgroups already are; any other command, or a machine where the
+program was not built, gets spawn.py's init, which stays the reference for what an init does.
+
+The program is built by ``build`` (the worker, before its fork server starts; ``make install``) into the
+checkout's ``build/`` directory, named by its source's digest so that a changed source is never run as an
+older build. It runs as root before the command's privileges are dropped, so it is used only where no
+one but us could have written it: ``PROGRAM`` is None unless the file and every directory above it belong to
+root (or us) and are writable by no one else.
+
+Standard library only, like the server that imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+
+if __package__:
+    from sandboxes import pidlimit, seccomp, spawn, supervisor
+else:  # imported by the server run by path, with its directory on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pidlimit
+    import seccomp
+    import spawn
+    import supervisor
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(_HERE, "native_init.c")
+MNT_FD, IPC_FD = 3, 4  # where the program finds the view's namespaces (native_init.c)
+BUILD_TIMEOUT_S = 60.0
+_COMPILERS = ("cc", "gcc")
+# Static first: a dynamically linked program's loader costs each exec ~0.5 ms here (CPUID under a
+# hypervisor); dynamic where the static C library is not installed.
+_LINKS = (["-static"], [])
+
+
+def expected_path() -> str | None:
+    """Where the build of this source is, built or not; None without the source."""
+    try:
+        with open(SOURCE, "rb") as source:
+            digest = hashlib.sha256(source.read()).hexdigest()[:16]
+    except OSError:
+        return None
+    return os.path.join(os.path.dirname(_HERE), "build", f"rollout-init-{digest}")
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` and every directory above it belong to root or us and are writable by no one
+    else (a sticky directory's entries are their owners' alone)."""
+    me = os.geteuid()
+    at = path
+    while True:
+        try:
+            info = os.lstat(at)
+        except OSError:
+            return False
+        if info.st_uid not in (0, me) or stat.S_ISLNK(info.st_mode):
+            return False
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (at != path and info.st_mode & stat.S_ISVTX):
+            return False
+        if at == "/":
+            return True
+        at = os.path.dirname(at)
+
+
+def _usable() -> str | None:
+    path = expected_path()
+    if path is None or not _ours(path):
+        return None
+    return path if stat.S_ISREG(os.stat(path).st_mode) and os.access(path, os.X_OK) else None
+
+
+PROGRAM = _usable()  # found once, at import (the fork server's, which every server is forked from)
+
+
+def fits(p: dict[str, Any]) -> bool:
+    """Whether the command of ``p`` (its supervisor parameters) can be started by the native init: the
+    server built its view, it has no network of its own, and its caps' cgroups are ours already (a child
+    is born in its parent's)."""
+    view_fds = p.get("view_fds") if p.get("view") else None
+    if PROGRAM is None or not view_fds or p.get("network_forward"):
+        return False
+    if {int(view_fds[0]), int(view_fds[1])} & {MNT_FD, IPC_FD}:
+        return False  # a descriptor the program's own would overwrite before it is moved
+    for procs, controller in (("cgroup_procs", pidlimit.PIDS), ("memory_procs", pidlimit.MEMORY)):
+        if p.get(procs) and not pidlimit.member(p[procs], controller):
+            return False
+    return True
+
+
+def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: int, err_w: int) -> int:
+    """Start the command of ``p`` (``fits``) under the native init, in a session of its own; its pid
+    (the command's, once the init has exec'd it). Raises the OSError of a failed spawn."""
+    assert PROGRAM is not None
+    user = p.get("user")
+    candidates = spawn._candidates(p["argv"], env)
+    args = [
+        PROGRAM,
+        str(supervisor.nofile_limit(p)),
+        str(int(p.get("memory_limit_bytes") or 0)),
+        str(int(p.get("file_size_limit_bytes") or 0)),
+        "1" if p.get("memory_procs") else "0",
+        str(int(user[0])) if user else "-1",
+        str(int(user[1])) if user else "-1",
+        "1" if p.get("fresh_uid") else "0",
+        seccomp.FILTER_HEX or "-",
+        str(p["cwd"]),
+        str(len(candidates)),
+        *candidates,
+        *p["argv"],
+    ]
+    mnt, ipc = (int(fd) for fd in p["view_fds"])
+    return os.posix_spawn(
+        PROGRAM,
+        args,
+        os.environ if env is None else env,
+        file_actions=[
+            (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, err_w, 2),
+            (os.POSIX_SPAWN_DUP2, mnt, MNT_FD),
+            (os.POSIX_SPAWN_DUP2, ipc, IPC_FD),
+        ],
+        setsid=True,
+        setsigmask=(),
+        setsigdef=(*spawn._RESTORED_SIGNALS, *spawn.STOP_SIGNALS),
+    )
+
+
+def build() -> str | None:
+    """Build the program if this source has no build yet; its path, or None where no compiler builds it
+    (spawn.py's init is then used). Safe to run in several processes at once: each builds into a file of
+    its own and renames it into place."""
+    path = expected_path()
+    if path is None:
+        return None
+    if _ours(path):
+        return path
+    import subprocess  # here, not at the server's start (supervisor.py)
+
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        for compiler in _COMPILERS:
+            for link in _LINKS:
+                try:
+                    done = subprocess.run(
+                        [compiler, "-O2", *link, "-o", partial, SOURCE],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        timeout=BUILD_TIMEOUT_S,
+                        check=False,
+                    )
+                except (OSError, subprocess.TimeoutExpired):
+                    break  # no such compiler, or one that hangs: the next
+                if done.returncode == 0:
+                    os.chmod(partial, 0o755)
+                    os.replace(partial, path)
+                    return path if _ours(path) else None
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return None
+
+
+if __name__ == "__main__":  # `make install`: built once, before the first sandbox
+    built = build()
+    print(f"native init: {built or 'not built (no C compiler): each command gets a forked init'}")

@@ -1,0 +1,187 @@
+"""The native init (sandboxes/native_init.c, .py): the command it starts is the same process, in every way
+an agent could look at itself or use, as the one spawn.py's forked init starts from the same parameters
+(its user and groups, capabilities, no_new_privs and seccomp filter, limits, OOM score, signals,
+descriptors, namespaces, session, working directory); its failures say what failed, as that init's do;
+and it is used only where no one but root could have written it. As root; the build needs a C compiler."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from sandboxes import native_init, pidlimit, proctree, spawn, supervisor
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the init's steps need root"),
+    pytest.mark.skipif(native_init.build() is None, reason="no C compiler builds the native init"),
+]
+
+# Everything the command can learn of its own process: sh is the command, $$ its pid.
+PROBE = (
+    "cat /proc/$$/status /proc/$$/limits /proc/$$/oom_score_adj; readlink /proc/$$/cwd /proc/$$/ns/mnt "
+    "/proc/$$/ns/ipc; ls /proc/$$/fd; cut -d' ' -f6 /proc/$$/stat; echo $$; id; cat /proc/$$/cgroup >&2"
+)
+# Of /proc/PID/status, what an init decides (the rest is the pid's, its memory's, the scheduler's).
+DECIDED = re.compile(r"^(Uid|Gid|Groups|NoNewPrivs|Seccomp|Seccomp_filters|Cap\w+|Sig(Blk|Ign)|Umask):")
+SANDBOX_UID = 2_000_000_017  # no account needed: the init switches to the number
+
+
+def _params(tmp_path: Path, argv: list[str], **extra: object) -> dict[str, object]:
+    mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    ipc = os.open("/proc/self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+    return {
+        "argv": argv,
+        "cwd": str(tmp_path),
+        "view": [["root's view, built by the server"]],
+        "view_fds": [mnt, ipc],
+        "user": [SANDBOX_UID, SANDBOX_UID],
+        "fresh_uid": True,
+        "nofile_limit": 777,
+        "memory_limit_bytes": 6 << 30,
+        "file_size_limit_bytes": 3 << 30,
+        **extra,
+    }
+
+
+def _run(p: dict[str, object], native: bool) -> tuple[int, str, str]:
+    """The command of ``p`` started by one init or the other, as the server starts a folded command;
+    its exit code, stdout and stderr."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    env = {"PATH": "/usr/bin:/bin"}
+    try:
+        if native:
+            pid = native_init.start(p, env, stdin, out_w, err_w)
+        else:
+
+            def prepare() -> None:  # the folded command's: its limits, then namespaces.ServerInit.enter
+                supervisor.limit_process(p)
+                proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
+
+            child, status_r = spawn._start_init(p, env, stdin, out_w, err_w, prepare)
+            os.close(status_r)
+            pid = child.pid
+    finally:
+        for fd in (out_w, err_w, stdin):
+            os.close(fd)
+    with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
+        stdout, stderr = out.read().decode(), err.read().decode()
+    _pid, status = os.waitpid(pid, 0)
+    for fd in p.get("view_fds") or ():
+        os.close(int(fd))
+    return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+def _decided(stdout: str, pid_line: str) -> list[str]:
+    lines = stdout.splitlines()
+    return [
+        line.replace(pid_line, "PID")
+        for line in lines
+        if DECIDED.match(line) or not re.match(r"^[A-Za-z_]+:\s", line)  # not a status line: all of it
+    ]
+
+
+def test_the_command_is_the_same_process_under_either_init(tmp_path: Path) -> None:
+    group = pidlimit.make(f"native-{os.getpid()}", 1 << 30, pidlimit.MEMORY)
+    extra = {"memory_procs": group, "memory_max": 1 << 30} if group else {}
+    os.chmod(tmp_path, 0o755)
+    # A signal the parent blocks, and SIGPIPE, which Python ignores: a command gets neither.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        seen = {}
+        for native in (False, True):
+            code, stdout, _stderr = _run(_params(tmp_path, ["sh", "-c", PROBE], **extra), native)
+            assert code == 0, stdout
+            lines = stdout.splitlines()
+            session, pid = lines[-3], lines[-2]
+            assert session == pid  # a session of its own, which it leads
+            seen[native] = _decided(stdout, pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+        if group:
+            pidlimit.remove(group)
+    assert seen[True] == seen[False]
+    decided = "\n".join(seen[True])
+    assert f"Uid:\t{SANDBOX_UID}\t{SANDBOX_UID}\t{SANDBOX_UID}\t{SANDBOX_UID}" in decided
+    assert "NoNewPrivs:\t1" in decided and "Seccomp:\t2" in decided
+    assert re.search(r"SigIgn:\t0+\n", decided + "\n") and re.search(r"SigBlk:\t0+\n", decided + "\n")
+    assert re.search(r"Max open files\s+777\s+777", decided)
+    assert re.search(r"Max core file size\s+0\s+0", decided)
+    assert re.search(r"Max file size\s+3221225472\s+3221225472", decided)
+    assert "\n0\n1\n2\n" in f"\n{decided}\n"  # stdio alone (sh holds none of its own here)
+    if group:
+        assert "\n1000\n" in f"\n{decided}\n"  # the memory cap's OOM killer takes the command first
+
+
+def test_a_step_that_fails_says_which_and_a_missing_command_exits_127(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    # A namespace descriptor that is no namespace: the init stops before the command, exit 1.
+    p = _params(tmp_path, ["true"])
+    os.close(int(p["view_fds"][0]))  # type: ignore[index]
+    p["view_fds"] = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), p["view_fds"][1]]  # type: ignore[index]
+    code, _out, err = _run(p, native=True)
+    assert code == 1 and err.startswith("sandbox isolation: the view's mount namespace: "), err
+    for native in (True, False):
+        code, _out, err = _run(_params(tmp_path, ["no-such-command-here"]), native)
+        assert code == 127 and "cannot run 'no-such-command-here': No such file or directory" in err, err
+        code, _out, err = _run(_params(tmp_path, ["sh"], cwd=str(tmp_path / "gone")), native)
+        assert code == 127 and "cannot run 'sh'" in err, err
+    (tmp_path / "not-runnable").write_text("#!/bin/sh\n")
+    for native in (True, False):
+        code, _out, err = _run(_params(tmp_path, [str(tmp_path / "not-runnable")]), native)
+        assert code == 126 and "Permission denied" in err, err
+
+
+def test_only_a_build_no_one_else_could_write_is_used(tmp_path: Path) -> None:
+    os.chmod(tmp_path, 0o755)
+    build = tmp_path / "build"
+    build.mkdir()
+    program = build / "rollout-init-x"
+    shutil.copy(native_init.build() or "", program)
+    os.chmod(program, 0o755)
+    assert native_init._ours(str(program))
+    for mode in (0o775, 0o757):  # writable by its group, by anyone
+        os.chmod(program, mode)
+        assert not native_init._ours(str(program))
+        os.chmod(program, 0o755)
+        os.chmod(build, mode)
+        assert not native_init._ours(str(program))
+        os.chmod(build, 0o755)
+    os.chown(program, SANDBOX_UID, -1)
+    assert not native_init._ours(str(program))
+    os.chown(program, 0, -1)
+    (build / "link").symlink_to(program)
+    assert not native_init._ours(str(build / "link"))
+    os.chmod(build, 0o1777)  # sticky: its entries are their owners' alone
+    assert native_init._ours(str(program))
+
+
+def test_a_build_is_named_by_its_source_and_a_machine_without_a_compiler_has_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "src" / "native_init.c"
+    source.parent.mkdir()
+    shutil.copy(native_init.SOURCE, source)
+    monkeypatch.setattr(native_init, "SOURCE", str(source))
+    monkeypatch.setattr(native_init, "_HERE", str(source.parent))
+    first = native_init.expected_path()
+    with source.open("a") as f:
+        f.write("/* changed */\n")
+    assert native_init.expected_path() != first  # an older build is never run for a changed source
+    monkeypatch.setattr(native_init, "_COMPILERS", ("no-such-compiler-here",))
+    assert native_init.build() is None
+    assert not (tmp_path / "build").exists() or not any((tmp_path / "build").iterdir())
+    monkeypatch.undo()
+    monkeypatch.setattr(native_init, "SOURCE", str(source))
+    monkeypatch.setattr(native_init, "_HERE", str(source.parent))
+    built = native_init.build()
+    assert built == native_init.expected_path() and built is not None
+    assert stat.S_IMODE(os.stat(built).st_mode) == 0o755 and native_init._ours(built)
+    assert [p.name for p in (tmp_path / "build").iterdir()] == [Path(built).name]  # no partial left
