@@ -9,18 +9,18 @@ whose view the server built (spawn._init's ``view_fds``), whose network is the s
 process and memory caps the server's own cgroups already are; any other command, or a machine where the
 program was not built, gets spawn.py's init, which stays the reference for what an init does.
 
-The program is built by ``build`` (the worker, before its fork server starts; ``make install``) into the
-checkout's ``build/`` directory, named by its source's digest so that a changed source is never run as an
-older build. It runs as root before the command's privileges are dropped, so it is used only where no
-one but us could have written it: ``PROGRAM`` is None unless the file and every directory above it belong to
-root (or us) and are writable by no one else.
+The program is built by ``build`` (the worker, before its fork server starts; `make demo` and `make test`
+first) into the checkout's ``build/`` directory, named by its source's checksum so that a changed source is
+never run as an older build. It runs as root before the command's privileges are dropped, so it is used
+only where no one but us could have written it: ``PROGRAM`` is None unless the file and every directory
+above it belong to root (or us) and are writable by no one else.
 
 Standard library only, like the server that imports it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import binascii
 import os
 import stat
 import sys
@@ -43,19 +43,22 @@ SOURCE = os.path.join(_HERE, "native_init.c")
 MNT_FD, IPC_FD = 3, 4  # where the program finds the view's namespaces (native_init.c)
 BUILD_TIMEOUT_S = 60.0
 _COMPILERS = ("cc", "gcc")
-# Static first: a dynamically linked program's loader costs each exec ~0.5 ms here (CPUID under a
-# hypervisor); dynamic where the static C library is not installed.
-_LINKS = (["-static"], [])
+# Static only: a dynamically linked program's loader costs each exec ~0.5 ms here (CPUID under a
+# hypervisor), and it would run as root under the command's environment (LD_PRELOAD and the like), which
+# a static one never reads.
+_FLAGS = ["-O2", "-static"]
 
 
 def expected_path() -> str | None:
     """Where the build of this source is, built or not; None without the source."""
     try:
         with open(SOURCE, "rb") as source:
-            digest = hashlib.sha256(source.read()).hexdigest()[:16]
+            # A checksum names the version; who could have written the file is _ours's to say. Not
+            # hashlib: its OpenSSL would be ~3.6 MB more of the fork server's, for each fork to map.
+            digest = binascii.crc32(source.read())
     except OSError:
         return None
-    return os.path.join(os.path.dirname(_HERE), "build", f"rollout-init-{digest}")
+    return os.path.join(os.path.dirname(_HERE), "build", f"rollout-init-{digest:08x}")
 
 
 def _ours(path: str) -> bool:
@@ -92,7 +95,7 @@ def fits(p: dict[str, Any]) -> bool:
     server built its view, it has no network of its own, and its caps' cgroups are ours already (a child
     is born in its parent's)."""
     view_fds = p.get("view_fds") if p.get("view") else None
-    if PROGRAM is None or not view_fds or p.get("network_forward"):
+    if PROGRAM is None or not view_fds or p.get("network_forward") or not p.get("argv"):
         return False
     if {int(view_fds[0]), int(view_fds[1])} & {MNT_FD, IPC_FD}:
         return False  # a descriptor the program's own would overwrite before it is moved
@@ -142,9 +145,9 @@ def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: i
 
 
 def build() -> str | None:
-    """Build the program if this source has no build yet; its path, or None where no compiler builds it
-    (spawn.py's init is then used). Safe to run in several processes at once: each builds into a file of
-    its own and renames it into place."""
+    """Build the program if this source has no build yet; its path, or None where no compiler (or no
+    static C library) builds it: spawn.py's init is then used. Safe to run in several processes at once:
+    each builds into a file of its own and renames it into place."""
     path = expected_path()
     if path is None:
         return None
@@ -156,28 +159,27 @@ def build() -> str | None:
     partial = f"{path}.{os.getpid()}.partial"
     try:
         for compiler in _COMPILERS:
-            for link in _LINKS:
-                try:
-                    done = subprocess.run(
-                        [compiler, "-O2", *link, "-o", partial, SOURCE],
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        timeout=BUILD_TIMEOUT_S,
-                        check=False,
-                    )
-                except (OSError, subprocess.TimeoutExpired):
-                    break  # no such compiler, or one that hangs: the next
-                if done.returncode == 0:
-                    os.chmod(partial, 0o755)
-                    os.replace(partial, path)
-                    return path if _ours(path) else None
+            try:
+                done = subprocess.run(
+                    [compiler, *_FLAGS, "-o", partial, SOURCE],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=BUILD_TIMEOUT_S,
+                    check=False,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue  # no such compiler, or one that hangs: the next
+            if done.returncode == 0:
+                os.chmod(partial, 0o755)
+                os.replace(partial, path)
+                return path if _ours(path) else None
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return None
 
 
-if __name__ == "__main__":  # `make install`: built once, before the first sandbox
+if __name__ == "__main__":  # `make demo`, `make test`: built once, before the first sandbox
     built = build()
     print(f"native init: {built or 'not built (no C compiler): each command gets a forked init'}")
