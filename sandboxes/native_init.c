@@ -2,8 +2,10 @@
  * sandbox's server built its view (a folded command, sandboxes/folded.py), as one small program the
  * server starts with posix_spawn, so that no page of the server's is copied for it.
  *
- *   rollout-init NOFILE AS FSIZE OOM UID GID FRESH SECCOMP_HEX CWD N CANDIDATE... ARGV...
+ *   rollout-init NOFILE AS FSIZE OOM UID GID FRESH SECCOMP_HEX CWD N CANDIDATE... E VAR=VALUE... ARGV...
  *
+ * with an empty environment of its own: the command's (E entries) comes as arguments, so that nothing
+ * the C library reads from an environment at a program's start (GLIBC_TUNABLES, say) reaches a root one.
  * The server gives the view's mount namespace as fd 3 and its IPC namespace as fd 4, the command's stdio
  * as 0-2, a session of its own and default signals (posix_spawn's setsid and setsigdef). In order, as
  * spawn._init and spawn._exec_command take them: the descriptor and core limits; no CAP_SYS_ADMIN for
@@ -148,10 +150,17 @@ int main(int argc, char **argv) {
     const char *filter = argv[8];
     const char *cwd = argv[9];
     long long n = number(argv[10], "candidates");
-    if (n < 1 || n > argc - FIXED_ARGS - 1)
+    if (n < 1 || n > argc - FIXED_ARGS - 2)
         fail("candidates", EINVAL);
     char **candidates = argv + FIXED_ARGS;
-    char **command = candidates + n;
+    long long vars = number(candidates[n], "environment");
+    if (vars < 0 || vars > argc - FIXED_ARGS - n - 2)
+        fail("environment", EINVAL);
+    char **env = calloc((size_t)vars + 1, sizeof *env);
+    if (env == NULL)
+        fail("environment", errno);
+    memcpy(env, candidates + n + 1, (size_t)vars * sizeof *env);
+    char **command = candidates + n + 1 + vars; /* at least one: the bounds above */
 
     sigset_t none;
     sigemptyset(&none);
@@ -193,7 +202,7 @@ int main(int argc, char **argv) {
             close(fd);
     int denied = 0;
     for (long long i = 0; i < n; i++) {
-        execve(candidates[i], command, environ);
+        execve(candidates[i], command, env);
         if (errno != ENOENT && errno != ENOTDIR && !denied)
             denied = errno;
     }

@@ -111,6 +111,7 @@ def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: i
     assert PROGRAM is not None
     user = p.get("user")
     candidates = spawn._candidates(p["argv"], env)
+    command_env = os.environ if env is None else env
     args = [
         PROGRAM,
         str(supervisor.nofile_limit(p)),
@@ -124,13 +125,15 @@ def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: i
         str(p["cwd"]),
         str(len(candidates)),
         *candidates,
+        str(len(command_env)),
+        *(f"{name}={value}" for name, value in command_env.items()),
         *p["argv"],
     ]
     mnt, ipc = (int(fd) for fd in p["view_fds"])
     return os.posix_spawn(
         PROGRAM,
         args,
-        os.environ if env is None else env,
+        {},  # the command's comes as arguments: native_init.c
         file_actions=[
             (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
             (os.POSIX_SPAWN_DUP2, out_w, 1),

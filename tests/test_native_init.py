@@ -25,7 +25,8 @@ pytestmark = [
 # Everything the command can learn of its own process: sh is the command, $$ its pid.
 PROBE = (
     "cat /proc/$$/status /proc/$$/limits /proc/$$/oom_score_adj; readlink /proc/$$/cwd /proc/$$/ns/mnt "
-    "/proc/$$/ns/ipc; ls /proc/$$/fd; cut -d' ' -f6 /proc/$$/stat; echo $$; id; cat /proc/$$/cgroup >&2"
+    "/proc/$$/ns/ipc; ls /proc/$$/fd; env | sort; cut -d' ' -f6 /proc/$$/stat; echo $$; id; "
+    "cat /proc/$$/cgroup >&2"
 )
 # Of /proc/PID/status, what an init decides (the rest is the pid's, its memory's, the scheduler's).
 DECIDED = re.compile(r"^(Uid|Gid|Groups|NoNewPrivs|Seccomp|Seccomp_filters|Cap\w+|Sig(Blk|Ign)|Umask):")
@@ -55,7 +56,7 @@ def _run(p: dict[str, object], native: bool) -> tuple[int, str, str]:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    env = {"PATH": "/usr/bin:/bin"}
+    env = {"PATH": "/usr/bin:/bin", "ROLLOUT_PROBE": "a=b c"}
     try:
         if native:
             pid = native_init.start(p, env, stdin, out_w, err_w)
@@ -116,6 +117,7 @@ def test_the_command_is_the_same_process_under_either_init(tmp_path: Path) -> No
     assert re.search(r"Max core file size\s+0\s+0", decided)
     assert re.search(r"Max file size\s+3221225472\s+3221225472", decided)
     assert "\n0\n1\n2\n" in f"\n{decided}\n"  # stdio alone (sh holds none of its own here)
+    assert "\nROLLOUT_PROBE=a=b c\n" in f"\n{decided}\n"  # the command's environment, as given
     if group:
         assert "\n1000\n" in f"\n{decided}\n"  # the memory cap's OOM killer takes the command first
 
