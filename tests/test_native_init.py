@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,18 @@ PROBE = (
 # Of /proc/PID/status, what an init decides (the rest is the pid's, its memory's, the scheduler's).
 DECIDED = re.compile(r"^(Uid|Gid|Groups|NoNewPrivs|Seccomp|Seccomp_filters|Cap\w+|Sig(Blk|Ign)|Umask):")
 SANDBOX_UID = 2_000_000_017  # no account needed: the init switches to the number
+
+
+@pytest.fixture(params=["without a C library", "static glibc"])
+def program(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Each of the program's builds (native_init._BUILDS) as the native init: the one this machine runs
+    and the one of machines without the first."""
+    flags = native_init._BUILDS[0 if request.param == "without a C library" else 1]
+    path = tmp_path_factory.mktemp("native") / "rollout-init"
+    subprocess.run(["cc", *flags, "-o", str(path), native_init.SOURCE], check=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_init, "PROGRAM", str(path))
+        yield str(path)
 
 
 def _params(tmp_path: Path, argv: list[str], **extra: object) -> dict[str, object]:
@@ -89,7 +103,7 @@ def _decided(stdout: str, pid_line: str) -> list[str]:
     ]
 
 
-def test_the_command_is_the_same_process_under_either_init(tmp_path: Path) -> None:
+def test_the_command_is_the_same_process_under_either_init(tmp_path: Path, program: str) -> None:
     group = pidlimit.make(f"native-{os.getpid()}", 1 << 30, pidlimit.MEMORY)
     extra = {"memory_procs": group, "memory_max": 1 << 30} if group else {}
     os.chmod(tmp_path, 0o755)
@@ -122,7 +136,7 @@ def test_the_command_is_the_same_process_under_either_init(tmp_path: Path) -> No
         assert "\n1000\n" in f"\n{decided}\n"  # the memory cap's OOM killer takes the command first
 
 
-def test_a_step_that_fails_says_which_and_a_missing_command_exits_127(tmp_path: Path) -> None:
+def test_a_step_that_fails_says_which_and_a_missing_command_exits_127(tmp_path: Path, program: str) -> None:
     os.chmod(tmp_path, 0o755)
     # A namespace descriptor that is no namespace: the init stops before the command, exit 1.
     p = _params(tmp_path, ["true"])
