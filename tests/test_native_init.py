@@ -24,9 +24,11 @@ pytestmark = [
     pytest.mark.skipif(native_init.build() is None, reason="no C compiler builds the native init"),
 ]
 
-# Everything the command can learn of its own process: sh is the command, $$ its pid.
+# Everything the command can learn of its own process: sh is the command, $$ its pid. Its status read by
+# sh itself (builtins, no fork): a child reading it could catch sh's mask of its fork, every signal blocked.
 PROBE = (
-    "cat /proc/$$/status /proc/$$/limits /proc/$$/oom_score_adj; readlink /proc/$$/cwd /proc/$$/ns/mnt "
+    "while IFS= read -r l; do printf '%s\\n' \"$l\"; done < /proc/$$/status; "
+    "cat /proc/$$/limits /proc/$$/oom_score_adj; readlink /proc/$$/cwd /proc/$$/ns/mnt "
     "/proc/$$/ns/ipc; ls /proc/$$/fd; env | sort; cut -d' ' -f6 /proc/$$/stat; echo $$; id; "
     "cat /proc/$$/cgroup >&2"
 )
