@@ -55,7 +55,8 @@ def can_fold(params: dict[str, Any]) -> bool:
 class FoldedExec:
     """One exec request the server supervises itself: its step before (``before``), if any, then its
     command, each a ``FoldedCommand`` in turn, as supervisor.run() runs them; its result written once the
-    last has ended. ``prepare`` runs in each command's init first."""
+    last has ended. ``prepare`` (namespaces.ServerInit.enter) runs first in each command's forked init;
+    the native init takes its steps itself (``_start_native``)."""
 
     def __init__(
         self,
@@ -156,8 +157,8 @@ class FoldedCommand:
         self.open_fds: set[int] = set()  # pumps not at their end yet
 
     def start(self, env: dict[str, str] | None, prepare: Callable[[], None]) -> None:
-        """Fork the command's init (``prepare`` runs in it first). Raises OSError where the command
-        cannot be started; nothing is then left open."""
+        """Start the command's init: the native one where it fits, else forked (``prepare`` runs in it
+        first). Raises OSError where the command cannot be started; nothing is then left open."""
         p = self.p
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

@@ -85,10 +85,17 @@ def _ours(path: str) -> bool:
 
 
 def _usable() -> str | None:
+    """The build's real path (a checkout under a symlinked directory is run by the path the link names),
+    if it is ours (``_ours``) and runnable."""
     path = expected_path()
-    if path is None or not _ours(path):
+    if path is None:
         return None
-    return path if stat.S_ISREG(os.stat(path).st_mode) and os.access(path, os.X_OK) else None
+    real = os.path.realpath(path)
+    try:
+        runnable = stat.S_ISREG(os.stat(real).st_mode) and os.access(real, os.X_OK)
+    except OSError:
+        return None
+    return real if runnable and _ours(real) else None
 
 
 PROGRAM = _usable()  # found once, at import (the fork server's, which every server is forked from)
@@ -158,8 +165,8 @@ def build() -> str | None:
     path = expected_path()
     if path is None:
         return None
-    if _ours(path):
-        return path
+    if (usable := _usable()) is not None:
+        return usable
     import subprocess  # here, not at the server's start (supervisor.py)
 
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
@@ -180,7 +187,7 @@ def build() -> str | None:
             if done.returncode == 0:
                 os.chmod(partial, 0o755)
                 os.replace(partial, path)
-                return path if _ours(path) else None
+                return _usable()
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
