@@ -1,19 +1,22 @@
 """The native init (native_init.c): a command's init as a small compiled program the server starts with
 posix_spawn, where spawn.py's init is a fork of the server's interpreter.
 
-A forked init costs the machine ~1 ms before its exec on top of the fork itself: the pages the
-interpreter writes on its way there (~250 of them, each copied) and every page the server writes while
-they share them. posix_spawn copies none: the server waits (vfork) until the program runs, and the
-program's steps are a few system calls. It is used for the commands a server supervises itself (folded.py)
-whose view the server built (spawn._init's ``view_fds``), whose network is the sandbox's and whose
-process and memory caps the server's own cgroups already are; any other command, or a machine where the
-program was not built, gets spawn.py's init, which stays the reference for what an init does.
+A forked init costs the machine ~1-1.5 ms before its exec: the fork, the pages the interpreter writes on
+its way there (~250 of them, each copied) and every page the server writes while they share them.
+posix_spawn copies none: the server waits (vfork) until the program runs, and the program's steps are ~90
+system calls, 64 of them each signal's default (a further command of a sandbox: 3.25-3.5 ms of its
+processes' CPU with the forked init, 1.6-1.7 ms with this, docs/performance.md). It is used for the
+commands a server supervises itself (folded.py) whose view the server built (spawn._init's ``view_fds``),
+whose network is the sandbox's and whose process and memory caps the server's own cgroups already are; any
+other command, or a machine where the program was not built, gets spawn.py's init, which stays the
+reference for what an init does.
 
 The program is built by ``build`` (the worker, before its fork server starts; `make demo` and `make test`
 first) into the checkout's ``build/`` directory, named by its source's checksum so that a changed source is
 never run as an older build. It runs as root before the command's privileges are dropped, so it is used
-only where no one but us could have written it: ``PROGRAM`` is None unless the file and every directory
-above it belong to root (or us) and are writable by no one else.
+only where no one but us could have written it: ``PROGRAM`` is None unless the file (by its real path) and
+every directory above it belong to root (or us) and are writable by no one else; and it runs with an
+empty environment, the command's passed as arguments.
 
 Standard library only, like the server that imports it.
 """
