@@ -176,14 +176,10 @@ static long number(const char *text, const char *what) {
     return negative ? -value : value;
 }
 
-static void set_limit(int kind, long value, int exit_at_step, const char *what, const char *command) {
+/* Soft and hard limit ``kind`` set to ``value``; 0, or minus the errno. */
+static long set_limit(int kind, long value) {
     struct rlimit64 limit = {(unsigned long long)value, (unsigned long long)value};
-    long err = CALL4(__NR_prlimit64, 0, kind, &limit, 0);
-    if (err < 0) {
-        if (exit_at_step)
-            fail(what, (int)-err);
-        cannot_run(command, (int)-err);
-    }
+    return CALL4(__NR_prlimit64, 0, kind, &limit, 0);
 }
 
 static int unhex(char c) {
@@ -269,8 +265,10 @@ static int run(int argc, char **argv) {
     long err;
 
     default_signals();
-    set_limit(RLIMIT_NOFILE, nofile, 1, "descriptor limit", command[0]);
-    set_limit(RLIMIT_CORE, 0, 1, "core limit", command[0]);
+    if ((err = set_limit(RLIMIT_NOFILE, nofile)) < 0)
+        fail("descriptor limit", (int)-err);
+    if ((err = set_limit(RLIMIT_CORE, 0)) < 0)
+        fail("core limit", (int)-err);
     if ((err = CALL5(__NR_prctl, PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0)) < 0)
         fail("capability bound", (int)-err);
     if ((err = CALL2(__NR_setns, MNT_FD, CLONE_NEWNS)) < 0)
@@ -292,10 +290,9 @@ static int run(int argc, char **argv) {
             cannot_run(command[0], err < 0 ? (int)-err : EIO);
         CALL1(__NR_close, fd);
     }
-    if (as > 0)
-        set_limit(RLIMIT_AS, as, 0, 0, command[0]);
-    if (fsize > 0)
-        set_limit(RLIMIT_FSIZE, fsize, 0, 0, command[0]);
+    if ((as > 0 && (err = set_limit(RLIMIT_AS, as)) < 0) ||
+        (fsize > 0 && (err = set_limit(RLIMIT_FSIZE, fsize)) < 0))
+        cannot_run(command[0], (int)-err);
     if (uid >= 0) {
         if ((err = CALL2(__NR_setgroups, 0, 0)) < 0 || (err = CALL3(__NR_setresgid, gid, gid, gid)) < 0 ||
             (err = CALL3(__NR_setresuid, uid, uid, uid)) < 0)

@@ -24,6 +24,7 @@ Standard library only, like the server that imports it.
 from __future__ import annotations
 
 import binascii
+import itertools
 import os
 import stat
 import sys
@@ -87,10 +88,9 @@ def _ours(path: str) -> bool:
         at = os.path.dirname(at)
 
 
-def _usable() -> str | None:
-    """The build's real path (a checkout under a symlinked directory is run by the path the link names),
-    if it is ours (``_ours``) and runnable."""
-    path = expected_path()
+def _usable(path: str | None) -> str | None:
+    """The real path of the build at ``path`` (a checkout under a symlinked directory is run by the path
+    the link names), if it is ours (``_ours``) and runnable."""
     if path is None:
         return None
     real = os.path.realpath(path)
@@ -101,7 +101,8 @@ def _usable() -> str | None:
     return real if runnable and _ours(real) else None
 
 
-PROGRAM = _usable()  # found once, at import (the fork server's, which every server is forked from)
+# Found once, at import (the fork server's, which every server is forked from).
+PROGRAM = _usable(expected_path())
 
 
 def fits(p: dict[str, Any]) -> bool:
@@ -168,14 +169,14 @@ def build() -> str | None:
     path = expected_path()
     if path is None:
         return None
-    if (usable := _usable()) is not None:
+    if (usable := _usable(path)) is not None:
         return usable
     import subprocess  # here, not at the server's start (supervisor.py)
 
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
     try:
-        for compiler, flags in ((compiler, flags) for compiler in _COMPILERS for flags in _BUILDS):
+        for compiler, flags in itertools.product(_COMPILERS, _BUILDS):
             try:
                 done = subprocess.run(
                     [compiler, *flags, "-o", partial, SOURCE],
@@ -190,7 +191,7 @@ def build() -> str | None:
             if done.returncode == 0:
                 os.chmod(partial, 0o755)
                 os.replace(partial, path)
-                return _usable()
+                return _usable(path)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
