@@ -185,6 +185,14 @@ class ServerInit:
         no child left (``wake``: readable on a SIGCHLD). Our exit would end them too; this way the
         server's last word can say so."""
         deadline = time.monotonic() + timeout
+        # Every process of the namespace descends from us (an orphan is reparented to us, nothing joins
+        # it from outside), so with no child of ours, living or a zombie, it holds nothing else. Worth the
+        # look: the kernel's kill(-1) walks every process on the host (~6% of a server's CPU with a
+        # thousand sandboxes in flight).
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
         while True:
