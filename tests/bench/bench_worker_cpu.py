@@ -50,6 +50,8 @@ async def measure(sessions: int, at_once: int, sleep_s: float, scratch: Path) ->
     return {
         "cpu_ms_per_session": 1000 * (user + system) / sessions,
         "system_ms_per_session": 1000 * system / sessions,
+        "faults_per_session": (after.ru_minflt - before.ru_minflt) / sessions,
+        "switches_per_session": (after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw) / sessions,
         "wall_s": wall,
         "not_completed": sum(kind != "none" for kind in kinds),
     }
@@ -71,7 +73,8 @@ def main() -> None:
     print(
         f"{args.sessions} sessions of `sleep {args.sleep:g}`, {args.at_once} at once, in one process: "
         f"{figures['cpu_ms_per_session']:.1f} ms of its CPU per session "
-        f"({figures['system_ms_per_session']:.1f} ms of it in the kernel), wall {figures['wall_s']:.1f} s, "
+        f"({figures['system_ms_per_session']:.1f} ms of it in the kernel; {figures['faults_per_session']:.0f} page "
+        f"faults, {figures['switches_per_session']:.0f} context switches), wall {figures['wall_s']:.1f} s, "
         f"{figures['not_completed']} not completed"
     )
 
