@@ -602,6 +602,38 @@ async def test_sandbox_mounts_bind_in_only_what_the_run_config_names(tmp_path):
     assert sorted(other.stdout_tail.split()) == ["data", "out", "sandboxes"]
 
 
+async def test_sandbox_mounts_named_by_symlinks_bind_their_targets_and_hide_what_is_inside(tmp_path):
+    """A mount named by a symlink is bound at the directory it resolves to, read-only; one whose link
+    leads nowhere by the sandbox's start is left out, as a missing one is; a hidden path named through a symlink is hidden where
+    it resolves to, inside the bind."""
+    data = tmp_path / "data"
+    (data / "secret").mkdir(parents=True)
+    (data / "secret" / "key").write_text("k")
+    (data / "train.txt").write_text("visible")
+    (tmp_path / "via").symlink_to(data)
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    config = LocalSandboxConfig.model_validate(
+        {"network": "host", "mounts": [str(tmp_path / "via"), str(tmp_path / "dangling")]}
+    )
+    (tmp_path / "gone").rmdir()  # after the config was read: the link leads nowhere at the sandbox's start
+    provider = config.build(tmp_path / "sandboxes")
+    provider.hide(tmp_path / "via" / "secret")
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="m", ttl_s=300))
+    try:
+        read = await sandbox.exec(["cat", str(data / "train.txt")], timeout=30)
+        write = await sandbox.exec(["sh", "-c", f"echo x > {data}/new"], timeout=30)
+        secret = await sandbox.exec(["ls", "-A", str(data / "secret")], timeout=30)
+        other = await sandbox.exec(["ls", str(tmp_path)], timeout=30)
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+    assert read.stdout_tail == "visible"
+    assert write.exit_code != 0 and "Read-only file system" in write.stderr_tail
+    assert secret.exit_code == 0 and secret.stdout_tail.strip() == "", secret
+    assert sorted(other.stdout_tail.split()) == ["data", "sandboxes"]
+
+
 # --- memory -----------------------------------------------------------------------------------------------
 
 
