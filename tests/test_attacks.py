@@ -604,8 +604,8 @@ async def test_sandbox_mounts_bind_in_only_what_the_run_config_names(tmp_path):
 
 async def test_sandbox_mounts_named_by_symlinks_bind_their_targets_and_hide_what_is_inside(tmp_path):
     """A mount named by a symlink is bound at the directory it resolves to, read-only; one whose link
-    leads nowhere by the sandbox's start is left out, as a missing one is; a hidden path named through a symlink is hidden where
-    it resolves to, inside the bind."""
+    leads nowhere by the sandbox's start is left out, as a missing one is; a hidden path named through a
+    symlink is hidden where it resolves to, inside the bind."""
     data = tmp_path / "data"
     (data / "secret").mkdir(parents=True)
     (data / "secret" / "key").write_text("k")

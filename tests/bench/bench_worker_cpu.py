@@ -47,11 +47,12 @@ async def measure(sessions: int, at_once: int, sleep_s: float, scratch: Path) ->
         kinds = await asyncio.gather(*(one(i) for i in range(WARM_UP, WARM_UP + sessions)))
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - wall
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    switches = after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw
     return {
         "cpu_ms_per_session": 1000 * (user + system) / sessions,
         "system_ms_per_session": 1000 * system / sessions,
         "faults_per_session": (after.ru_minflt - before.ru_minflt) / sessions,
-        "switches_per_session": (after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw) / sessions,
+        "switches_per_session": switches / sessions,
         "wall_s": wall,
         "not_completed": sum(kind != "none" for kind in kinds),
     }
@@ -73,8 +74,9 @@ def main() -> None:
     print(
         f"{args.sessions} sessions of `sleep {args.sleep:g}`, {args.at_once} at once, in one process: "
         f"{figures['cpu_ms_per_session']:.1f} ms of its CPU per session "
-        f"({figures['system_ms_per_session']:.1f} ms of it in the kernel; {figures['faults_per_session']:.0f} page "
-        f"faults, {figures['switches_per_session']:.0f} context switches), wall {figures['wall_s']:.1f} s, "
+        f"({figures['system_ms_per_session']:.1f} ms of it in the kernel; "
+        f"{figures['faults_per_session']:.0f} page faults, {figures['switches_per_session']:.0f} context "
+        f"switches), wall {figures['wall_s']:.1f} s, "
         f"{figures['not_completed']} not completed"
     )
 
