@@ -360,13 +360,18 @@ def _command_by_hand_ms(command: str, n: int = 50) -> float:
     return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / n * 1000
 
 
-def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int = 0) -> dict[str, Any]:
+def scale(
+    sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int = 0, in_flight: int | None = None
+) -> dict[str, Any]:
     """``sessions`` sessions of ``sleep sleep_s``, all in flight at once over ``workers`` workers; with
-    ``nodes``, over that many raylets of this machine (`ray start`), the workers spread evenly."""
+    ``nodes``, over that many raylets of this machine (`ray start`), the workers spread evenly. With
+    ``in_flight``, that many at once: each session that ends makes room for the next, in waves, as a long
+    run's sessions follow each other (a later sandbox may take an ended one's server)."""
     from executor.store import read_table
     from executor.testing.bench_common import _median_p90, _run_driver, _write_config, _write_tasks
 
-    per_worker = math.ceil(sessions / workers)
+    in_flight = min(in_flight or sessions, sessions)
+    per_worker = math.ceil(in_flight / workers)
     tasks = _write_tasks(scratch / "f.jsonl", sessions)
     command = f"sleep {sleep_s:g}; echo done"
     # Says something at the end: a command that exits 0 silently never called the model (masked).
@@ -374,7 +379,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
     extra += f"limits: {{deadline_s: {sleep_s * 4 + 60:g}}}\n"
     resources = ", worker_resources: {sandbox_slot: 1}" if nodes else ""
     extra += (
-        f"concurrency: {{workers: {workers}, sessions_per_worker: {per_worker}, max_in_flight: {sessions}"
+        f"concurrency: {{workers: {workers}, sessions_per_worker: {per_worker}, max_in_flight: {in_flight}"
         f"{resources}}}\n"
     )
     sandbox_root = scratch / "sb"
@@ -421,6 +426,7 @@ def scale(sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int
         parts_ms["cluster"] = (rest - driver_cpu) / rows * 1000
     return {
         "sessions": sessions,
+        "in_flight": in_flight,
         "workers": workers,
         "nodes": nodes,
         "sessions_per_worker": per_worker,
@@ -486,7 +492,9 @@ def line(f: dict[str, Any]) -> str:
     )
     left = f.get("left_behind") or []
     return (
-        f"(f) {f['sessions']:,} sessions of `sleep {f['sleep_s']:g}` at once ({f['workers']} workers x "
+        f"(f) {f['sessions']:,} sessions of `sleep {f['sleep_s']:g}` "
+        + (f"{f['in_flight']:,} at once" if f.get("in_flight", f["sessions"]) < f["sessions"] else "at once")
+        + f" ({f['workers']} workers x "
         f"{f['sessions_per_worker']}{nodes}): sessions' span {f['sessions_span_s']:.1f} s against "
         f"{f['ideal_s']:.0f} s ideal (overhead {f['overhead_of_span']:.1%} of the span), whole run "
         f"{f['wall_s']:.1f} s; CPU of the driver and its cluster {f['tree_cpu_s']:.0f} s "
@@ -516,14 +524,20 @@ def line(f: dict[str, Any]) -> str:
 
 
 def scale_and_fixed(
-    sessions: int, workers: int, sleep_s: float, scratch: Path, nodes: int, echo: Any
+    sessions: int,
+    workers: int,
+    sleep_s: float,
+    scratch: Path,
+    nodes: int,
+    echo: Any,
+    in_flight: int | None = None,
 ) -> dict[str, Any]:
     """``scale`` after a run of one session per worker (each in a directory of its own under ``scratch``),
     its figures with ``beyond_fixed`` of the two; ``echo`` says each run's line as it ends."""
     runs = []
     for name, n in (("fixed", workers), ("run", sessions)):
         (scratch / name).mkdir()
-        runs.append(scale(n, workers, sleep_s, scratch / name, nodes))
+        runs.append(scale(n, workers, sleep_s, scratch / name, nodes, in_flight))
         echo(line(runs[-1]))
     figures = runs[-1]
     figures["beyond_fixed"] = beyond_fixed(runs[0], figures)
@@ -548,7 +562,7 @@ def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     # The workers' memory at their peak, every session in flight, beyond a run of one each: what a
     # session in flight holds in its worker (the sandbox's own processes not counted).
     pss = big.get("peak_workers_pss_mb", 0) - small.get("peak_workers_pss_mb", 0)
-    in_flight = big["sessions"] - small["sessions"]
+    in_flight = big.get("in_flight", big["sessions"]) - small.get("in_flight", small["sessions"])
     return {
         "per_session_ms": per,
         "fixed_s": fixed_s,
@@ -689,6 +703,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--sleep", type=float, default=30.0)
     parser.add_argument("--nodes", type=int, default=0, help="raylets of this machine (0: a local cluster)")
+    parser.add_argument(
+        "--in-flight", type=int, default=None, help="sessions at once (default: all), the rest in waves"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--fixed",
@@ -702,9 +719,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.fixed:
             echo = functools.partial(print, flush=True)
-            figures = scale_and_fixed(args.sessions, args.workers, args.sleep, scratch, args.nodes, echo)
+            figures = scale_and_fixed(
+                args.sessions, args.workers, args.sleep, scratch, args.nodes, echo, args.in_flight
+            )
         else:
-            figures = scale(args.sessions, args.workers, args.sleep, scratch, args.nodes)
+            figures = scale(args.sessions, args.workers, args.sleep, scratch, args.nodes, args.in_flight)
             print(line(figures), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
