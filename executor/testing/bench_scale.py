@@ -114,12 +114,17 @@ class Sampler:
         a worker started without one (before its fork server was up) is moved too, but does not count,
         or the loop could end before the fork servers, and everything they fork, were moved."""
         assert self._cpu is not None
+        if self._cpu.group is None:
+            return  # nothing to move them into
         self._cpu.exclude_this_thread()
         workers: set[int] = set()
         roots: set[int] = set()
         zygotes: set[int] = set()
         while not self._stop.wait(MOVE_S) and len(zygotes) < self.expected_workers:
-            parent = {pid: int(fields[1]) for pid, fields in _stat_fields()}
+            # Tens of processes (the cluster's, the workers, a fork server just started), where the
+            # machine's are thousands while the sandboxes start: a look at all of them every MOVE_S took
+            # seconds of the CPU the sandboxes' starts wait for.
+            parent = self._cpu.unmoved()
             for pid in _descendants({os.getpid()}, parent) - workers - roots:
                 try:
                     title = Path(f"/proc/{pid}/cmdline").read_bytes()[:300]
@@ -287,6 +292,22 @@ class TreeCpu:
         if self.group is not None:
             with contextlib.suppress(OSError):
                 (self.ROOT / str(self._home).lstrip("/") / "tasks").write_text(str(threading.get_native_id()))
+
+    def unmoved(self) -> dict[int, int]:
+        """The parent of each process in the run's own group or its workers' (a process is born in its
+        parent's: what a worker starts is in theirs until moved), none of the sandboxes' group, whose
+        thousands of processes a look at the machine's every process would read again and again."""
+        if self.group is None:
+            return {}
+        pids: list[str] = []
+        for group in (self.group, self.group / "workers"):
+            with contextlib.suppress(OSError):
+                pids += (group / "cgroup.procs").read_text().split()
+        parent = {}
+        for pid in map(int, pids):
+            with contextlib.suppress(OSError, IndexError):
+                parent[pid] = int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        return parent
 
     def move(self, pid: int, part: str) -> bool:
         """Account process ``pid`` (every thread of it) and what it forks from now on to ``part``."""
