@@ -125,12 +125,15 @@ class Sampler:
             # machine's are thousands while the sandboxes start: a look at all of them every MOVE_S took
             # seconds of the CPU the sandboxes' starts wait for.
             parent = self._cpu.unmoved()
+            titles: dict[int, bytes] = {}
             for pid in _descendants({os.getpid()}, parent) - workers - roots:
-                try:
-                    title = Path(f"/proc/{pid}/cmdline").read_bytes()[:300]
-                except OSError:
-                    continue
-                if title.startswith(WORKER_TITLE):
+                with contextlib.suppress(OSError):
+                    titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()[:300]
+            # A worker's child has its title too until it execs (its fork server, just forked): a
+            # worker is one whose parent is none.
+            titled = {pid for pid, title in titles.items() if title.startswith(WORKER_TITLE)}
+            for pid, title in titles.items():
+                if pid in titled and not {parent.get(pid)} & (titled | workers):
                     if self._cpu.move(pid, "workers"):
                         workers.add(pid)
                 elif parent.get(pid) in workers and any(root in title for root in SANDBOX_ROOTS):
