@@ -29,7 +29,7 @@ from harnesses.command import CommandHarness
 from harnesses.gateway import Gateway
 from harnesses.testing.scripted_model import ScriptedModel
 from sandboxes import isolation, pidlimit, uidpool
-from sandboxes.base import SandboxSpec
+from sandboxes.base import ExecResult, SandboxProvider, SandboxSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
 from sandboxes.local_config import LocalSandboxConfig
 from sandboxes.proctree import has_env_entry
@@ -574,6 +574,16 @@ async def test_a_host_path_outside_the_allow_list_is_not_there(world, attack):
     assert "[project]" not in out
 
 
+async def _commands_in(provider: SandboxProvider, *argvs: list[str]) -> list[ExecResult]:
+    """Each command's result, one after another in one sandbox of ``provider``, which is then closed."""
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="m", ttl_s=300))
+    try:
+        return [await sandbox.exec(argv, timeout=30) for argv in argvs]
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
+
+
 async def test_sandbox_mounts_bind_in_only_what_the_run_config_names(tmp_path):
     """``sandbox.mounts``: a path read-only unless asked writable; nothing else of the host."""
     data, out = tmp_path / "data", tmp_path / "out"
@@ -584,16 +594,13 @@ async def test_sandbox_mounts_bind_in_only_what_the_run_config_names(tmp_path):
     config = LocalSandboxConfig.model_validate(
         {"network": "host", "mounts": [str(data), {"path": str(out), "writable": True}]}
     )
-    provider = config.build(tmp_path / "sandboxes")
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="m", ttl_s=300))
-    try:
-        read = await sandbox.exec(["cat", str(data / "train.txt")], timeout=30)
-        write_ro = await sandbox.exec(["sh", "-c", f"echo x > {data}/new"], timeout=30)
-        write_rw = await sandbox.exec(["sh", "-c", f"echo x > {out}/new && echo ok"], timeout=30)
-        other = await sandbox.exec(["ls", str(tmp_path)], timeout=30)
-    finally:
-        await sandbox.stop()
-        await provider.aclose()
+    read, write_ro, write_rw, other = await _commands_in(
+        config.build(tmp_path / "sandboxes"),
+        ["cat", str(data / "train.txt")],
+        ["sh", "-c", f"echo x > {data}/new"],
+        ["sh", "-c", f"echo x > {out}/new && echo ok"],
+        ["ls", str(tmp_path)],
+    )
     assert read.stdout_tail == "visible"
     assert write_ro.exit_code != 0 and "Read-only file system" in write_ro.stderr_tail
     assert write_rw.stdout_tail.strip() == "ok", write_rw
@@ -619,15 +626,13 @@ async def test_sandbox_mounts_named_by_symlinks_bind_their_targets_and_hide_what
     (tmp_path / "gone").rmdir()  # after the config was read: the link leads nowhere at the sandbox's start
     provider = config.build(tmp_path / "sandboxes")
     provider.hide(tmp_path / "via" / "secret")
-    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="m", ttl_s=300))
-    try:
-        read = await sandbox.exec(["cat", str(data / "train.txt")], timeout=30)
-        write = await sandbox.exec(["sh", "-c", f"echo x > {data}/new"], timeout=30)
-        secret = await sandbox.exec(["ls", "-A", str(data / "secret")], timeout=30)
-        other = await sandbox.exec(["ls", str(tmp_path)], timeout=30)
-    finally:
-        await sandbox.stop()
-        await provider.aclose()
+    read, write, secret, other = await _commands_in(
+        provider,
+        ["cat", str(data / "train.txt")],
+        ["sh", "-c", f"echo x > {data}/new"],
+        ["ls", "-A", str(data / "secret")],
+        ["ls", str(tmp_path)],
+    )
     assert read.stdout_tail == "visible"
     assert write.exit_code != 0 and "Read-only file system" in write.stderr_tail
     assert secret.exit_code == 0 and secret.stdout_tail.strip() == "", secret
