@@ -130,10 +130,10 @@ class Sampler:
                 with contextlib.suppress(OSError):
                     titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()[:300]
             # A worker's child has its title too until it execs (its fork server, just forked): a
-            # worker is one whose parent is none.
+            # worker is one whose parent is no worker.
             titled = {pid for pid, title in titles.items() if title.startswith(WORKER_TITLE)}
             for pid, title in titles.items():
-                if pid in titled and not {parent.get(pid)} & (titled | workers):
+                if pid in titled and parent.get(pid) not in titled | workers:
                     if self._cpu.move(pid, "workers"):
                         workers.add(pid)
                 elif parent.get(pid) in workers and any(root in title for root in SANDBOX_ROOTS):
