@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -18,8 +19,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Runs under test never attach to a warm executor (`rollout up`) a developer left running.
-os.environ["ROLLOUT_WARM_DIR"] = tempfile.mkdtemp(prefix="rollout-warm-test-")
+_WARM_DIR = os.environ["ROLLOUT_WARM_DIR"] = tempfile.mkdtemp(prefix="rollout-warm-test-")
 from sandboxes.testing.leaks import ended, processes_under, stopped_by  # noqa: F401  (their home; tests import them from here)
+
+
+def _remove_warm_dir(owner: int = os.getpid()) -> None:
+    if os.getpid() == owner:  # not in a child forked from this process that exits through Python
+        shutil.rmtree(_WARM_DIR, ignore_errors=True)
+
+
+atexit.register(_remove_warm_dir)
 
 REPO = Path(__file__).parents[1]
 
