@@ -96,6 +96,11 @@ def _resolved(path: str) -> str | None:
     return real
 
 
+def _real(path: str) -> str:
+    """``_resolved``, or for a path not there (yet) ``os.path.realpath``'s: as far as it resolves."""
+    return _resolved(path) or os.path.realpath(path)
+
+
 def plan(
     hidden: list[str],
     scratch: list[str],
@@ -117,12 +122,12 @@ def plan(
             steps.append([RO, top])
             visible.append(top)
     binds = [[RO, real] for p in readonly if (real := _resolved(p)) is not None]
-    binds += [[RW, _resolved(p) or os.path.realpath(p)] for p in writable]
-    binds += [[RO, target, _resolved(src) or os.path.realpath(src)] for target, src in (files or {}).items()]
+    binds += [[RW, _real(p)] for p in writable]
+    binds += [[RO, target, _real(src)] for target, src in (files or {}).items()]
     binds = [b for b in binds if b[1] != "/"]
     visible += [b[1] for b in binds]
     steps += binds
-    steps += [[SCRATCH, _resolved(p) or os.path.realpath(p)] for p in scratch]
+    steps += [[SCRATCH, _real(p)] for p in scratch]
     for path in [*hidden, *ETC_HIDDEN]:
         real = _resolved(path)
         if real is not None and _under(real, visible) and real not in visible:

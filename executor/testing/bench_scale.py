@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +54,14 @@ def _machine_cpu_s() -> float:
     return busy / _TICK
 
 
-def _stat_fields() -> Iterator[tuple[int, list[bytes]]]:
+def _stat_fields(pids: Iterable[int] | None = None) -> Iterator[tuple[int, list[bytes]]]:
     """Each process's /proc stat fields after its command name (state first, its parent second), for
-    every process that is there to read."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                yield int(name), Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    every process of ``pids`` (default: the machine's) that is there to read."""
+    if pids is None:
+        pids = (int(name) for name in os.listdir("/proc") if name.isdigit())
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            yield pid, Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
 
 
 def _kernel_threads() -> dict[tuple[int, int], int]:
@@ -306,11 +307,7 @@ class TreeCpu:
         for group in (self.group, self.group / "workers"):
             with contextlib.suppress(OSError):
                 pids += (group / "cgroup.procs").read_text().split()
-        parent = {}
-        for pid in map(int, pids):
-            with contextlib.suppress(OSError, IndexError):
-                parent[pid] = int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-        return parent
+        return {pid: int(fields[1]) for pid, fields in _stat_fields(map(int, pids))}
 
     def move(self, pid: int, part: str) -> bool:
         """Account process ``pid`` (every thread of it) and what it forks from now on to ``part``."""
