@@ -100,6 +100,41 @@ async def test_a_workspace_that_is_no_repository_stays_one_and_its_agents_own_re
 
 
 @needs_git
+async def test_nested_repositories_show_file_by_file_whether_committed_or_not(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
+    """git stages a nested repository as one gitlink, its files unseen: one at the lay-out, one the agent
+    commits in (git then only warns) and one it leaves without a commit (git then fails) all show."""
+    src = tmp_path / "src"
+    (src / "vendored").mkdir(parents=True)
+    (src / "vendored" / "lib.py").write_text("v = 1\n")
+    git(src / "vendored", "init", "-q")
+    git(src / "vendored", "add", "-A")
+    git(src / "vendored", "commit", "-q", "-m", "theirs")
+    await lay_out(sandbox, WorkspaceSpec(copy_from=str(src)), prepared)
+    assert await workspace_diff(sandbox) == ""
+
+    script = (
+        "echo 'v = 2' > vendored/lib.py"
+        " && mkdir kept && cd kept && git init -q && echo 'k = 1' > k.py && git add -A && git commit -qm m"
+        " && cd .. && mkdir bare && cd bare && git init -q && echo 'b = 1' > b.py"
+    )
+    done = await sandbox.exec(["bash", "-c", script], timeout=30, env=GIT_ENV)
+    assert done.exit_code == 0, done.stderr_tail
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "-v = 1" in diff and "+v = 2" in diff
+    assert "+++ b/kept/k.py" in diff and "+k = 1" in diff
+    assert "+++ b/bare/b.py" in diff and "+b = 1" in diff
+    assert "Subproject commit" not in diff and ".git/" not in diff
+
+    # Once the nested repositories are gone, the diff is git's one `add` again, and says the same.
+    done = await sandbox.exec(["bash", "-c", "rm -rf vendored/.git kept/.git bare/.git"], timeout=30)
+    assert done.exit_code == 0, done.stderr_tail
+    assert await workspace_diff(sandbox) == diff
+
+
+@needs_git
 async def test_copy_from_a_git_repository(
     sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
 ) -> None:
