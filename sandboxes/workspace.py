@@ -145,9 +145,9 @@ _PRELUDE = (
     + shlex.join(_GIT_OPTIONS)
     + ' "$@"; }\n'
     + r"""stage() {
-  nested=
-  g add --warn-embedded-repo -A -f -- . 2>"$GIT_DIR/rollout-add.err" && [ ! -s "$GIT_DIR/rollout-add.err" ] && return 0
-  rm -f "$GIT_INDEX_FILE" "$GIT_DIR/rollout-add.err"  # what it staged of a nested repository: a gitlink
+  nested= err="$GIT_DIR/rollout-add.err"
+  g add --warn-embedded-repo -A -f -- . 2>"$err" && [ ! -s "$err" ] && return 0
+  rm -f "$GIT_INDEX_FILE" "$err"  # what it staged of a nested repository: a gitlink
   found=$(find . -name .git -prune -print 2>/dev/null)
   set --
   old_ifs=$IFS; IFS='
