@@ -50,7 +50,7 @@ ETC_HIDDEN = (
     "/etc/ecs", "/etc/rollout-executor",
 )  # fmt: skip
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-_DEV_LINKS = (
+DEV_LINKS = (
     ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
     ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx"),
 )  # fmt: skip
@@ -271,7 +271,7 @@ def _make_dev(calls: _Calls, here: str, devices: dict[str, int]) -> None:
         calls.setattr(fd, name, _AT_EMPTY_PATH, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC)
         calls.move(fd, f"{here}/{name}")
         os.close(fd)
-    for name, target in _DEV_LINKS:
+    for name, target in DEV_LINKS:
         os.symlink(target, f"{here}/{name}")
     os.mkdir(f"{here}/pts", 0o755)
     os.mkdir(f"{here}/shm", 0o1777)

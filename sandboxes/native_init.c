@@ -17,6 +17,19 @@
  * later one, or an exec that cannot run, exits 126, or 127 when no candidate exists, as a shell would.
  * Every message is one bounded line on stderr.
  *
+ *   rollout-init view SCRATCH_SIZE D DEVICE... L NAME TARGET... (KIND PATH EXTRA)...
+ *
+ * builds a sandbox's filesystem view instead, as sandboxes/fsview.py's clone_sources and apply do (they
+ * stay the reference; a test holds the two to the same mounts), for a server that would otherwise build
+ * it in its own interpreter: ~0.6 ms of CPU and ~125 of its pages copied in the burst of a thousand
+ * sandboxes' starts, where this costs a posix_spawn and the system calls. The steps come as triples (an
+ * empty EXTRA: none), the devices and /dev's links as fsview names them. The server gives the base mount
+ * namespace as fd 3 and the detached procfs that becomes the view's /proc as fd 4, a pipe to say it is
+ * built on 1, and one whose end means the server has opened its namespaces on 0. It clones the sources
+ * from the server's (the host's) mount namespace, unshares a mount and IPC namespace from the base, builds
+ * the view there, writes "1" and waits; a step that fails exits 1 ("sandbox view: ...") and the server
+ * builds the view itself, which says why it could not.
+ *
  * Built with -DROLLOUT_NOLIBC on x86-64: no C library at all, its own system calls. A static glibc
  * program spends ~0.6 ms of CPU here before main (its start-up's CPUID probes, each a trap to the
  * hypervisor), against ~0.05 ms for the whole of one without it. Elsewhere, against the static glibc.
@@ -27,8 +40,10 @@
 #include <linux/filter.h>
 #include <linux/prctl.h>
 #include <linux/resource.h>
+#include <linux/mount.h>
 #include <linux/sched.h>
 #include <linux/seccomp.h>
+#include <linux/stat.h>
 
 #define MNT_FD 3
 #define IPC_FD 4
@@ -36,6 +51,12 @@
 #define CAP_SYS_ADMIN 21
 #define FIXED_ARGS 11 /* the program's name and the ten fields before the candidates */
 #define MESSAGE_BYTES 512
+#define BASE_FD 3 /* the view's: the base mount namespace */
+#define PROC_FD 4 /* the view's: its /proc */
+#define PATH_BYTES 4096
+#define MAX_STEPS 1024
+#define MAX_DEVICES 16
+#define MNT_DETACH 2
 
 #define KEYCTL_JOIN_SESSION_KEYRING 1
 #define KEYCTL_CLEAR 7
@@ -236,7 +257,239 @@ static void default_signals(void) {
         CALL4(__NR_rt_sigaction, sig, none, 0, 8);
 }
 
-static int run(int argc, char **argv) {
+/* ---- the view ------------------------------------------------------------------------------------ */
+
+static __attribute__((noreturn)) void view_failed(const char *step, const char *path, int err) {
+    char what[320];
+    int at = 0;
+    append(what, &at, step, 64);
+    append(what, &at, " ", 1);
+    append(what, &at, path, 240);
+    what[at] = 0;
+    say("sandbox view: ", what, ": ", err);
+    leave(1);
+}
+
+static long checked(long result, const char *step, const char *path) {
+    if (result < 0)
+        view_failed(step, path, (int)-result);
+    return result;
+}
+
+/* statx's mode of ``path`` (``flags``: AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH), or -1 where there is none. */
+static long mode_of(int dir, const char *path, int flags) {
+    struct statx info;
+    if (CALL5(__NR_statx, dir, path, flags, STATX_TYPE, &info) < 0)
+        return -1;
+    return info.stx_mode;
+}
+
+static int is_dir(const char *path) {
+    long mode = mode_of(AT_FDCWD, path, 0);
+    return mode >= 0 && (mode & 0170000) == 0040000;
+}
+
+/* ``a`` then ``b`` into ``out``, or the view fails. */
+static char *joined(char *out, const char *a, const char *b) {
+    int at = 0;
+    for (; *a; a++)
+        if (at < PATH_BYTES - 1)
+            out[at++] = *a;
+    for (; *b; b++)
+        if (at < PATH_BYTES - 1)
+            out[at++] = *b;
+    if (at >= PATH_BYTES - 1)
+        view_failed("path", out, ENAMETOOLONG);
+    out[at] = 0;
+    return out;
+}
+
+/* os.makedirs(path, 0o755, exist_ok=True) of the directories above ``path`` (its last name left). */
+static void make_parents(const char *path) {
+    char prefix[PATH_BYTES];
+    int at = 0;
+    for (const char *c = path; *c && at < PATH_BYTES - 1; c++) {
+        if (*c == '/' && at > 0 && mode_of(AT_FDCWD, (prefix[at] = 0, prefix), 0) < 0) {
+            long err = CALL3(__NR_mkdirat, AT_FDCWD, prefix, 0755);
+            if (err < 0 && err != -EEXIST)
+                view_failed("mkdir", prefix, (int)-err);
+        }
+        prefix[at++] = *c;
+    }
+}
+
+/* fsview._make_mount_point: an empty directory (or file) at ``path``, and its parents, unless there is
+ * something there. */
+static void make_mount_point(const char *path, int directory) {
+    if (mode_of(AT_FDCWD, path, AT_SYMLINK_NOFOLLOW) >= 0)
+        return;
+    make_parents(path);
+    if (directory) {
+        checked(CALL3(__NR_mkdirat, AT_FDCWD, path, 0755), "mkdir", path);
+    } else {
+        long fd = checked(CALL4(__NR_openat, AT_FDCWD, path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644), "create", path);
+        CALL1(__NR_close, fd);
+    }
+}
+
+static void set_attr(long fd, int flags, unsigned long set, unsigned long propagation, const char *path) {
+    struct mount_attr attr = {set, 0, propagation, 0};
+    checked(CALL5(__NR_mount_setattr, fd, "", AT_EMPTY_PATH | flags, &attr, sizeof attr), "mount_setattr", path);
+}
+
+static void move_to(long fd, const char *path) {
+    checked(CALL5(__NR_move_mount, fd, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH), "move_mount", path);
+}
+
+static long clone_of(const char *path) {
+    return checked(CALL3(__NR_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | O_CLOEXEC), "open_tree", path);
+}
+
+static void mount_fs(const char *source, const char *path, const char *type, unsigned long flags, const char *data) {
+    checked(CALL5(__NR_mount, source, path, type, flags, data), "mount", path);
+}
+
+/* A new tmpfs with ``options`` (key=value,...), attached nowhere: the descriptor of its mount. */
+static long new_tmpfs(const char *mode, const char *size, unsigned long attrs) {
+    long fs = checked(CALL2(__NR_fsopen, "tmpfs", FSOPEN_CLOEXEC), "fsopen", "tmpfs");
+    checked(CALL5(__NR_fsconfig, fs, FSCONFIG_SET_STRING, "mode", mode, 0), "fsconfig", "mode");
+    checked(CALL5(__NR_fsconfig, fs, FSCONFIG_SET_STRING, "size", size, 0), "fsconfig", "size");
+    checked(CALL5(__NR_fsconfig, fs, FSCONFIG_CMD_CREATE, 0, 0, 0), "fsconfig", "create");
+    long mnt = checked(CALL3(__NR_fsmount, fs, FSMOUNT_CLOEXEC, attrs), "fsmount", "tmpfs");
+    CALL1(__NR_close, fs);
+    return mnt;
+}
+
+static int same(const char *a, const char *b) {
+    while (*a && *a == *b)
+        a++, b++;
+    return *a == *b;
+}
+
+static int build_view(int argc, char **argv) {
+    if (argc < 5)
+        view_failed("arguments", "", EINVAL);
+    const char *scratch_size = argv[2];
+    long n_devices = number(argv[3], "devices");
+    if (n_devices < 0 || n_devices > MAX_DEVICES || 4 + n_devices >= argc)
+        view_failed("devices", "", EINVAL);
+    char **devices = argv + 4;
+    long n_links = number(argv[4 + n_devices], "links");
+    char **links = argv + 5 + n_devices;
+    if (n_links < 0 || 5 + n_devices + 2 * n_links > argc)
+        view_failed("links", "", EINVAL);
+    char **steps = links + 2 * n_links;
+    long n_steps = (argc - (steps - argv)) / 3;
+    if ((argc - (steps - argv)) % 3 || n_steps > MAX_STEPS)
+        view_failed("steps", "", EINVAL);
+    static long clones[MAX_STEPS];
+    long device_clones[MAX_DEVICES];
+    char path[PATH_BYTES], sub[PATH_BYTES];
+
+    CALL1(__NR_umask, 022);
+    /* Clones first, in the host's tree: the binds, the devices, /dev/null for hidden files. */
+    for (long i = 0; i < n_steps; i++) {
+        const char *kind = steps[3 * i], *where = steps[3 * i + 1], *extra = steps[3 * i + 2];
+        clones[i] = -1;
+        if (same(kind, "ro") || same(kind, "rw"))
+            clones[i] = clone_of(*extra ? extra : where);
+        else if (same(kind, "hide") && !is_dir(where))
+            clones[i] = clone_of("/dev/null");
+        if (clones[i] >= 0)
+            set_attr(clones[i], AT_RECURSIVE, 0, MS_PRIVATE, where);
+    }
+    for (long d = 0; d < n_devices; d++) {
+        device_clones[d] = -1;
+        if (mode_of(AT_FDCWD, joined(path, "/dev/", devices[d]), 0) >= 0) {
+            device_clones[d] = clone_of(path);
+            set_attr(device_clones[d], AT_RECURSIVE, 0, MS_PRIVATE, path);
+        }
+    }
+    checked(CALL2(__NR_setns, BASE_FD, CLONE_NEWNS), "setns", "the base mount namespace");
+    checked(CALL1(__NR_unshare, CLONE_NEWNS | CLONE_NEWIPC), "unshare", "mount and IPC namespaces");
+    mount_fs(0, "/", 0, MS_REC | MS_PRIVATE, 0); /* nothing of ours may reach the host */
+    long root = new_tmpfs("0755", "1m", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
+    move_to(root, "/"); /* on top of the host's root; built below through relative paths */
+    checked(CALL1(__NR_fchdir, root), "fchdir", "the view's root");
+    long read_only[MAX_STEPS + 2];
+    int n_read_only = 0;
+    read_only[n_read_only++] = root;
+    for (long i = 0; i < n_steps; i++) {
+        const char *kind = steps[3 * i], *extra = steps[3 * i + 2];
+        joined(path, ".", steps[3 * i + 1]);
+        if (same(kind, "link")) {
+            make_parents(path);
+            checked(CALL3(__NR_symlinkat, extra, AT_FDCWD, path), "symlink", path);
+        } else if (same(kind, "proc")) {
+            make_mount_point(path, 1);
+            move_to(PROC_FD, path);
+        } else if (same(kind, "dev")) {
+            make_mount_point(path, 1);
+            mount_fs("tmpfs", path, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
+            for (long d = 0; d < n_devices; d++) {
+                if (device_clones[d] < 0)
+                    continue;
+                joined(sub, path, "/");
+                joined(sub, sub, devices[d]);
+                make_mount_point(sub, 0);
+                set_attr(device_clones[d], 0, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC, 0, sub);
+                move_to(device_clones[d], sub);
+                CALL1(__NR_close, device_clones[d]);
+            }
+            for (long l = 0; l < n_links; l++) {
+                joined(sub, path, "/");
+                joined(sub, sub, links[2 * l]);
+                checked(CALL3(__NR_symlinkat, links[2 * l + 1], AT_FDCWD, sub), "symlink", sub);
+            }
+            checked(CALL3(__NR_mkdirat, AT_FDCWD, joined(sub, path, "/pts"), 0755), "mkdir", sub);
+            checked(CALL3(__NR_mkdirat, AT_FDCWD, joined(sub, path, "/shm"), 01777), "mkdir", sub);
+            mount_fs("devpts", joined(sub, path, "/pts"), "devpts", MS_NOSUID | MS_NOEXEC,
+                     "newinstance,ptmxmode=0666,mode=0620");
+            read_only[n_read_only++] = checked(CALL3(__NR_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC), "open", path);
+        } else if (same(kind, "scratch") || (same(kind, "hide") && clones[i] < 0)) {
+            int scratch = same(kind, "scratch");
+            if (scratch)
+                make_mount_point(path, 1);
+            else if (!is_dir(path)) /* hidden already by a step above it */
+                continue;
+            char options[64];
+            int at = 0;
+            append(options, &at, scratch ? "mode=1777,size=" : "mode=0755,size=1m", 32);
+            if (scratch)
+                append(options, &at, scratch_size, 16);
+            options[at] = 0;
+            mount_fs("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options);
+            if (!scratch) /* read-only once the binds' mount points are made in it */
+                read_only[n_read_only++] = checked(CALL3(__NR_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC), "open", path);
+        } else if (clones[i] >= 0) {
+            unsigned long attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+            if (!same(kind, "rw"))
+                attrs |= MOUNT_ATTR_RDONLY;
+            set_attr(clones[i], AT_RECURSIVE, attrs, 0, path);
+            long mode = mode_of((int)clones[i], "", AT_EMPTY_PATH);
+            make_mount_point(path, mode >= 0 && (mode & 0170000) == 0040000);
+            move_to(clones[i], path);
+            CALL1(__NR_close, clones[i]);
+        } else {
+            view_failed("step", kind, EINVAL);
+        }
+    }
+    for (int i = 0; i < n_read_only; i++) {
+        set_attr(read_only[i], 0, MOUNT_ATTR_RDONLY, 0, "the view");
+        CALL1(__NR_close, read_only[i]);
+    }
+    checked(CALL2(__NR_pivot_root, ".", "."), "pivot_root", ".");
+    checked(CALL2(__NR_umount2, ".", MNT_DETACH), "umount2", "the host's root");
+    checked(CALL1(__NR_chdir, "/"), "chdir", "/");
+    CALL3(__NR_write, 1, "1", 1);
+    char byte;
+    CALL3(__NR_read, 0, &byte, 1); /* until the server has opened our namespaces (or died) */
+    return 0;
+}
+
+/* ---- a command ----------------------------------------------------------------------------------- */
+
+static int run_command(int argc, char **argv) {
     if (argc < FIXED_ARGS + 3)
         fail("arguments", EINVAL);
     long nofile = number(argv[1], "descriptor limit");
@@ -309,6 +562,12 @@ static int run(int argc, char **argv) {
             denied = (int)-err;
     }
     cannot_run(command[0], denied ? denied : ENOENT);
+}
+
+static int run(int argc, char **argv) {
+    if (argc > 1 && same(argv[1], "view"))
+        return build_view(argc, argv);
+    return run_command(argc, argv);
 }
 
 #ifdef ROLLOUT_NOLIBC

@@ -9,7 +9,9 @@ processes' CPU with the forked init, 1.6-1.7 ms with this, docs/performance.md).
 commands a server supervises itself (folded.py) whose view the server built (spawn._init's ``view_fds``),
 whose network is the sandbox's and whose process and memory caps the server's own cgroups already are; any
 other command, or a machine where the program was not built, gets spawn.py's init, which stays the
-reference for what an init does.
+reference for what an init does. Its view mode (``start_view``) builds a sandbox's filesystem view for
+the server, as fsview.apply would in the server's interpreter, where each line of Python run in a freshly
+forked server copies pages (~125 for a view); fsview stays the reference for what a view is.
 
 The program is built by ``build`` (the worker, before its fork server starts; `make demo` and `make test`
 first) into the checkout's ``build/`` directory, named by its source's checksum so that a changed source is
@@ -24,15 +26,17 @@ Standard library only, like the server that imports it.
 from __future__ import annotations
 
 import binascii
+import fcntl
 import itertools
 import os
 import stat
 import sys
 
 if __package__:
-    from sandboxes import pidlimit, seccomp, spawn, supervisor
+    from sandboxes import fsview, pidlimit, seccomp, spawn, supervisor
 else:  # imported by the server run by path, with its directory on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fsview
     import pidlimit
     import seccomp
     import spawn
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(_HERE, "native_init.c")
 MNT_FD, IPC_FD = 3, 4  # where the program finds the view's namespaces (native_init.c)
+BASE_FD, PROC_FD = 3, 4  # where its view mode finds the base mount namespace and the view's /proc
 BUILD_TIMEOUT_S = 60.0
 _COMPILERS = ("cc", "gcc")
 # Without a C library first (x86-64: native_init.c's system calls of its own), whose start-up costs a
@@ -160,6 +165,33 @@ def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: i
         setsigmask=(),
         setsigdef=(*spawn._RESTORED_SIGNALS, *spawn.STOP_SIGNALS),
     )
+
+
+def start_view(steps: list[list[str]], base_mounts: int, proc: int, ready_w: int, hold_r: int) -> int:
+    """Start the program's view mode (native_init.c), which builds the view ``steps`` (sandboxes/fsview.py)
+    in a mount and IPC namespace it unshares from ``base_mounts``, with the detached procfs ``proc`` as
+    its /proc, writes "1" on ``ready_w`` and waits for ``hold_r``'s end; its pid. Raises the OSError of a
+    failed spawn."""
+    assert PROGRAM is not None
+    args = [PROGRAM, "view", fsview.SCRATCH_SIZE, str(len(fsview.DEVICES)), *fsview.DEVICES]
+    args += [str(len(fsview.DEV_LINKS)), *(part for link in fsview.DEV_LINKS for part in link)]
+    args += [part for step in steps for part in (step[0], step[1], step[2] if len(step) > 2 else "")]
+    # Each descriptor is moved into place in turn: first all out of the way of the places they go to.
+    sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (hold_r, ready_w, base_mounts, proc)]
+    try:
+        return os.posix_spawn(
+            PROGRAM,
+            args,
+            {},
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, fd, place)
+                for fd, place in zip(sources, (0, 1, BASE_FD, PROC_FD), strict=True)
+            ],
+            setsigmask=(),
+        )
+    finally:
+        for fd in sources:
+            os.close(fd)
 
 
 def build() -> str | None:

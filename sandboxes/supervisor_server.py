@@ -45,12 +45,13 @@ import sys
 import time
 
 if __package__:
-    from sandboxes import folded, fsview, namespaces, proctree, spawn, supervisor
+    from sandboxes import folded, fsview, namespaces, native_init, proctree, spawn, supervisor
 else:  # run by path: -I leaves our directory off sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import folded
     import fsview
     import namespaces
+    import native_init
     import proctree
     import spawn
     import supervisor
@@ -394,7 +395,8 @@ class _Server:
 
 
 def _build_view_here(steps: list[list[str]], base_mounts: int, proc: int) -> tuple[int, int] | None:
-    """Build the view in this server, with no child: unshare its mount and IPC namespaces from the base,
+    """Build the view with no fork: by the native init's view mode where it is built
+    (``_build_view_natively``), else in this server: unshare its mount and IPC namespaces from the base,
     build it, open them, and join our own again (we are single-threaded, as ``setns`` needs). Its /proc
     is a clone of the PID namespace's procfs, which the init made (a procfs mounted here would be the
     host's PID namespace's). A fork, and its copy of this process's pages, less per sandbox. None where
@@ -404,6 +406,16 @@ def _build_view_here(steps: list[list[str]], base_mounts: int, proc: int) -> tup
         proc_clone = fsview.clone_mount(proc)
     except OSError:
         return None
+    if native_init.PROGRAM is not None:
+        try:
+            if (view := _build_view_natively(steps, base_mounts, proc_clone)) is not None:
+                return view
+        finally:  # moved into a view that failed, it is no clone to move again
+            os.close(proc_clone)
+        try:
+            proc_clone = fsview.clone_mount(proc)
+        except OSError:
+            return None
     kinds = ("mnt", "ipc")
     ours = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in kinds]
     host_proc = os.open("/proc", os.O_PATH | os.O_CLOEXEC)  # the view's /proc has no `self` for us
@@ -431,6 +443,23 @@ def _build_view_here(steps: list[list[str]], base_mounts: int, proc: int) -> tup
         for fd in (*ours, host_proc, proc_clone):
             os.close(fd)
     return (opened[0], opened[1]) if opened else None
+
+
+def _build_view_natively(steps: list[list[str]], base_mounts: int, proc: int) -> tuple[int, int] | None:
+    """The view built by the native init's view mode (native_init.py), as ``_build_view_here`` builds it
+    here: no line of Python per mount, and none of our pages copied (posix_spawn). None where it could
+    not be: the caller builds it itself, and meets the reason."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    try:
+        pid = native_init.start_view(steps, base_mounts, proc, ready_w, hold_r)
+    except OSError:
+        for fd in (ready_r, ready_w, hold_r, hold_w):
+            os.close(fd)
+        return None
+    os.close(ready_w)
+    os.close(hold_r)
+    return _views_namespaces(pid, ready_r, hold_w)
 
 
 def _build_view(
@@ -471,6 +500,13 @@ def _build_view(
         proctree.end_child("sandbox view", view)
     os.close(ready_w)
     os.close(hold_r)
+    return _views_namespaces(pid, ready_r, hold_w)
+
+
+def _views_namespaces(pid: int, ready_r: int, hold_w: int) -> tuple[int, int] | None:
+    """The mount and IPC namespaces of ``pid``, a child of ours that builds a view, once it says it has
+    (a "1" on ``ready_r``), then its hold (``hold_w``) let go; None where it ended without. Bounded: the
+    child says it is ready, or ends and its pipe with it."""
     opened: list[int] = []
     try:
         if os.read(ready_r, 1) == b"1":

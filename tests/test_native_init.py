@@ -68,13 +68,13 @@ def _params(tmp_path: Path, argv: list[str], **extra: object) -> dict[str, objec
     }
 
 
-def _run(p: dict[str, object], native: bool) -> tuple[int, str, str]:
+def _run(p: dict[str, object], native: bool, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """The command of ``p`` started by one init or the other, as the server starts a folded command;
     its exit code, stdout and stderr."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    env = {"PATH": "/usr/bin:/bin", "ROLLOUT_PROBE": "a=b c"}
+    env = env or {"PATH": "/usr/bin:/bin", "ROLLOUT_PROBE": "a=b c"}
     try:
         if native:
             pid = native_init.start(p, env, stdin, out_w, err_w)
@@ -184,6 +184,97 @@ def test_a_step_that_fails_says_which_and_a_missing_command_exits_127(tmp_path: 
     for native in (True, False):
         code, _out, err = _run(_params(tmp_path, [str(tmp_path / "not-runnable")]), native)
         assert code == 126 and "Permission denied" in err, err
+
+
+# What a command sees of its view: its mounts (all but their numbers and peer groups) and the modes and
+# types of what the view made itself.
+VIEW_PROBE = (
+    "while read -r _id _parent _dev root at opts rest; do "
+    'printf "%s %s %s %s\\n" "$root" "$at" "$opts" "${rest#*- }"; done < /proc/self/mountinfo; echo; '
+    "stat -c '%a %F %h %n' / /dev /dev/* /dev/pts /tmp /dev/shm /bin /etc/shadow /etc/passwd "
+    '"$HIDDEN_DIR" "$HIDDEN_DIR/.." "$WORK" "$WORK/.."; ls -a "$HIDDEN_DIR" "$WORK"; '
+    'echo x > /tmp/t && echo x > "$WORK/w" && rm "$WORK/w" && ! echo x > /etc/passwd 2>/dev/null '
+    "&& echo writes as planned"
+)
+
+
+def _seen_in_view(view: tuple[int, int] | None, tmp_path: Path, env: dict[str, str]) -> str:
+    assert view is not None, "no view was built"
+    p = {"argv": ["sh", "-c", VIEW_PROBE], "cwd": "/", "view": [["built"]], "view_fds": list(view)}
+    p["nofile_limit"] = 1024
+    code, out, err = _run(p, native=True, env=env)
+    assert code == 0, err
+    # The mounts in their order of creation, which differs (a server's /proc is a clone made before the
+    # view's own mounts, a forked builder mounts one of its own): sorted, a procfs's source left out.
+    mounts, _, rest = out.partition("\n\n")
+    lines = sorted(re.sub(r" proc \S+ ", " proc - ", line) for line in mounts.splitlines())
+    return "\n".join(lines) + "\n\n" + rest
+
+
+def test_the_view_the_program_builds_is_the_one_fsview_builds(tmp_path: Path, program: str) -> None:
+    """The native init's view mode against fsview.apply (the reference, in a forked child as a server
+    without the program builds it): the same mounts with the same options, the same mount points made
+    with the same modes, a file and a directory hidden, binds read-only and writable, the devices."""
+    from sandboxes import fsview, supervisor_server, zygote
+
+    os.chmod(tmp_path, 0o755)
+    shown = tmp_path / "shown"
+    (shown / "secret").mkdir(parents=True)
+    (shown / "secret" / "key").write_text("k")
+    (shown / "plain.txt").write_text("p")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    steps = fsview.plan(
+        [str(shown / "secret"), str(shown / "plain.txt")],
+        ["/tmp", "/dev/shm"],
+        [str(shown)],
+        [str(tmp_path / "work")],
+        {"/etc/passwd": str(tmp_path / "passwd")},
+    )
+    assert {step[0] for step in steps} >= {fsview.LINK, fsview.HIDE, fsview.RO, fsview.RW, fsview.DEV}
+    env = {"PATH": "/usr/bin:/bin", "HIDDEN_DIR": str(shown / "secret"), "WORK": str(tmp_path / "work")}
+    base = zygote._base_mounts()
+    assert base is not None
+    proc = fsview.detached_proc()
+    try:
+        native = supervisor_server._build_view_natively(steps, base, fsview.clone_mount(proc))
+        seen_native = _seen_in_view(native, tmp_path, env)
+        reference = supervisor_server._build_view(steps, base, ())
+        seen_reference = _seen_in_view(reference, tmp_path, env)
+    finally:
+        os.close(base)
+        os.close(proc)
+    open("/tmp/seen_native.txt", "w").write(seen_native)
+    open("/tmp/seen_ref.txt", "w").write(seen_reference)
+    assert seen_native == seen_reference
+    assert "writes as planned" in seen_native and " tmpfs " in seen_native and "devpts" in seen_native
+    assert "key" not in seen_native.split("writes as planned")[0].split(str(shown / "secret") + ":")[-1]
+
+
+def test_a_view_step_that_fails_leaves_the_server_to_build_it(tmp_path: Path, program: str) -> None:
+    """A source that cannot be bound (it went between the plan and the build): the program says which
+    and exits before it says the view is built; the server then builds it itself, and meets the reason."""
+    from sandboxes import fsview, supervisor_server, zygote
+
+    (tmp_path / "gone").mkdir()
+    steps = fsview.plan([], ["/tmp"], [str(tmp_path / "gone")], [])
+    (tmp_path / "gone").rmdir()
+    base = zygote._base_mounts()
+    assert base is not None
+    proc = fsview.detached_proc()
+    err_r, err_w = os.pipe()
+    saved = os.dup(2)
+    os.dup2(err_w, 2)
+    try:
+        view = supervisor_server._build_view_natively(steps, base, fsview.clone_mount(proc))
+    finally:
+        os.dup2(saved, 2)
+        for fd in (saved, err_w, base, proc):
+            os.close(fd)
+    with os.fdopen(err_r, "rb") as err:
+        said = err.read().decode()
+    assert view is None
+    assert said == f"sandbox view: open_tree {tmp_path / 'gone'}: No such file or directory\n", said
 
 
 def test_only_a_build_no_one_else_could_write_is_used(tmp_path: Path) -> None:

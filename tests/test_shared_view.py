@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import fsview, isolation, uidpool
+from sandboxes import fsview, isolation, native_init, uidpool
 from sandboxes.base import SandboxSpec
 from sandboxes.local import LocalSandboxProvider
 from tests.conftest import processes_under
@@ -99,10 +99,11 @@ def _kernel_clones_detached_mounts() -> bool:
 
 
 async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tmp_path):
-    """Where the kernel can clone a detached mount, the server builds the view in its own process (no
-    child, so the sandbox's PID namespace numbers only its init, which supervises the command itself
-    (sandboxes/folded.py), and the command); the view's /proc is the namespace's own either way, never
-    the host's."""
+    """Where the kernel can clone a detached mount, the server builds the view without a forked child:
+    in its own process, or by the native init's view mode (sandboxes/native_init.py, a child that has
+    exited by then), so the sandbox's PID namespace holds only its init, which supervises the command
+    itself (sandboxes/folded.py), and the command; the view's /proc is the namespace's own either way,
+    never the host's."""
     provider = _provider(tmp_path)
     sandbox = await provider.start(SandboxSpec(run_id="r", session_id="proc", ttl_s=300))
     try:
@@ -113,6 +114,8 @@ async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tm
     shell, *entries = res.stdout_tail.split()
     pids = sorted(int(entry) for entry in entries if entry.isdigit())
     # The namespace's init (1: the server itself, namespaces.ServerInit), the shell, its `ls`: a child
-    # that built the view would have taken the pid after the init's, and an exited one is reaped by then.
-    assert int(shell) == (2 if _kernel_clones_detached_mounts() else 3), res.stdout_tail
+    # that built the view (the native init's, or a fork) took the pid after the init's, and has been
+    # reaped by then.
+    in_server = _kernel_clones_detached_mounts() and native_init.PROGRAM is None
+    assert int(shell) == (2 if in_server else 3), res.stdout_tail
     assert pids == [1, int(shell), int(shell) + 1], res.stdout_tail
