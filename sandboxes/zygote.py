@@ -18,7 +18,9 @@ namespace (see ``_base_mounts``) as fd 4 where there is one, the network namespa
 it is given one, and nothing else; writes its
 sandbox's marker over the placeholder in its own environment block, so that /proc/PID/environ shows it
 as it would for a server the worker had started; and runs ``supervisor_server.serve``. A fork that fails
-is answered on the answer pipe as ``{"error": ...}``.
+is answered on the answer pipe as ``{"error": ...}``. Requests that wait together are read together and
+their servers forked one after another (``_Zygote.receive``): each page this process writes between two
+forks is copied, shared as it is with the children alive.
 
 The zygote exits when the worker does, or when the worker closes the control socket and the servers it
 forked have exited; a server it forked outlives it (reparented), bound to the worker by its pidfd.
@@ -58,6 +60,7 @@ NET_FD = 5  # where it finds the network namespace to join, if it is given one
 MAX_SPARE_NETWORKS = 64
 CLONE_NEWNS = 0x00020000
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_BATCH = 64  # requests read before their forks: a burst's, a few at a time, the rest in later rounds
 _ENV_START_FIELD = 50  # /proc/PID/stat: the address of the environment block (proc(5))
 
 
@@ -117,6 +120,31 @@ def _marker_address() -> int:
     finally:
         os.close(fd)
     return address
+
+
+class _Request:
+    """One server to fork: the request's fields, its two pipes, and the network namespace it joins."""
+
+    __slots__ = (
+        "as_init", "network", "network_handed_on", "network_ns", "out", "pid_namespace", "stdin", "token",
+        "views",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        token: str,
+        pid_namespace: bool,
+        network: tuple[int, str] | None,
+        stdin: int,
+        out: int,
+        views: bool,
+        network_handed_on: bool,
+        as_init: bool,
+    ) -> None:
+        self.token, self.pid_namespace, self.network = token, pid_namespace, network
+        self.stdin, self.out, self.views = stdin, out, views
+        self.network_handed_on, self.as_init = network_handed_on, as_init
+        self.network_ns: int | None = None
 
 
 class _Zygote:
@@ -196,10 +224,35 @@ class _Zygote:
                 os._exit(1)
 
     def receive(self) -> None:
+        """Every request waiting (up to ``MAX_BATCH``), each forked in turn: in a burst of starts the
+        forks follow each other with as little as can be between them, since every page we write
+        between two forks is copied (each is shared with the children alive)."""
+        batch: list[_Request] = []
         try:
-            data, ancdata, _flags, _addr = self.control.recvmsg(MAX_REQUEST_BYTES, socket.CMSG_SPACE(8 * 4))
+            while len(batch) < MAX_BATCH and self.open:
+                if (request := self._next_request()) is not None:
+                    batch.append(request)
         except BlockingIOError:
+            pass
+        if not batch:
             return
+        gc.freeze()  # no collection in a child walks (and so copies) the pages of what we hold
+        self.reap()  # a server that ended before these requests hands its network namespace on to one
+        for request in batch:
+            if request.as_init and request.network and request.network_handed_on:
+                request.network_ns = self._network_namespace()
+        try:
+            for request in batch:
+                self.fork(request)
+        finally:
+            for request in batch:
+                os.close(request.stdin)
+                os.close(request.out)
+
+    def _next_request(self) -> _Request | None:
+        """The next request on the control socket, parsed; None for one that is bad (said on stderr, its
+        descriptors closed) or for the socket's end. Raises BlockingIOError when none waits."""
+        data, ancdata, _flags, _addr = self.control.recvmsg(MAX_REQUEST_BYTES, socket.CMSG_SPACE(8 * 4))
         fds: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -209,66 +262,64 @@ class _Zygote:
             self.open = False  # the worker closed its end: no more sandboxes
             self.sel.unregister(self.control)
             self.control.close()
-            return
+            return None
         try:
             req = json.loads(data)
             token = str(req["marker"])
             if len(fds) != 2 or not supervisor_server.is_marker(token, self.placeholder):
                 raise ValueError("a request takes a marker of the placeholder's length and two descriptors")
             pid_ns, views = bool(req.get("pid_namespace")), bool(req.get("views"))
-            handed_on = bool(req.get("network_handed_on"))
-            self.fork(token, pid_ns, req.get("network"), fds[0], fds[1], views, handed_on)
-        except (ValueError, KeyError, TypeError) as exc:
+            network = req.get("network")
+            forward = (int(network[0]), str(network[1])) if network else None
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             os.write(2, f"zygote: bad request: {str(exc)[:200]}\n".encode())
-        finally:
             for fd in fds:
                 os.close(fd)
-
-    def fork(
-        self,
-        token: str,
-        pid_namespace: bool,
-        network: list[object] | None,
-        stdin: int,
-        out: int,
-        views: bool = False,
-        network_handed_on: bool = False,
-    ) -> None:
-        gc.freeze()  # no collection in the child walks (and so copies) the pages of what we hold
+            return None
         # Where every view is made from the base, the server is its PID namespace's init itself
         # (namespaces.ServerInit): a fork and a long-lived process less a sandbox.
-        as_init = pid_namespace and views and self.base is not None
-        self.reap()  # a server that ended before this request hands its network namespace on to this one
-        network_ns = self._network_namespace() if as_init and network and network_handed_on else None
+        as_init = pid_ns and views and self.base is not None
+        handed_on = bool(req.get("network_handed_on"))
+        return _Request(token, pid_ns, forward, fds[0], fds[1], views, handed_on, as_init)
+
+    def fork(self, request: _Request) -> None:
+        """Fork the server of ``request``; a fork that fails is told on its answer pipe."""
+        pid = -1
         try:
-            if as_init:
+            if request.as_init:
                 proctree.libc_call("unshare", namespaces.CLONE_NEWPID)
             pid = os.fork()
         except OSError as exc:
-            pid = -1
-            supervisor_server.write_line(out, {"error": f"fork failed: {exc}"})
-        if pid and as_init:  # our next child is born in our own namespace again
+            supervisor_server.write_line(request.out, {"error": f"fork failed: {exc}"})
+        if pid and request.as_init:  # our next child is born in our own namespace again
             proctree.libc_call("setns", self.pid_ns, namespaces.CLONE_NEWPID)
         if pid > 0:
-            self.children[pid] = network_ns
-        elif pid < 0 and network_ns is not None:
-            self.spare_networks.append(network_ns)  # never joined
+            self.children[pid] = request.network_ns
+        elif pid < 0 and request.network_ns is not None:
+            self.spare_networks.append(request.network_ns)  # never joined
         if pid:
             return
 
         def server() -> int:
-            self._become_server(token, stdin, out, network_ns)
-            forward = (int(network[0]), str(network[1])) if network else None  # type: ignore[call-overload]
+            self._become_server(request)
             base = BASE_FD if self.base is not None else None
-            joined = NET_FD if network_ns is not None else None
+            joined = NET_FD if request.network_ns is not None else None
             return supervisor_server.serve(
-                WORKER_FD, pid_namespace, forward, base, views, as_init, joined, self.marker_at
+                WORKER_FD,
+                request.pid_namespace,
+                request.network,
+                base,
+                request.views,
+                request.as_init,
+                joined,
+                self.marker_at,
             )
 
         proctree.end_child("zygote child", server)
 
-    def _become_server(self, token: str, stdin: int, out: int, network: int | None) -> None:
+    def _become_server(self, request: _Request) -> None:
         """In the forked child: the sandbox's marker, its own session, and only its own descriptors."""
+        network = request.network_ns
         if network is not None:  # out of the way of the descriptors moved into place below
             network = fcntl.fcntl(network, fcntl.F_DUPFD_CLOEXEC, NET_FD + 1)
         proctree.name_process(b"rollout-server")
@@ -278,19 +329,19 @@ class _Zygote:
         if self.open:
             self.control.close()
         os.setsid()
-        os.dup2(stdin, 0)
-        os.dup2(out, 1)
+        os.dup2(request.stdin, 0)
+        os.dup2(request.out, 1)
         if self.worker != WORKER_FD:  # dup3 refuses a descriptor onto itself
             os.dup2(self.worker, WORKER_FD, inheritable=False)
         if self.base is not None and self.base != BASE_FD:
             os.dup2(self.base, BASE_FD, inheritable=False)
         if network is not None:
             os.dup2(network, NET_FD, inheritable=False)
-        # Another request's pipes, our own, the wake-up, the spare network namespaces.
+        # Other requests' pipes, our own, the wake-up, the spare network namespaces.
         os.closerange(
             (WORKER_FD if self.base is None else NET_FD if network is not None else BASE_FD) + 1, spawn.MAX_FD
         )
-        supervisor_server.set_marker(self.marker_at, token)
+        supervisor_server.set_marker(self.marker_at, request.token)
 
 
 def main(argv: list[str]) -> int:

@@ -128,6 +128,40 @@ async def test_a_burst_of_starts_beyond_the_fork_servers_queue_all_start_on_it(
         await asyncio.gather(*(s.stop() for s in sandboxes))
 
 
+async def test_servers_forked_from_one_batch_of_requests_hold_only_their_own_pipes(tmp_path: Path) -> None:
+    """Requests that wait together are read together and their servers forked one after another (the
+    fork server writes as little as it can between two forks): each server still holds its own pipes
+    and none of another's, and answers on its own."""
+    zygote = exec_server.Zygote(tmp_path / "zygote.log")
+    os.kill(zygote.pid, signal.SIGSTOP)  # the requests wait together on its socket
+    pipes = [(os.pipe(), os.pipe()) for _ in range(8)]
+    try:
+        for (stdin_r, _stdin_w), (_out_r, out_w) in pipes:
+            await zygote.fork({"marker": "a" * 32, "pid_namespace": True, "views": True}, (stdin_r, out_w))
+        os.kill(zygote.pid, signal.SIGCONT)
+        servers = []
+        for (stdin_r, _stdin_w), (out_r, out_w) in pipes:
+            os.close(stdin_r)  # the server's ends are the server's alone now
+            os.close(out_w)
+            with os.fdopen(os.dup(out_r), "rb") as answers:
+                servers.append(json.loads(answers.readline())["ready"])
+        names = {pid: _fds(pid) for pid in servers}
+        for pid, ((_stdin_r, stdin_w), (out_r, _out_w)) in zip(servers, pipes, strict=True):
+            own = {names[pid][0], names[pid][1]}
+            assert own == {_fds(os.getpid())[stdin_w], _fds(os.getpid())[out_r]}, (pid, names[pid])
+            others = {name for other, held in names.items() if other != pid for name in held.values()}
+            assert not own & others
+            assert read_proc(pid).ppid == zygote.pid
+    finally:
+        os.kill(zygote.pid, signal.SIGCONT)
+        for (_stdin_r, stdin_w), (out_r, _out_w) in pipes:
+            for fd in (stdin_w, out_r):  # the servers' stdin ends: each exits
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        await zygote.close()
+        assert await zygote.ended(60)
+
+
 async def test_a_request_waiting_for_room_is_told_at_once_when_the_fork_server_is_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
