@@ -298,9 +298,9 @@ static char *joined(char *out, const char *a, const char *b) {
     for (; *b; b++)
         if (at < PATH_BYTES - 1)
             out[at++] = *b;
+    out[at] = 0;
     if (at >= PATH_BYTES - 1)
         view_failed("path", out, ENAMETOOLONG);
-    out[at] = 0;
     return out;
 }
 
