@@ -284,9 +284,17 @@ static long mode_of(int dir, const char *path, int flags) {
     return info.stx_mode;
 }
 
-static int is_dir(const char *path) {
-    long mode = mode_of(AT_FDCWD, path, 0);
+static int dir_mode(long mode) {
     return mode >= 0 && (mode & 0170000) == 0040000;
+}
+
+static int is_dir(const char *path) {
+    return dir_mode(mode_of(AT_FDCWD, path, 0));
+}
+
+/* An O_PATH descriptor of ``path``: a mount to make read-only once what goes inside it is in. */
+static long handle_of(const char *path) {
+    return checked(CALL3(__NR_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC), "open", path);
 }
 
 /* ``a`` then ``b`` into ``out``, or the view fails. */
@@ -445,7 +453,7 @@ static int build_view(int argc, char **argv) {
             checked(CALL3(__NR_mkdirat, AT_FDCWD, joined(sub, path, "/shm"), 01777), "mkdir", sub);
             mount_fs("devpts", joined(sub, path, "/pts"), "devpts", MS_NOSUID | MS_NOEXEC,
                      "newinstance,ptmxmode=0666,mode=0620");
-            read_only[n_read_only++] = checked(CALL3(__NR_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC), "open", path);
+            read_only[n_read_only++] = handle_of(path);
         } else if (same(kind, "scratch") || (same(kind, "hide") && clones[i] < 0)) {
             int scratch = same(kind, "scratch");
             if (scratch)
@@ -460,14 +468,13 @@ static int build_view(int argc, char **argv) {
             options[at] = 0;
             mount_fs("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options);
             if (!scratch) /* read-only once the binds' mount points are made in it */
-                read_only[n_read_only++] = checked(CALL3(__NR_openat, AT_FDCWD, path, O_PATH | O_CLOEXEC), "open", path);
+                read_only[n_read_only++] = handle_of(path);
         } else if (clones[i] >= 0) {
             unsigned long attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
             if (!same(kind, "rw"))
                 attrs |= MOUNT_ATTR_RDONLY;
             set_attr(clones[i], AT_RECURSIVE, attrs, 0, path);
-            long mode = mode_of((int)clones[i], "", AT_EMPTY_PATH);
-            make_mount_point(path, mode >= 0 && (mode & 0170000) == 0040000);
+            make_mount_point(path, dir_mode(mode_of((int)clones[i], "", AT_EMPTY_PATH)));
             move_to(clones[i], path);
             CALL1(__NR_close, clones[i]);
         } else {

@@ -139,13 +139,15 @@ def baseline_git_dir(workdir: str) -> str:
 # fails on one without, so a clean and silent `git add` saw none; anything else is staged again the
 # long way, past `find`'s list of every .git (a process and a fork: ~1 ms of every rollout's diff on a
 # VM, where each dynamically linked start traps to the hypervisor).
+_ADD_ERRORS = "rollout-add.err"  # stage's first `git add`'s stderr, beside the index
 _PRELUDE = (
     "command -v git >/dev/null 2>&1 || exit 127\n"
     "g() { git "
     + shlex.join(_GIT_OPTIONS)
     + ' "$@"; }\n'
+    + f"add_errors={_ADD_ERRORS}\n"
     + r"""stage() {
-  nested= err="$GIT_DIR/rollout-add.err"
+  nested= err="$GIT_DIR/$add_errors"
   g add --warn-embedded-repo -A -f -- . 2>"$err" && [ ! -s "$err" ] && return 0
   rm -f "$GIT_INDEX_FILE" "$err"  # what it staged of a nested repository: a gitlink
   found=$(find . -name .git -prune -print 2>/dev/null)
@@ -183,7 +185,7 @@ stage
 g commit -q --allow-empty --no-verify -m "workspace baseline"
 g update-ref {BASELINE_REF} HEAD
 # Only what the diff reads: every file here is copied into each sandbox of a prepared workspace.
-rm -rf "$GIT_DIR/logs" "$GIT_DIR/COMMIT_EDITMSG" "$GIT_INDEX_FILE" "$GIT_DIR/rollout-add.err"
+rm -rf "$GIT_DIR/logs" "$GIT_DIR/COMMIT_EDITMSG" "$GIT_INDEX_FILE" "$GIT_DIR/$add_errors"
 """
 
 # For a baseline made once and copied into every sandbox (sandboxes/prepared.py): the fewest files and
