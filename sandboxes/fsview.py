@@ -93,10 +93,11 @@ def _resolved(path: str) -> str | None:
         real = os.path.realpath(path)
     finally:
         os.close(fd)
-    return real
+    # Not a path (a symlink to a process's pipe or socket through /proc): what a walk by hand makes of it.
+    return real if real.startswith("/") else os.path.realpath(path)
 
 
-def _real(path: str) -> str:
+def real_path(path: str) -> str:
     """``_resolved``, or for a path not there (yet) ``os.path.realpath``'s: as far as it resolves."""
     return _resolved(path) or os.path.realpath(path)
 
@@ -107,12 +108,17 @@ def plan(
     readonly: list[str],
     writable: list[str],
     files: dict[str, str] | None = None,
+    *,
+    resolved: bool = False,
 ) -> list[list[str]]:
     """The steps of a view: ``SYSTEM``, /proc, /dev, ``scratch`` (/tmp, /dev/shm), ``readonly`` and
     ``writable`` bound in, ``files`` (target -> source: a file bound read-only at another path, the
     session's /etc/passwd) and, of ``hidden`` and ``ETC_HIDDEN``, what lies inside something bound in;
     outermost path first and, at one depth, hiding before binding. Read-only paths that do not exist on
-    the host are left out; the writable ones are made before the view is applied."""
+    the host are left out; the writable ones are made before the view is applied. ``resolved``: the
+    writable paths and the files' sources are real paths already (a provider's own, made under its
+    resolved root), bound as given: most are not there yet, and ``os.path.realpath`` of a path not there
+    takes an lstat a component, ~90 a sandbox."""
     steps: list[list[str]] = [[PROC, "/proc"], [DEV, "/dev"]]
     visible: list[str] = ["/proc", "/dev"]
     for top in SYSTEM:
@@ -122,12 +128,13 @@ def plan(
             steps.append([RO, top])
             visible.append(top)
     binds = [[RO, real] for p in readonly if (real := _resolved(p)) is not None]
-    binds += [[RW, _real(p)] for p in writable]
-    binds += [[RO, target, _real(src)] for target, src in (files or {}).items()]
+    real = (lambda p: p) if resolved else real_path
+    binds += [[RW, real(p)] for p in writable]
+    binds += [[RO, target, real(src)] for target, src in (files or {}).items()]
     binds = [b for b in binds if b[1] != "/"]
     visible += [b[1] for b in binds]
     steps += binds
-    steps += [[SCRATCH, _real(p)] for p in scratch]
+    steps += [[SCRATCH, real_path(p)] for p in scratch]
     for path in [*hidden, *ETC_HIDDEN]:
         real = _resolved(path)
         if real is not None and _under(real, visible) and real not in visible:

@@ -226,7 +226,8 @@ def view(
     mounts: Sequence[tuple[str, bool]] = (),
     files: dict[str, str] | None = None,
 ) -> list[list[str]] | None:
-    """The filesystem view of a sandbox whose writable directories are ``session_dirs``: the allow-list of
+    """The filesystem view of a sandbox whose writable directories are ``session_dirs`` (real paths, as
+    are the sources of ``files``: the provider's own, made under its resolved root): the allow-list of
     sandboxes/fsview.py. ``hidden``: what must stay out of sight inside what is bound in (the sandbox root
     and the run directory under the harness cache); ``mounts``: (host path, writable) the run config
     names (``sandbox.mounts``); ``files``: files bound read-only at another path (the session's
@@ -241,8 +242,8 @@ def view(
         readonly.append(layers.network_forward[1])
     if layers.filesystem == "bwrap":  # the inner half of our chain runs inside, by path: this directory
         readonly.append(os.path.dirname(ISOLATION_PATH))
-    writable = [*session_dirs, *(path for path, rw in mounts if rw)]
-    return fsview.plan(list(hidden), ["/tmp", "/dev/shm"], readonly, writable, files)
+    writable = [*session_dirs, *(fsview.real_path(path) for path, rw in mounts if rw)]
+    return fsview.plan(list(hidden), ["/tmp", "/dev/shm"], readonly, writable, files, resolved=True)
 
 
 def _cache_root() -> Any:

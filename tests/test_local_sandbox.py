@@ -893,13 +893,27 @@ async def test_path_escapes_are_refused(sandbox: LocalSandbox, tmp_path: Path) -
     (outside / "secret.txt").write_text("secret")
     os.symlink(outside, Path(sandbox.workdir, "link"))
     os.symlink(outside / "secret.txt", Path(sandbox.workdir, "secret-link"))
+    # Through /proc's links: the worker's own root, and an object that has no path (a pipe of the worker).
+    os.symlink(f"/proc/self/root{outside}/secret.txt", Path(sandbox.workdir, "proc-link"))
+    read_end, write_end = os.pipe()
+    os.symlink(f"/proc/self/fd/{read_end}", Path(sandbox.workdir, "pipe-link"))
+    Path(sandbox.workdir, "sub").mkdir()
+    Path(sandbox.workdir, "sub", "mine.txt").write_text("mine")
+    os.symlink("sub/mine.txt", Path(sandbox.workdir, "inner-link"))
 
-    for path in ("../../../escape.txt", str(outside / "new.txt"), "link/new.txt", "secret-link", "/etc/x"):
-        with pytest.raises(SandboxError):
-            await sandbox.write_file(path, b"x")
-    for path in ("../../../../etc/passwd", "/etc/passwd", "link/secret.txt", "secret-link"):
-        with pytest.raises(SandboxError):
-            await sandbox.read_file(path, 100)
+    escapes = ("link/secret.txt", "secret-link", "proc-link", "pipe-link", "sub/../link/secret.txt")
+    try:
+        for path in ("../../../escape.txt", str(outside / "new.txt"), "link/new.txt", "/etc/x", *escapes):
+            with pytest.raises(SandboxError):
+                await sandbox.write_file(path, b"x")
+        for path in ("../../../../etc/passwd", "/etc/passwd", *escapes):
+            with pytest.raises(SandboxError):
+                await sandbox.read_file(path, 100)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert await sandbox.read_file("inner-link", 100) == b"mine"
+    assert await sandbox.read_file("sub/../inner-link", 100) == b"mine"
     assert sorted(os.listdir(outside)) == ["secret.txt"]
     assert (outside / "secret.txt").read_text() == "secret"
     assert not (sandbox.root.parent / "escape.txt").exists()

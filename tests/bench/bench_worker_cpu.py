@@ -39,7 +39,8 @@ async def measure(sessions: int, at_once: int, sleep_s: float, scratch: Path) ->
 
         async def one(index: int) -> str:
             async with slots:
-                row = await run_session(SessionRequest(f"s{index}", task, 0, 1), ctx)
+                # One run, as a worker serves: the sessions differ by sample, not by run (a directory each).
+                row = await run_session(SessionRequest("bench", task, index, 1), ctx)
             return str(row["failure_kind"])
 
         await asyncio.gather(*(one(i) for i in range(WARM_UP)))
