@@ -108,6 +108,12 @@ def unmount(
             _detach(path)
         with contextlib.suppress(OSError):
             os.rmdir(legacy)
+    # A lazy unmount takes every mount below too: the disk goes with the session's tmpfs, in one call
+    # (each takes ~0.1 ms of the kernel's CPU).
+    if session and kept is None and _detach(session_dir):
+        with contextlib.suppress(OSError):  # else left for a reaper
+            os.rmdir(session_dir)
+        return
     _detach(disk)
     with contextlib.suppress(OSError):
         os.rmdir(disk)
@@ -120,8 +126,11 @@ def unmount(
             os.rmdir(session_dir)
 
 
-def _detach(path: str) -> None:
+def _detach(path: str) -> bool:
+    """Whether a mount was there to detach."""
     if _libc().umount2(path.encode(), _MNT_DETACH):
         err = ctypes.get_errno()
         if err not in (_EINVAL, _ENOENT):  # not mounted, or not there: nothing to undo
             raise OSError(err, f"umount {path}: {os.strerror(err)}")
+        return False
+    return True

@@ -196,7 +196,7 @@ class LocalSandboxProvider:
                 lease.release()
             raise SandboxStartError(str(exc)) from exc
 
-        def lay_out() -> None:
+        def on_disk() -> None:
             if not server.cgroups:  # a spare's are made and joined while the sandbox before it ran
                 server.cgroups = self._cap(server)
             sandbox.pids_cgroup = server.cgroups.get(pidlimit.PIDS)
@@ -205,12 +205,25 @@ class LocalSandboxProvider:
                 assert sandbox.memory_max
                 pidlimit.set_limit(sandbox.memory_cgroup, sandbox.memory_max, pidlimit.MEMORY)
             sandbox.session_fs = self.session_fs and server.later_mounts
-            self._make_tree(session_dir, sandbox)
+            self._make_session_dir(session_dir, sandbox)
+            if not sandbox.session_fs:
+                in_session_dir()
+
+        def in_session_dir() -> None:
+            self._fill_session_dir(session_dir, sandbox)
             sandbox._write_descriptor(create=True)
 
-        # A dozen mkdirs, chowns and creates, each of which can wait milliseconds on a busy disk: not on
-        # the event loop, which a worker's hundred other sessions share.
-        laying = asyncio.ensure_future(asyncio.to_thread(lay_out))
+        async def lay_out() -> None:
+            # What touches the disk (or the cgroups, whose writes can wait on the kernel) can wait
+            # milliseconds on a busy host: not on the event loop, which a worker's hundred other sessions
+            # share. The dozen mkdirs, chowns and creates in a session directory of memory (its own tmpfs)
+            # take microseconds each: on the event loop, where a thread's every call would hand the
+            # interpreter's lock back and forth with it (~0.9 ms of a worker's CPU a sandbox, measured).
+            await asyncio.to_thread(on_disk)
+            if sandbox.session_fs:
+                in_session_dir()
+
+        laying = asyncio.ensure_future(lay_out())
         try:
             await asyncio.shield(laying)
         except asyncio.CancelledError:
@@ -498,7 +511,7 @@ class LocalSandboxProvider:
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
 
-    def _make_tree(self, session_dir: Path, sandbox: LocalSandbox) -> None:
+    def _make_session_dir(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
         session_dir.mkdir(mode=0o700)
         if sandbox.session_fs:
@@ -507,6 +520,8 @@ class LocalSandboxProvider:
             except OSError as exc:  # the directory on the disk, as for a kept one: this and later ones
                 sandbox.session_fs = self.session_fs = False
                 log.warning("sandboxes: session directories on the disk: %s", str(exc)[:300])
+
+    def _fill_session_dir(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         for sub in ("logs", "run"):
             (session_dir / sub).mkdir(mode=0o700)
         if self.disk_fs:
