@@ -119,7 +119,7 @@ class Review:
     async def _prepare(self) -> Sandbox:
         checker = await self._provider.start(self.spec)
         try:
-            await _lay_out_task(checker, self.task, self._workspaces)
+            await _lay_out_task(checker, self.task, self._workspaces, files_too=False)
         except BaseException:
             await asyncio.shield(stop_sandbox(checker))
             raise
@@ -233,12 +233,15 @@ def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
     return outcome.model_copy(update={"failure_kind": FailureKind.VERIFIER_ERROR, "error_message": why})
 
 
-async def _lay_out_task(checker: Sandbox, task: Task, workspaces: PreparedWorkspaces | None) -> None:
-    """The task's workspace as the agent got it, with its baseline (and a Harbor task's /logs)."""
+async def _lay_out_task(
+    checker: Sandbox, task: Task, workspaces: PreparedWorkspaces | None, *, files_too: bool = True
+) -> None:
+    """The task's workspace as the agent got it, with its baseline (and a Harbor task's /logs).
+    ``files_too``: False for a grading sandbox, whose workspace the agent's replaces (``_take_over``)."""
     # A task's image may ship files at its workdir: the baseline is then made in the sandbox, of the
     # workspace as the image gave it, not copied from the host's lay-out of the task's files alone.
     prepared = workspaces if task.image is None and task.build is None else None
-    await lay_out(checker, task.workspace, prepared)
+    await lay_out(checker, task.workspace, prepared, files_too=files_too)
     if harbor.is_harbor(task):
         await harbor.prepare_agent(checker)
 

@@ -94,18 +94,23 @@ async def lay_out(
     prepared: WorkspaceTemplates | None = None,
     *,
     baseline: bool = True,
+    files_too: bool = True,
 ) -> None:
     """``copy_from`` first, then the inline ``files`` over it, then (with ``baseline``) the git
     baseline. With ``prepared``, a sandbox that can copy a directory in gets the workspace as this host
     laid it out once, baseline included, and runs no git of its own. The agent's sandbox gets no
-    baseline: its diff is taken in the verification sandbox (executor/grading.py)."""
+    baseline: its diff is taken in the verification sandbox (executor/grading.py). ``files_too``: False
+    where the workspace's files are replaced right after (the verification sandbox gets the agent's):
+    from a prepared lay-out, the baseline alone is copied (a task's repository is otherwise copied in
+    only to be removed)."""
     files = {checked_relative_path(rel): text for rel, text in spec.files.items()}
     if spec.copy_from and not Path(spec.copy_from).is_dir():
         raise WorkspaceError(f"workspace copy_from {spec.copy_from!r} is not a directory")
     if prepared is not None and isinstance(sandbox, CopiesIn):
         async with prepared.use(spec, files) as template:
             if template is not None:
-                await sandbox.copy_in(template)
+                if files_too:
+                    await sandbox.copy_in(template)
                 if baseline and (git_dir := Path(baseline_git_dir(str(template)))).is_dir():
                     await sandbox.copy_in(git_dir, baseline_git_dir(sandbox.workdir))
                 return

@@ -259,6 +259,27 @@ async def test_a_prepared_workspace_is_built_once_and_each_sandbox_gets_its_own_
 
 
 @needs_git
+async def test_a_grading_lay_out_copies_the_baseline_alone_and_the_agents_workspace_diffs_against_it(
+    sandbox: LocalSandbox, tmp_path: Path, prepared: PreparedWorkspaces | None
+) -> None:
+    spec = WorkspaceSpec(files={"calc.py": "def add(a, b):\n    return a - b\n", "README.md": "# task\n"})
+    await lay_out(sandbox, spec, prepared, files_too=False)
+    laid_out = sorted(os.listdir(sandbox.workdir))
+    # From a prepared lay-out the files are not copied (the agent's replace them); in the sandbox, its
+    # git records them where they are.
+    assert laid_out == ([] if prepared is not None else ["README.md", "calc.py"])
+    # The agent's workspace, as the grading sandbox gets it: one file fixed, one removed, one new.
+    for name in laid_out:
+        os.unlink(Path(sandbox.workdir, name))
+    await sandbox.write_file("calc.py", b"def add(a, b):\n    return a + b\n")
+    await sandbox.write_file("new.txt", b"new\n")
+    diff = await workspace_diff(sandbox)
+    assert diff is not None
+    assert "-    return a - b" in diff and "+    return a + b" in diff
+    assert "--- a/README.md" in diff and "-# task" in diff and "+++ b/new.txt" in diff
+
+
+@needs_git
 async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
     prepared = PreparedWorkspaces(tmp_path / "prepared", "run", max_entries=2)
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
