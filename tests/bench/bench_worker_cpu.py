@@ -3,7 +3,7 @@ run by ``run_session`` in this one process, ``--at-once`` of them at a time, as 
 share of a run (its provider, gateway and scripted model included; the sandboxes' processes not).
 
     .venv/bin/python tests/bench/bench_worker_cpu.py [--sessions 400] [--at-once 125] [--sleep 5]
-        [--scratch DIR]
+        [--files 0] [--scratch DIR]
 
 Set against the workers' part of `python -m executor.testing.bench_scale` (f), what is left is Ray's
 task path and the cores the workers share. Prints its figures; asserts nothing.
@@ -31,8 +31,18 @@ from tests.conftest import session_context  # noqa: E402
 WARM_UP = 8  # sessions run first and left out: the provider's fork server, the imports of first use
 
 
-async def measure(sessions: int, at_once: int, sleep_s: float, scratch: Path) -> dict[str, float]:
-    task = Task.model_validate({"id": "null", "prompt": "p", "verify": "true"})
+async def measure(
+    sessions: int, at_once: int, sleep_s: float, scratch: Path, files: int = 0
+) -> dict[str, float]:
+    workspace: dict[str, str] = {}
+    if files:  # a repository of the task's: that many small files in a few directories
+        repo = scratch / "repo"
+        for i in range(files):
+            path = repo / f"d{i % 10}" / f"f{i}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"x = {i}\n")
+        workspace = {"copy_from": str(repo)}
+    task = Task.model_validate({"id": "null", "prompt": "p", "verify": "true", "workspace": workspace})
     harness = CommandHarness(command=f"sleep {sleep_s:g}; echo done")
     async with session_context(scratch, harness=harness) as ctx:
         slots = asyncio.Semaphore(at_once)
@@ -64,16 +74,18 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=400)
     parser.add_argument("--at-once", type=int, default=125)
     parser.add_argument("--sleep", type=float, default=5.0)
+    parser.add_argument("--files", type=int, default=0, help="the task's workspace: this many small files")
     # The disk's filesystem matters: an ext4 without a journal searches past every inode freed lately.
     parser.add_argument("--scratch", default=str(Path.home()), help="where the sessions' files go")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-worker-cpu-", dir=args.scratch))
     try:
-        figures = asyncio.run(measure(args.sessions, args.at_once, args.sleep, scratch))
+        figures = asyncio.run(measure(args.sessions, args.at_once, args.sleep, scratch, args.files))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(
-        f"{args.sessions} sessions of `sleep {args.sleep:g}`, {args.at_once} at once, in one process: "
+        f"{args.sessions} sessions of `sleep {args.sleep:g}`, {args.at_once} at once, "
+        f"workspace of {args.files} files, in one process: "
         f"{figures['cpu_ms_per_session']:.1f} ms of its CPU per session "
         f"({figures['system_ms_per_session']:.1f} ms of it in the kernel; "
         f"{figures['faults_per_session']:.0f} page faults, {figures['switches_per_session']:.0f} context "
