@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -122,14 +123,24 @@ def _key_of(spec: WorkspaceSpec, files: dict[str, str]) -> str:
     if spec.copy_from:
         src = os.path.realpath(spec.copy_from)
         digest.update(src.encode() + b"\0")
-        for dirpath, dirnames, filenames in os.walk(src):
-            dirnames.sort()
-            for name in sorted(dirnames + filenames):
-                full = os.path.join(dirpath, name)
-                st = os.lstat(full)
-                rel = os.path.relpath(full, src)
-                digest.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        lines: list[str] = []
+        _stat_lines(src, "", lines)
+        digest.update("".join(lines).encode())
     return digest.hexdigest()[:32]
+
+
+def _stat_lines(directory: str, rel: str, lines: list[str]) -> None:
+    """A line for each entry under ``directory`` (its path under the source, mode, size and mtime), a
+    directory's entries sorted and each subdirectory's after its own line; links are not followed.
+    Each use of a prepared workspace walks its source: one lstat an entry (a DirEntry's), no more."""
+    with os.scandir(directory) as it:
+        entries = sorted(it, key=lambda entry: entry.name)
+    for entry in entries:
+        st = entry.stat(follow_symlinks=False)
+        path = rel + entry.name
+        lines.append(f"{path}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n")
+        if stat.S_ISDIR(st.st_mode):
+            _stat_lines(entry.path, path + "/", lines)
 
 
 def _build(spec: WorkspaceSpec, files: dict[str, str], path: Path) -> bool:
