@@ -382,10 +382,12 @@ class LocalSandboxProvider:
         else:
             await self._discard(server, self.kill_grace_s)
 
-    def reclaim(self, server: ExecServer) -> bool:
+    def reclaim(self, server: ExecServer, marker_token: str) -> bool:
         """Take back a server kept by ``keep_server`` that no sandbox has taken since: True if it was
-        still kept (it is then the caller's again)."""
-        if server in self._idle:
+        still kept (it is then the caller's again). ``marker_token``: the marker it was handed on with; a
+        server that has served another sandbox since, and was kept again, has another (that sandbox's
+        caps, not the caller's, are then the ones it is in)."""
+        if server in self._idle and server.marker_token == marker_token:
             self._idle.remove(server)
             return True
         return False

@@ -58,7 +58,7 @@ class SandboxOwner(Protocol):
 
     def may_hand_on(self, server: ExecServer) -> bool: ...
 
-    def reclaim(self, server: ExecServer) -> bool: ...
+    def reclaim(self, server: ExecServer, marker_token: str) -> bool: ...
 
     async def keep_server(self, server: ExecServer, *, usable: bool) -> None: ...
 
@@ -188,6 +188,7 @@ class LocalSandbox:
         # with ``_handed_early`` serves another sandbox.
         self._ended = False
         self._handed_early = False
+        self._handed_with = ""  # the marker its server was handed on with (``end_commands``)
         self._reaped = False
         self._stop_lock = asyncio.Lock()
         self._stop_task: asyncio.Task[None] | None = None
@@ -589,6 +590,7 @@ class LocalSandbox:
             self._ended = True  # from here no exec: the server is about to be another sandbox's
             if await server.hand_on(self._grace + sup.DRAIN_S + 2.0):
                 self._handed_early = True
+                self._handed_with = server.marker_token
                 # The next sandbox gives it caps of its own; until one does, it is still in ours.
                 server.cgroups = {}
                 await self._provider.keep_server(server, usable=True)
@@ -625,7 +627,7 @@ class LocalSandbox:
                 clean = await asyncio.to_thread(_kill_tree, overran, self._marker, sweep=True, grace_s=0)
             if not clean:
                 raise SandboxError(f"sandbox {self.id}: processes still alive after stop")
-            if self._handed_early and self._provider.reclaim(self._server):
+            if self._handed_early and self._provider.reclaim(self._server, self._handed_with):
                 # No sandbox took it, and it is still in our caps, empty of all else: they go on with it
                 # after our release, as with a server handed on at the stop.
                 self._server.cgroups, handed_on = self._caps, True

@@ -250,3 +250,35 @@ async def test_a_server_handed_on_early_that_no_sandbox_took_goes_on_with_the_ca
         await later.stop()
     finally:
         await provider.aclose()
+
+
+async def test_a_server_handed_on_early_then_taken_and_handed_on_again_is_not_the_firsts_again(tmp_path):
+    """The agent's server, handed on early, serves a second sandbox, which hands it on early too: at the
+    agent's stop it is kept again, but in the second's caps, not the agent's. The agent's stop frees its
+    own caps (it does not take the server back as if in them), the second's stop takes it back with
+    its own, and the next sandbox's caps are the ones its server is in; nothing is left at the close."""
+    provider = _capped(tmp_path)
+    made: list[str] = []
+    try:
+        agent = await _start(provider, "agent")
+        server = agent._server.pid
+        agent_caps = [group for group in (agent.pids_cgroup, agent.memory_cgroup) if group]
+        await agent.exec(["true"], timeout=60)
+        await agent.end_commands()
+        second = await _start(provider, "second")
+        assert second._server.pid == server
+        second_caps = [group for group in (second.pids_cgroup, second.memory_cgroup) if group]
+        assert second_caps and not set(second_caps) & set(agent_caps)
+        await second.exec(["true"], timeout=60)
+        await second.end_commands()
+        await agent.stop()
+        await second.stop()
+        later = await _start(provider, "later")
+        assert later._server.pid == server
+        later_caps = [group for group in (later.pids_cgroup, later.memory_cgroup) if group]
+        assert later_caps == second_caps and str(server) in _members(later_caps)
+        await later.stop()
+        made = [*agent_caps, *second_caps]
+    finally:
+        await provider.aclose()
+    assert made and [group for group in made if os.path.exists(group)] == []
