@@ -21,6 +21,7 @@ import asyncio
 import copy
 import logging
 import math
+import os
 import secrets
 import shutil
 import signal
@@ -43,7 +44,8 @@ from sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
 )
-from sandboxes.carry import Carried, copy_untrusted_tree
+from sandboxes.carry import Carried, copy_steps, copy_untrusted_tree
+from sandboxes.inline import in_slices
 from sandboxes.local import LocalSandbox
 from sandboxes.prepared import PreparedWorkspaces
 from sandboxes.workspace import checked_relative_path, diff_step, lay_out, read_diff, workspace_diff
@@ -267,6 +269,8 @@ async def carry_workspace(src: Sandbox, dst: Sandbox) -> Carried:
     goes through a tar made in ``src`` and unpacked in ``dst`` by their own users, so neither side's
     files are handled as root."""
     if isinstance(src, LocalSandbox) and isinstance(dst, LocalSandbox):
+        if src.files_in_memory and dst.files_in_memory:
+            return await _carry_in_memory(Path(src.workdir), Path(dst.workdir), dst.owner_ids)
         return await asyncio.to_thread(_carry_on_host, Path(src.workdir), Path(dst.workdir), dst.owner_ids)
     src_dir, dst_dir = _host_workdir(src), _host_workdir(dst)
     if src_dir is not None and dst_dir is not None:
@@ -282,12 +286,27 @@ def _host_workdir(sandbox: Sandbox) -> Path | None:
 
 
 def _carry_on_host(src: Path, dst: Path, owner: tuple[int, int] | None) -> Carried:
+    _clear(dst)
+    return copy_untrusted_tree(str(src), str(dst), owner)
+
+
+async def _carry_in_memory(src: Path, dst: Path, owner: tuple[int, int] | None) -> Carried:
+    """``_carry_on_host`` between two sandboxes' own tmpfs: on the event loop, in slices."""
+    with os.scandir(dst) as entries:
+        laid_out = next(entries, None) is not None
+    if laid_out:  # only where the task's files were laid out in the grading sandbox itself
+        await asyncio.to_thread(_clear, dst)
+    done = Carried()
+    await in_slices(copy_steps(str(src), str(dst), owner, done))
+    return done
+
+
+def _clear(dst: Path) -> None:
     for entry in list(dst.iterdir()):  # the lay-out, made by us in a sandbox the agent never saw
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    return copy_untrusted_tree(str(src), str(dst), owner)
 
 
 _TAR_OUT = 't="$TMPDIR/.carry-{tag}.tar"; tar -C "$1" -cf "$t" .; rc=$?; echo "$t"; exit $rc'

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MAX_DEPTH = 256
@@ -60,6 +61,16 @@ def copy_untrusted_tree(src: str, dst: str, owner: tuple[int, int] | None = None
     """Copy what directory ``src`` holds into the existing directory ``dst`` as the module says.
     ``owner`` (uid, gid): the grading sandbox's user, given all that is made. Blocking."""
     done = Carried()
+    for _ in copy_steps(src, dst, owner, done):
+        pass
+    return done
+
+
+def copy_steps(src: str, dst: str, owner: tuple[int, int] | None, done: Carried) -> Iterator[None]:
+    """``copy_untrusted_tree`` a step at a time: each entry, and each chunk of a file's data, is one
+    (sandboxes/inline.py's ``in_slices`` runs them on an event loop, a slice of its time at once, where
+    both directories are in memory and no step can wait on a disk). ``done`` says what was done. A
+    closed iterator closes every descriptor it holds."""
     try:
         src_fd = os.open(src, _DIR_FLAGS)
     except OSError as exc:
@@ -69,25 +80,27 @@ def copy_untrusted_tree(src: str, dst: str, owner: tuple[int, int] | None = None
         # /rollout/work by a link or a file. Never followed, and no failure (a failed carry is masked,
         # which must not be the agent's choice): nothing comes over, and the row says why.
         done.skip(".", f"the workspace is no directory ({exc.strerror})")
-        return done
-    dst_fd = os.open(dst, _DIR_FLAGS)
+        return
     try:
-        _copy_dir(src_fd, dst_fd, "", 0, owner, done)
-    except _Bound:
-        pass
+        dst_fd = os.open(dst, _DIR_FLAGS)
+        try:
+            yield from _copy_dir(src_fd, dst_fd, "", 0, owner, done)
+        except _Bound:
+            pass
+        finally:
+            os.close(dst_fd)
     finally:
         os.close(src_fd)
-        os.close(dst_fd)
-    return done
 
 
 def _copy_dir(
     src_fd: int, dst_fd: int, rel: str, depth: int, owner: tuple[int, int] | None, done: Carried
-) -> None:
+) -> Iterator[None]:
     # Recursion only as deep as MAX_DEPTH: each level holds two descriptors.
     with os.scandir(src_fd) as entries:
         names = [entry.name for entry in entries]
     for name in names:
+        yield
         path = f"{rel}/{name}" if rel else name
         if done.files + done.skipped >= MAX_ENTRIES:
             done.stopped = f"{MAX_ENTRIES} entries"
@@ -120,7 +133,7 @@ def _copy_dir(
                     pass
                 sub_dst = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
                 try:
-                    _copy_dir(sub_src, sub_dst, path, depth + 1, owner, done)
+                    yield from _copy_dir(sub_src, sub_dst, path, depth + 1, owner, done)
                     _set_stat(sub_dst, st, owner)
                 finally:
                     os.close(sub_dst)
@@ -128,14 +141,14 @@ def _copy_dir(
                 os.close(sub_src)
             done.files += 1
         elif stat.S_ISREG(st.st_mode):
-            _copy_file(src_fd, dst_fd, name, path, owner, done)
+            yield from _copy_file(src_fd, dst_fd, name, path, owner, done)
         else:
             done.skip(path, "not a regular file, directory or link")
 
 
 def _copy_file(
     src_fd: int, dst_fd: int, name: str, path: str, owner: tuple[int, int] | None, done: Carried
-) -> None:
+) -> Iterator[None]:
     fin = _open_regular(src_fd, name, path, done)
     if fin is None:
         return
@@ -145,7 +158,7 @@ def _copy_file(
             name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst_fd
         )
         try:
-            _copy_data(fin, fout, st.st_size, done)
+            yield from _copy_data(fin, fout, st.st_size, done)
             os.ftruncate(fout, st.st_size)  # a trailing hole
             _set_stat(fout, st, owner)
         finally:
@@ -178,8 +191,8 @@ def _open_regular(src_fd: int, name: str, path: str, done: Carried) -> int | Non
         os.close(handle)
 
 
-def _copy_data(fin: int, fout: int, size: int, done: Carried) -> None:
-    """The data of ``fin`` to ``fout`` at the same offsets, holes skipped."""
+def _copy_data(fin: int, fout: int, size: int, done: Carried) -> Iterator[None]:
+    """The data of ``fin`` to ``fout`` at the same offsets, holes skipped; a step a chunk."""
     offset = 0
     while offset < size:
         try:
@@ -202,6 +215,8 @@ def _copy_data(fin: int, fout: int, size: int, done: Carried) -> None:
                 return
             start += n
             done.bytes += n
+            if start < end:
+                yield
         offset = end
 
 

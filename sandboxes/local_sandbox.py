@@ -129,6 +129,7 @@ class LocalSandbox:
         # What its commands write, and its user's passwd and group: on its own filesystem where it has
         # one (diskfs.py), else in the session directory itself.
         self.files_dir = session_dir / diskfs.DISK_DIR if provider.disk_fs else session_dir
+        self.files_in_memory = provider.disk_fs  # its own tmpfs: no call on them waits on a disk
         self.workdir = str(self.files_dir / "work")
         self.home = str(self.files_dir / "home")
         self.tmpdir = str(self.files_dir / "tmp")
