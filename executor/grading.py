@@ -96,6 +96,8 @@ class Review:
         self._workspaces = workspaces
         self._ready: asyncio.Future[Sandbox] | None = None
         self._early = False  # counted in _early_reviews until the agent's run is over
+        # The prepared lay-out the agent's workspace came from (``lay_out``), set before ``begin``.
+        self.laid_out_as: str | None = None
 
     def begin(self) -> None:
         if self._ready is None:
@@ -121,7 +123,9 @@ class Review:
     async def _prepare(self) -> Sandbox:
         checker = await self._provider.start(self.spec)
         try:
-            await _lay_out_task(checker, self.task, self._workspaces, files_too=False)
+            await _lay_out_task(
+                checker, self.task, self._workspaces, files_too=False, same_as=self.laid_out_as
+            )
         except BaseException:
             await asyncio.shield(stop_sandbox(checker))
             raise
@@ -236,14 +240,20 @@ def _not_reviewed(row: Row, outcome: Outcome, grade: bool, why: str) -> Outcome:
 
 
 async def _lay_out_task(
-    checker: Sandbox, task: Task, workspaces: PreparedWorkspaces | None, *, files_too: bool = True
+    checker: Sandbox,
+    task: Task,
+    workspaces: PreparedWorkspaces | None,
+    *,
+    files_too: bool = True,
+    same_as: str | None = None,
 ) -> None:
     """The task's workspace as the agent got it, with its baseline (and a Harbor task's /logs).
-    ``files_too``: False for a grading sandbox, whose workspace the agent's replaces (``_take_over``)."""
+    ``files_too``: False for a grading sandbox, whose workspace the agent's replaces (``_take_over``);
+    ``same_as``: the prepared lay-out the agent's came from (``lay_out``)."""
     # A task's image may ship files at its workdir: the baseline is then made in the sandbox, of the
     # workspace as the image gave it, not copied from the host's lay-out of the task's files alone.
     prepared = workspaces if task.image is None and task.build is None else None
-    await lay_out(checker, task.workspace, prepared, files_too=files_too)
+    await lay_out(checker, task.workspace, prepared, files_too=files_too, same_as=same_as)
     if harbor.is_harbor(task):
         await harbor.prepare_agent(checker)
 

@@ -281,7 +281,7 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             ]
             if harbor.is_harbor(req.task):
                 steps.append(harbor.prepare_agent(sandbox))
-            _, launch, *_ = await _gather_or_cancel(*steps)
+            review.laid_out_as, launch, *_ = await _gather_or_cancel(*steps)
         except (InstallError, Exception) as exc:
             timer.lap("setup")
             return _finish(row, Outcome.of(FailureKind.SETUP_FAILED, describe(exc)), timer)

@@ -63,9 +63,14 @@ class PreparedWorkspaces:
         self._host_has_git = True
 
     @contextlib.asynccontextmanager
-    async def use(self, spec: WorkspaceSpec, files: dict[str, str]) -> AsyncIterator[Path | None]:
+    async def use(
+        self, spec: WorkspaceSpec, files: dict[str, str], key: str | None = None
+    ) -> AsyncIterator[Path | None]:
         """The laid-out workspace for ``spec`` (``files`` its checked inline files), kept while the
-        caller copies it; None when this host has no git."""
+        caller copies it; None when this host has no git. ``key``: the entry an earlier use for the
+        same workspace got (``key_of_entry``), taken as it is while it is kept: the grading sandbox's
+        baseline is then the one the agent's workspace was laid out from, whatever its source became
+        since, and its source is not walked again."""
         # A task's own repository is committed inside the sandbox, as without this cache: its config may
         # name programs (filters, hooks, fsmonitor) for git to run, and only the sandbox may run them.
         if not self._host_has_git or (
@@ -73,8 +78,9 @@ class PreparedWorkspaces:
         ):
             yield None
             return
-        # Inline files alone are hashed here; a copy_from is walked in a thread, as it may be large.
-        key = await inline_if(not spec.copy_from, _key_of, spec, files)
+        if key is None or key not in self._entries:
+            # Inline files alone are hashed here; a copy_from is walked in a thread, as it may be large.
+            key = await inline_if(not spec.copy_from, _key_of, spec, files)
         self._readers[key] = self._readers.get(key, 0) + 1
         try:
             path = await self._entry(key, spec, files)
@@ -98,6 +104,11 @@ class PreparedWorkspaces:
                 self._entries[key] = path
             self._entries.move_to_end(key)
             return path
+
+    @staticmethod
+    def key_of_entry(template: Path) -> str:
+        """The key of the entry whose workspace ``use`` gave as ``template``."""
+        return template.parent.name
 
     async def _evict(self) -> None:
         idle = [key for key in self._entries if key not in self._readers]

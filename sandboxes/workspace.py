@@ -75,9 +75,14 @@ class CopiesIn(Protocol):
 class WorkspaceTemplates(Protocol):
     """Workspaces laid out once on this host, baseline included, for sandboxes to copy in
     (``sandboxes.prepared.PreparedWorkspaces``): ``use`` holds one for ``spec`` and its checked inline
-    ``files`` while the caller copies it, or gives None when the sandbox must lay out its own."""
+    ``files`` while the caller copies it, or gives None when the sandbox must lay out its own; ``key``:
+    an entry an earlier use got, taken as it is (``key_of_entry``)."""
 
-    def use(self, spec: WorkspaceSpec, files: dict[str, str]) -> AbstractAsyncContextManager[Path | None]: ...
+    def use(
+        self, spec: WorkspaceSpec, files: dict[str, str], key: str | None = None
+    ) -> AbstractAsyncContextManager[Path | None]: ...
+
+    def key_of_entry(self, template: Path) -> str: ...
 
 
 def checked_relative_path(path: str) -> str:
@@ -95,25 +100,28 @@ async def lay_out(
     *,
     baseline: bool = True,
     files_too: bool = True,
-) -> None:
+    same_as: str | None = None,
+) -> str | None:
     """``copy_from`` first, then the inline ``files`` over it, then (with ``baseline``) the git
     baseline. With ``prepared``, a sandbox that can copy a directory in gets the workspace as this host
     laid it out once, baseline included, and runs no git of its own. The agent's sandbox gets no
     baseline: its diff is taken in the verification sandbox (executor/grading.py). ``files_too``: False
     where the workspace's files are replaced right after (the verification sandbox gets the agent's):
     from a prepared lay-out, the baseline alone is copied (a task's repository is otherwise copied in
-    only to be removed)."""
+    only to be removed). Returns the prepared lay-out used, if any, which ``same_as`` then names to a
+    later lay-out of the same workspace (the verification sandbox's: the baseline the agent's came
+    from, while the worker keeps it; ``PreparedWorkspaces.use``)."""
     files = {checked_relative_path(rel): text for rel, text in spec.files.items()}
     if spec.copy_from and not Path(spec.copy_from).is_dir():
         raise WorkspaceError(f"workspace copy_from {spec.copy_from!r} is not a directory")
     if prepared is not None and isinstance(sandbox, CopiesIn):
-        async with prepared.use(spec, files) as template:
+        async with prepared.use(spec, files, same_as) as template:
             if template is not None:
                 if files_too:
                     await sandbox.copy_in(template)
                 if baseline and (git_dir := Path(baseline_git_dir(str(template)))).is_dir():
                     await sandbox.copy_in(git_dir, baseline_git_dir(sandbox.workdir))
-                return
+                return prepared.key_of_entry(template)
     if spec.copy_from:
         if not isinstance(sandbox, CopiesIn):
             raise WorkspaceError(f"sandbox {sandbox.id} cannot copy in a local directory")
@@ -122,6 +130,7 @@ async def lay_out(
         await sandbox.write_file(rel, text.encode())
     if baseline:
         await record_baseline(sandbox)
+    return None
 
 
 _BASELINE_GIT_NAME = "baseline.git"

@@ -280,6 +280,40 @@ async def test_a_grading_lay_out_copies_the_baseline_alone_and_the_agents_worksp
 
 
 @needs_git
+async def test_the_grading_lay_out_takes_the_baseline_the_agents_came_from_whatever_the_source_became(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    spec = WorkspaceSpec(copy_from=str(src))
+    prepared = PreparedWorkspaces(tmp_path / "prepared", "run")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    agent, grading = await _started(provider), await _started(provider)
+    try:
+        laid_out_as = await lay_out(agent, spec, prepared, baseline=False)
+        assert laid_out_as is not None
+        (src / "calc.py").write_text("def add(a, b):\n    return 0\n")  # edited during the agent's run
+        await agent.write_file("calc.py", b"def add(a, b):\n    return a + b\n")  # the agent's fix
+        assert await lay_out(grading, spec, prepared, files_too=False, same_as=laid_out_as) == laid_out_as
+        assert prepared.builds == 1
+        shutil.copy(Path(agent.workdir, "calc.py"), Path(grading.workdir, "calc.py"))  # the carry
+        diff = await workspace_diff(grading)
+        assert diff is not None and "-    return a - b" in diff and "+    return a + b" in diff
+
+        # An entry no longer kept: the source as it is now, laid out anew.
+        await prepared.aclose()
+        third = await _started(provider)
+        assert await lay_out(third, spec, prepared, files_too=False, same_as=laid_out_as) != laid_out_as
+        assert prepared.builds == 2
+        await third.stop()
+    finally:
+        await agent.stop()
+        await grading.stop()
+        await provider.aclose()
+
+
+@needs_git
 async def test_prepared_entries_are_bounded(tmp_path: Path) -> None:
     prepared = PreparedWorkspaces(tmp_path / "prepared", "run", max_entries=2)
     provider = LocalSandboxProvider(tmp_path / "sandboxes")
