@@ -128,9 +128,9 @@ def plan(
             steps.append([RO, top])
             visible.append(top)
     binds = [[RO, real] for p in readonly if (real := _resolved(p)) is not None]
-    real = (lambda p: p) if resolved else real_path
-    binds += [[RW, real(p)] for p in writable]
-    binds += [[RO, target, real(src)] for target, src in (files or {}).items()]
+    own = (lambda p: p) if resolved else real_path
+    binds += [[RW, own(p)] for p in writable]
+    binds += [[RO, target, own(src)] for target, src in (files or {}).items()]
     binds = [b for b in binds if b[1] != "/"]
     visible += [b[1] for b in binds]
     steps += binds
