@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 MAX_DEPTH = 256
@@ -66,7 +66,9 @@ def copy_untrusted_tree(src: str, dst: str, owner: tuple[int, int] | None = None
     return done
 
 
-def copy_steps(src: str, dst: str, owner: tuple[int, int] | None, done: Carried) -> Iterator[None]:
+def copy_steps(
+    src: str, dst: str, owner: tuple[int, int] | None, done: Carried
+) -> Generator[None, None, None]:
     """``copy_untrusted_tree`` a step at a time: each entry, and each chunk of a file's data, is one
     (sandboxes/inline.py's ``in_slices`` runs them on an event loop, a slice of its time at once, where
     both directories are in memory and no step can wait on a disk). ``done`` says what was done. A

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TypeVar
 
 INLINE_BYTES = 64 * 1024
@@ -52,8 +52,8 @@ def small_tree(root: str | os.PathLike[str]) -> bool:
     return True
 
 
-async def in_slices(steps: Iterator[object], slice_s: float = SLICE_S) -> None:
-    """Run ``steps`` (an iterator whose every step is quick and waits on no disk) to the end on this
+async def in_slices(steps: Generator[object, None, None], slice_s: float = SLICE_S) -> None:
+    """Run ``steps`` (a generator whose every step is quick and waits on no disk) to the end on this
     event loop, giving the loop back every ``slice_s``. Closed if cancelled."""
     try:
         ends = time.perf_counter() + slice_s
@@ -62,6 +62,4 @@ async def in_slices(steps: Iterator[object], slice_s: float = SLICE_S) -> None:
                 await asyncio.sleep(0)
                 ends = time.perf_counter() + slice_s
     finally:
-        close = getattr(steps, "close", None)
-        if close is not None:
-            close()
+        steps.close()

@@ -196,6 +196,10 @@ class LocalSandboxProvider:
                 lease.release()
             raise SandboxStartError(str(exc)) from exc
 
+        def in_session_dir() -> None:
+            self._fill_session_dir(session_dir, sandbox)
+            sandbox._write_descriptor(create=True)
+
         def on_disk() -> None:
             if not server.cgroups:  # a spare's are made and joined while the sandbox before it ran
                 server.cgroups = self._cap(server)
@@ -208,10 +212,6 @@ class LocalSandboxProvider:
             self._make_session_dir(session_dir, sandbox)
             if not sandbox.session_fs:
                 in_session_dir()
-
-        def in_session_dir() -> None:
-            self._fill_session_dir(session_dir, sandbox)
-            sandbox._write_descriptor(create=True)
 
         async def lay_out() -> None:
             # What touches the disk (or the cgroups, whose writes can wait on the kernel) can wait
