@@ -20,7 +20,12 @@ Two ways to apply one. Root applies it in a fresh mount namespace with a few doz
 (``apply``), once per sandbox, by its supervisor server, whose commands each join that namespace
 (supervisor_server.py; bubblewrap and its two helper interpreters cost ~30 ms an exec): the binds
 are cloned from the host's tree first, a new tmpfs goes on top of ``/``, the clones are moved into it,
-and it becomes the root (``pivot_root``), the host's tree detached. Without root, bubblewrap does it
+and it becomes the root. Over a base (``make_base``: a namespace of one empty read-only tmpfs, which
+every view of the fork server's is unshared from), by ``chroot`` into it, the base's tmpfs left beneath:
+``pivot_root`` walks every thread on the host (~1 ms a session with a thousand sandboxes in flight), and
+what it would detach holds nothing to reach. Over a copy of the host's tree, by ``pivot_root``, the
+host's tree detached. A process that joins a view's namespace gets its topmost root, the view's. Without
+root, bubblewrap does it
 (``bwrap_args``, sandboxes/isolation.py), which also starts from an empty root.
 Standard library only, python3 >= 3.8: the supervisor, run by path, and the in-sandbox agent import it.
 """
@@ -195,6 +200,7 @@ class _Calls:
         self.libc.syscall.restype = ctypes.c_long
         self.libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
         self.libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        self.libc.chroot.argtypes = [ctypes.c_char_p]
 
     def mount(
         self, source: bytes | None, target: str, fstype: bytes | None, flags: int, data: bytes | None
@@ -243,6 +249,11 @@ class _Calls:
             )  # FSMOUNT_CLOEXEC
         finally:
             os.close(fs)
+
+    def chroot_here(self) -> None:
+        """Make the current directory the root: the view's, stacked on a base's empty root."""
+        _check(self.libc.chroot(b"."), "chroot", ".")
+        os.chdir("/")
 
     def pivot_here(self) -> None:
         """Make the current directory (a mount) the root and detach the old root, which ``pivot_root(".",
@@ -332,7 +343,11 @@ def make_base() -> None:
     a namespace to unshare a view's from, cheaply (see ``clone_sources``). Root only; raises OSError."""
     calls = _CALLS
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
-    root = calls.tmpfs({"mode": "0755", "size": "4k"}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+    # Each view is stacked on this root (``apply``): a walk up out of a view's root comes back down into
+    # it, and a process joining the view's namespace gets the view as its root. Were anything to reach
+    # this one, it would find it empty and could leave nothing in it for another sandbox.
+    attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC | _MOUNT_ATTR_RDONLY
+    root = calls.tmpfs({"mode": "0755", "size": "4k"}, attrs)
     calls.move(root, "/")
     os.fchdir(root)
     os.close(root)
@@ -344,7 +359,9 @@ def apply(steps: list[list[str]], sources: Sources | None = None, proc: int | No
     clones, taken by ``clone_sources`` in the host's namespace before this one was unshared from a base
     (``make_base``); without them they are cloned here, from this namespace's copy of the host's tree.
     ``proc``: a detached procfs mount (``clone_mount``) that becomes the view's /proc; without it a procfs
-    of this process's PID namespace is mounted. Root only; raises OSError."""
+    of this process's PID namespace is mounted. Over a base (``sources`` given), the view becomes this
+    process's root by ``chroot``, stacked on the base's: a process that joins the namespace (``setns``)
+    gets the topmost mount on its root as its root, the view's. Root only; raises OSError."""
     calls = _CALLS
     os.umask(0o022)
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
@@ -390,7 +407,10 @@ def apply(steps: list[list[str]], sources: Sources | None = None, proc: int | No
     for fd in read_only:
         calls.setattr(fd, "", _AT_EMPTY_PATH, _MOUNT_ATTR_RDONLY)
         os.close(fd)
-    calls.pivot_here()
+    if sources is not None:
+        calls.chroot_here()
+    else:
+        calls.pivot_here()
 
 
 def _probe() -> int:

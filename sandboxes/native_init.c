@@ -27,8 +27,9 @@
  * namespace as fd 3 and the detached procfs that becomes the view's /proc as fd 4, a pipe to say it is
  * built on 1, and one whose end means the server has opened its namespaces on 0. It clones the sources
  * from the server's (the host's) mount namespace, unshares a mount and IPC namespace from the base, builds
- * the view there, writes "1" and waits; a step that fails exits 1 ("sandbox view: ...") and the server
- * builds the view itself, which says why it could not.
+ * the view there and makes it its root over the base's (chroot, as fsview.apply), writes "1" and waits; a
+ * step that fails exits 1 ("sandbox view: ...") and the server builds the view itself, which says why it
+ * could not.
  *
  * Built with -DROLLOUT_NOLIBC on x86-64: no C library at all, its own system calls. A static glibc
  * program spends ~0.6 ms of CPU here before main (its start-up's CPUID probes, each a trap to the
@@ -56,7 +57,6 @@
 #define PATH_BYTES 4096
 #define MAX_STEPS 1024
 #define MAX_DEVICES 16
-#define MNT_DETACH 2
 
 #define KEYCTL_JOIN_SESSION_KEYRING 1
 #define KEYCTL_CLEAR 7
@@ -485,8 +485,7 @@ static int build_view(int argc, char **argv) {
         set_attr(read_only[i], 0, MOUNT_ATTR_RDONLY, 0, "the view");
         CALL1(__NR_close, read_only[i]);
     }
-    checked(CALL2(__NR_pivot_root, ".", "."), "pivot_root", ".");
-    checked(CALL2(__NR_umount2, ".", MNT_DETACH), "umount2", "the host's root");
+    checked(CALL1(__NR_chroot, "."), "chroot", ".");
     checked(CALL1(__NR_chdir, "/"), "chdir", "/");
     CALL3(__NR_write, 1, "1", 1);
     char byte;

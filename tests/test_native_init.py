@@ -244,8 +244,6 @@ def test_the_view_the_program_builds_is_the_one_fsview_builds(tmp_path: Path, pr
     finally:
         os.close(base)
         os.close(proc)
-    open("/tmp/seen_native.txt", "w").write(seen_native)
-    open("/tmp/seen_ref.txt", "w").write(seen_reference)
     assert seen_native == seen_reference
     assert "writes as planned" in seen_native and " tmpfs " in seen_native and "devpts" in seen_native
     assert "key" not in seen_native.split("writes as planned")[0].split(str(shown / "secret") + ":")[-1]

@@ -4,7 +4,9 @@ change the view the next one joins. Real mounts, as root; skipped where root's v
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,59 @@ async def test_the_server_builds_the_view_itself_and_its_proc_is_the_sandboxs(tm
     in_server = _kernel_clones_detached_mounts() and native_init.PROGRAM is None
     assert int(shell) == (2 if in_server else 3), res.stdout_tail
     assert pids == [1, int(shell), int(shell) + 1], res.stdout_tail
+
+
+# Root in a sandbox (no uid of its own: no boundary claimed, docs/isolation.md) keeps CAP_SYS_CHROOT, and
+# with it the old way out of a chroot: a root of its own below, then `..` past it. A view is its builder's
+# root stacked on the base's (fsview.apply), and a walk up to the base's root goes down into what is
+# mounted there: the view again, whichever init started the command.
+CLIMB = """
+import os
+print("view", sorted(os.listdir("/")))
+os.mkdir("/tmp/below")
+top = os.open("/", os.O_RDONLY)
+os.chroot("/tmp/below")
+os.fchdir(top)
+for _ in range(64):
+    os.chdir("..")
+os.chroot(".")
+print("found", sorted(os.listdir("/")))
+try:
+    os.mkdir("/planted")
+    print("planted")
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+
+
+async def test_a_root_command_that_climbs_out_of_its_view_finds_the_view_again(tmp_path):
+    from tests.test_local_sandbox import Fifo
+
+    provider = LocalSandboxProvider(
+        tmp_path / "sandboxes", kill_grace_s=0.5, keep=False, pids="isolated", filesystem="readonly"
+    )  # user=False: as root
+    sandbox = await provider.start(SandboxSpec(run_id="r", session_id="climb", ttl_s=300))
+    report, go = Fifo(Path(sandbox.workdir) / "report"), Fifo(Path(sandbox.workdir) / "go")
+    running = None
+    try:
+        alone = await sandbox.exec([sys.executable, "-I", "-c", CLIMB], timeout=60)  # the server's own
+        waits = ["sh", "-c", "echo up >> report; read x < go"]
+        running = asyncio.ensure_future(sandbox.exec(waits, timeout=60))
+        assert await report.lines(1) == ["up"]
+        beside = await sandbox.exec(  # beside a running command: a supervisor's, with a forked init
+            [sys.executable, "-I", "-c", CLIMB.replace("below", "below2")], timeout=60
+        )
+        os.write(go._w, b"go\n")
+        assert (await running).exit_code == 0
+    finally:
+        if running is not None and not running.done():
+            running.cancel()
+        report.close()
+        go.close()
+        await sandbox.stop()
+        await provider.aclose()
+    for res in (alone, beside):
+        assert res.exit_code == 0, res.stderr_tail
+        view, found, planted = res.stdout_tail.splitlines()
+        assert "'usr'" in view and found == view.replace("view", "found", 1), res.stdout_tail
+        assert planted == "refused 30", res.stdout_tail  # read-only: EROFS
