@@ -54,7 +54,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 try:  # as part of the package
-    from sandboxes import agent_layers
+    from sandboxes import agent_layers, spawn
     from sandboxes.agent_commands import (
         DEFAULT_MAX_UPLOAD,
         DEFAULT_OUTPUT_CAP,
@@ -65,6 +65,7 @@ try:  # as part of the package
     )
 except ImportError:  # copied beside agent_commands.py, supervisor.py and proctree.py into a sandbox
     import agent_layers  # type: ignore[no-redef]
+    import spawn  # type: ignore[no-redef]
     from agent_commands import (  # type: ignore[no-redef]
         DEFAULT_MAX_UPLOAD,
         DEFAULT_OUTPUT_CAP,
@@ -428,6 +429,7 @@ def main(argv: list | None = None) -> int:
     except ValueError as exc:
         print(f"agent: {exc}"[:1000], file=sys.stderr)
         return 2
+    spawn.new_session_keyring()  # nothing of the job's keyring for the commands
     if layers.missing:
         print(
             f"agent: isolation {args.isolation!r}: commands run without " + "; ".join(layers.missing),

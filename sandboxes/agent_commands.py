@@ -113,9 +113,6 @@ class Agent:
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
         self.relay = agent_layers.GatewayRelay() if self.layers.network else None
         self.account_files = None  # type: dict | None
-        # The first command under a leased uid empties what its earlier tenant left in the uid's keyrings
-        # (spawn.py, _own_session_keyring).
-        self.fresh_uid = self.layers.lease is not None
         if self.layers.lease is not None:  # a uid with no account: the view names it (uidpool.py)
             uid, gid = self.run_as
             passwd, group = uidpool.account_files(uid, gid, os.path.join(self.root, "home"))
@@ -255,11 +252,8 @@ class Agent:
         layers = self._isolation_params(req.get("gateway"))
         if self.layers.bwrap:  # bubblewrap makes them around the command, not the supervisor
             argv, layers = agent_layers.bwrap_argv(layers, argv), {}
-        with self.lock:
-            fresh_uid, self.fresh_uid = self.fresh_uid, False
         params = dict(
             files,
-            fresh_uid=fresh_uid,
             argv=argv,
             cwd=cwd,
             stdin_path=stdin_path,

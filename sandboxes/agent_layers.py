@@ -5,7 +5,7 @@ With the agent as root, each layer is the local sandbox's, made on the node:
 
 - **user**: every command runs as an unprivileged user (``--run-as``) with no supplementary groups and
   ``no_new_privs`` (supervisor.py); with ``--uid-pool`` (the Slurm provider's), as a uid of the node's
-  pool instead (uidpool.py), so that two jobs on one node never share a keyring or signal each other;
+  pool instead (uidpool.py), so that two jobs on one node never signal each other or share a file;
 - **pids**: the agent and its commands live in a PID namespace of their own, with its own /proc, so the
   node's processes (slurmd, other jobs, a worker) and their environments are out of sight: ``enter_pid_
   namespace`` forks the namespace's init, which forks the agent;

@@ -2,7 +2,7 @@
  * sandbox's server built its view (a folded command, sandboxes/folded.py), as one small program the
  * server starts with posix_spawn, so that no page of the server's is copied for it.
  *
- *   rollout-init NOFILE AS FSIZE OOM UID GID FRESH SECCOMP_HEX CWD N CANDIDATE... E VAR=VALUE... ARGV...
+ *   rollout-init NOFILE AS FSIZE OOM UID GID SECCOMP_HEX CWD N CANDIDATE... E VAR=VALUE... ARGV...
  *
  * with an empty environment of its own: the command's (E entries) comes as arguments, so that nothing
  * a C library reads from an environment at a program's start (GLIBC_TUNABLES, say) reaches a root one.
@@ -11,9 +11,8 @@
  * signal unblocked and at its default; the descriptor and core limits; no CAP_SYS_ADMIN for what it
  * starts; the view's namespaces; no_new_privs and the seccomp filter seccomp.py made (its BPF as hex);
  * the working directory; the OOM score; the address-space and file-size limits; the sandbox's user (UID
- * -1: none) with a session keyring of its own (FRESH: the uid's kept keyrings emptied first); every
- * descriptor past stdio closed; then exec of the first CANDIDATE (the N places argv[0] may be, as execvpe
- * looks) that runs. A step before the working directory that fails exits 1 ("sandbox isolation: ..."); a
+ * -1: none); every descriptor past stdio closed; then exec of the first CANDIDATE (the N places argv[0]
+ * may be, as execvpe looks) that runs. A step before the working directory that fails exits 1 ("sandbox isolation: ..."); a
  * later one, or an exec that cannot run, exits 126, or 127 when no candidate exists, as a shell would.
  * Every message is one bounded line on stderr.
  *
@@ -50,22 +49,13 @@
 #define IPC_FD 4
 #define MAX_FILTER 256
 #define CAP_SYS_ADMIN 21
-#define FIXED_ARGS 11 /* the program's name and the ten fields before the candidates */
+#define FIXED_ARGS 10 /* the program's name and the nine fields before the candidates */
 #define MESSAGE_BYTES 512
 #define BASE_FD 3 /* the view's: the base mount namespace */
 #define PROC_FD 4 /* the view's: its /proc */
 #define PATH_BYTES 4096
 #define MAX_STEPS 1024
 #define MAX_DEVICES 16
-
-#define KEYCTL_JOIN_SESSION_KEYRING 1
-#define KEYCTL_CLEAR 7
-#define KEYCTL_LINK 8
-#define KEYCTL_UNLINK 9
-#define KEYCTL_GET_PERSISTENT 22
-#define KEY_SPEC_SESSION_KEYRING -3
-#define KEY_SPEC_USER_KEYRING -4
-#define KEY_SPEC_USER_SESSION_KEYRING -5
 
 #ifdef ROLLOUT_NOLIBC
 #ifndef __x86_64__
@@ -229,22 +219,6 @@ static void install_filter(const char *hex) {
     long err = CALL5(__NR_prctl, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0);
     if (err < 0)
         fail("seccomp filter", (int)-err);
-}
-
-/* As spawn._own_session_keyring: best effort, a kernel without keyrings has nothing to share. */
-static void own_session_keyring(int fresh) {
-    if (CALL2(__NR_keyctl, KEYCTL_JOIN_SESSION_KEYRING, 0) < 0)
-        return;
-    if (fresh) {
-        CALL2(__NR_keyctl, KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING);
-        CALL2(__NR_keyctl, KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING);
-        long persistent = CALL3(__NR_keyctl, KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING);
-        if (persistent >= 0) {
-            CALL2(__NR_keyctl, KEYCTL_CLEAR, persistent);
-            CALL3(__NR_keyctl, KEYCTL_UNLINK, persistent, KEY_SPEC_SESSION_KEYRING);
-        }
-    }
-    CALL3(__NR_keyctl, KEYCTL_LINK, KEY_SPEC_USER_KEYRING, KEY_SPEC_SESSION_KEYRING);
 }
 
 /* Every signal unblocked and at its default: an ignored one stays ignored across exec, and posix_spawn
@@ -504,10 +478,9 @@ static int run_command(int argc, char **argv) {
     long oom = number(argv[4], "OOM score");
     long uid = number(argv[5], "uid");
     long gid = number(argv[6], "gid");
-    long fresh = number(argv[7], "fresh uid");
-    const char *filter = argv[8];
-    const char *cwd = argv[9];
-    long n = number(argv[10], "candidates");
+    const char *filter = argv[7];
+    const char *cwd = argv[8];
+    long n = number(argv[9], "candidates");
     if (n < 1 || n > argc - FIXED_ARGS - 2)
         fail("candidates", EINVAL);
     char **candidates = argv + FIXED_ARGS;
@@ -556,7 +529,6 @@ static int run_command(int argc, char **argv) {
         if ((err = CALL2(__NR_setgroups, 0, 0)) < 0 || (err = CALL3(__NR_setresgid, gid, gid, gid)) < 0 ||
             (err = CALL3(__NR_setresuid, uid, uid, uid)) < 0)
             cannot_run(command[0], (int)-err);
-        own_session_keyring(fresh != 0);
     }
     if (CALL3(__NR_close_range, 3, ~0U, 0) < 0)
         for (int fd = 3; fd < 65536; fd++)

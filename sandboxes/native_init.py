@@ -140,7 +140,6 @@ def start(p: dict[str, Any], env: dict[str, str] | None, stdin_fd: int, out_w: i
         "1" if p.get("memory_procs") else "0",
         str(int(user[0])) if user else "-1",
         str(int(user[1])) if user else "-1",
-        "1" if p.get("fresh_uid") else "0",
         seccomp.FILTER_HEX or "-",
         str(p["cwd"]),
         str(len(candidates)),

@@ -1,12 +1,21 @@
-"""What a sandbox's commands may not do to each other's processes: take another process's descriptors
-(``pidfd_getfd``) or write its memory (``process_vm_writev``), by a seccomp filter the command's init
-installs before its exec, which every process the command starts inherits and none can lift.
+"""What a sandbox's commands may not do, by a seccomp filter the command's init installs before its exec,
+which every process the command starts inherits and none can lift: take another process's descriptors
+(``pidfd_getfd``) or write its memory (``process_vm_writev``), refused with EPERM; use the kernel's
+keyrings (``add_key``, ``request_key``, ``keyctl``), refused with ENOSYS, as on a kernel built without
+them.
 
 A sandbox's processes share one user, and the kernel lets a process of a user do both to another of the
 same user where it would let it trace it. The harness's connections to the gateway are its own
 (sandboxes/netns.py): a tool the agent runs must not take one over, nor steer the harness's own
 process into opening one for it. Tracing itself (``ptrace``: gdb, strace, LeakSanitizer) is left alone,
 as is ``/proc/PID/mem``, which no filter can tell from another file: docs/configuration.md says so.
+
+The keyrings are the kernel's, not a namespace's: a uid's user keyrings outlive its processes, and the
+pool gives a uid to sandbox after sandbox (uidpool.py), so a key one tenant stored would wait there for
+the next. Refused, no sandbox stores one, and none is made for a sandbox at all: each key the kernel
+frees costs a walk of every key on the host (its garbage collector), and one per uid ever leased stayed
+for good (three per uid, ~12,000 on a host after a few days of runs: ~1.5 ms of the kernel's CPU a
+session at 1,000 in flight). Container runtimes refuse the same three calls by default.
 
 Standard library only: it ships beside spawn.py (sandboxes/remote.py's AGENT_IMPORTS).
 """
@@ -30,35 +39,54 @@ _NR, _ARCH = 0, 4  # offsets in struct seccomp_data
 _X32 = 0x40000000
 
 # Per machine: its own calling convention's numbers, and those of another one its kernel also runs
-# (x86-64 runs i386 and x32 calls, each with numbers of its own), each (arch, [pidfd_getfd,
-# process_vm_writev]) as the kernel's audit arch names them.
-_FORBIDDEN: dict[str, list[tuple[int, list[int]]]] = {
-    "x86_64": [(0xC000003E, [438, 311, _X32 | 438, _X32 | 540]), (0x40000003, [438, 348])],
-    "aarch64": [(0xC00000B7, [438, 271]), (0x40000028, [438, 377])],  # its own, and arm32's
-}
+# (x86-64 runs i386 and x32 calls, each with numbers of its own), each (arch, {number: errno}) as the
+# kernel's audit arch names them: pidfd_getfd and process_vm_writev refused, add_key, request_key and
+# keyctl not there.
+_TAKING_OVER, _KEYRINGS = errno.EPERM, errno.ENOSYS
 
 
-def _program(arches: list[tuple[int, list[int]]]) -> list[tuple[int, int, int, int]]:
-    """The filter: for each arch, its numbers refused with EPERM; any other call allowed, and so is a
-    call of an arch that is none of these (no process of this machine makes one)."""
+def _refused(taking_over: list[int], keyrings: list[int]) -> dict[int, int]:
+    return {**dict.fromkeys(taking_over, _TAKING_OVER), **dict.fromkeys(keyrings, _KEYRINGS)}
+
+
+_FORBIDDEN: dict[str, list[tuple[int, dict[int, int]]]] = {
+    "x86_64": [
+        (
+            0xC000003E,
+            _refused([438, 311, _X32 | 438, _X32 | 540], [248, 249, 250, _X32 | 248, _X32 | 249, _X32 | 250]),
+        ),
+        (0x40000003, _refused([438, 348], [286, 287, 288])),
+    ],
+    "aarch64": [  # its own, and arm32's
+        (0xC00000B7, _refused([438, 271], [217, 218, 219])),
+        (0x40000028, _refused([438, 377], [309, 310, 311])),
+    ],
+}  # fmt: skip
+
+
+def _program(arches: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, int, int]]:
+    """The filter: for each arch, its numbers refused with theirs errno; any other call allowed, and so
+    is a call of an arch that is none of these (no process of this machine makes one)."""
     ops: list[tuple[int, int, int, int]] = []
-    to_deny: list[int] = []  # the tests that jump to the refusal, once its place is known
+    to_refuse: list[tuple[int, int]] = []  # (the test that jumps to a refusal, its errno), once placed
     for arch, numbers in arches:
         ops.append((_LD_ABS, 0, 0, _ARCH))
         test = len(ops)
         ops.append((_JEQ, 0, 0, arch))  # its false branch set below: past this arch's block
         ops.append((_LD_ABS, 0, 0, _NR))
-        for number in numbers:
-            to_deny.append(len(ops))
+        for number, err in numbers.items():
+            to_refuse.append((len(ops), err))
             ops.append((_JEQ, 0, 0, number))
         ops.append((_RET, 0, 0, _RET_ALLOW))
         ops[test] = (_JEQ, 0, len(ops) - test - 1, arch)
     ops.append((_RET, 0, 0, _RET_ALLOW))
-    deny = len(ops)
-    ops.append((_RET, 0, 0, _RET_ERRNO | errno.EPERM))
-    for at in to_deny:  # jumps are relative to the next instruction
+    refusals = {}
+    for err in sorted({err for _, err in to_refuse}):
+        refusals[err] = len(ops)
+        ops.append((_RET, 0, 0, _RET_ERRNO | err))
+    for at, err in to_refuse:  # jumps are relative to the next instruction
         code, _jt, jf, k = ops[at]
-        ops[at] = (code, deny - at - 1, jf, k)
+        ops[at] = (code, refusals[err] - at - 1, jf, k)
     return ops
 
 
@@ -90,9 +118,9 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here too: a child w
 
 
 def forbid_taking_over() -> None:
-    """In a process about to exec a command (no_new_privs set): refuse ``pidfd_getfd`` and
-    ``process_vm_writev`` to it and all it starts. Nothing on a machine this does not know. Raises
-    OSError where the kernel refuses the filter."""
+    """In a process about to exec a command (no_new_privs set): refuse ``pidfd_getfd``,
+    ``process_vm_writev`` and the keyrings' calls to it and all it starts. Nothing on a machine this does
+    not know. Raises OSError where the kernel refuses the filter."""
     if _FILTER is None:
         return
     if _PRCTL(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(_FILTER[0]), 0, 0) != 0:

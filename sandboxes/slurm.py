@@ -188,7 +188,7 @@ class SlurmSandboxProvider:
                 self.cfg.isolation,
                 "--run-as",
                 self.cfg.run_as,
-                "--uid-pool",  # as root, a uid of the node's pool: no keyring or signal shared with a job
+                "--uid-pool",  # as root, a uid of the node's pool: no signal or file shared with a job
                 "--hide",
                 str(self.root),
             ]

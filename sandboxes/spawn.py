@@ -159,38 +159,18 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     return 0
 
 
-def _own_session_keyring(fresh_uid: bool) -> None:
-    """A new, empty session keyring of the sandbox's uid for the command, not the one the worker's
-    processes share (inherited, it is possessed, so readable and writable, by every sandbox's commands
-    alike), with the uid's user keyring linked in as a login session has it, so that the sandbox's keys
-    are its own to read in its later commands. ``fresh_uid`` (the sandbox's first command): the uid's
-    keyrings that outlive a sandbox (its user, user-session and persistent keyrings, kept by the kernel
-    per uid) are emptied first, since the pool gives the uid to another sandbox later and what an earlier
-    one stored there must not reach it. Best effort: a kernel without keyrings has nothing to share."""
+def new_session_keyring() -> None:
+    """Join a new, empty session keyring, so that nothing of the one this process was started in (its
+    caller's login, a job's) is possessed by what it starts: the fork server's and a server's, each
+    started by the worker, and the agent's on a node. A sandbox's commands cannot use one anyway
+    (seccomp.py). Best effort: a kernel without keyrings has nothing to share."""
     number = _KEYCTL.get(os.uname().machine)
-    if number is None:
-        return
-    if _syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
-        return
-    if fresh_uid:
-        for ring in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
-            _syscall(number, _KEYCTL_CLEAR, ring)
-        # Linked into the new session keyring to be named, emptied, then unlinked again.
-        persistent = _syscall(number, _KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
-        if persistent >= 0:
-            _syscall(number, _KEYCTL_CLEAR, persistent)
-            _syscall(number, _KEYCTL_UNLINK, persistent, _KEY_SPEC_SESSION_KEYRING)
-    _syscall(number, _KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
-
-
-# Loaded and resolved at import (the fork server's, which every init is forked from), not in each init.
-_syscall = ctypes.CDLL(None).syscall
+    if number is not None:
+        ctypes.CDLL(None).syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 _KEYCTL = {"x86_64": 250, "aarch64": 219}
-_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_UNLINK = 1, 7, 8, 9
-_KEYCTL_GET_PERSISTENT = 22
-_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 def _candidates(argv: list[str], env: dict[str, str] | None) -> list[str]:
@@ -240,7 +220,6 @@ def _exec_command(
             os.setgroups([])
             os.setresgid(user[1], user[1], user[1])
             os.setresuid(user[0], user[0], user[0])
-            _own_session_keyring(bool(p.get("fresh_uid")))
         os.closerange(3, MAX_FD)
         failed: OSError | None = None
         for path in candidates:  # as execvpe: a later directory may still hold a runnable one

@@ -320,8 +320,7 @@ def split_steps(
     if not before:
         return [(params, env)]
     step = {**params, **before, "before": None}
-    # The step empties the uid's keyrings, if the command was to.
-    return [(step, before.get("env", env)), ({**params, "fresh_uid": False}, env)]
+    return [(step, before.get("env", env)), (params, env)]
 
 
 def limit_process(params: dict[str, Any]) -> None:

@@ -166,10 +166,9 @@ class _Server:
         # one sent right after the fork is not lost.
         busy = req.get("params", {}).get("uid_busy") if isinstance(req.get("params"), dict) else None
         if busy and req["params"].get("user") and not self.uid_taken:
-            # The sandbox's first command under its leased uid: it empties what the uid's keyrings kept
-            # from the sandbox that held the uid before (sandboxes/spawn.py, _own_session_keyring).
+            # The sandbox's first command under its leased uid: the uid is not leased again until no
+            # process of it is left here (uidpool.py).
             self.uid_taken = True
-            req["params"]["fresh_uid"] = True
             self.busy = _hold_shared(str(busy))
         params = req.get("params")
         if isinstance(params, dict) and params.get("view") and self.pid_namespace is not None:
@@ -615,6 +614,7 @@ def main(argv: list[str]) -> int:
         print(usage, file=sys.stderr)
         return 2
     proctree.name_process(b"rollout-server")
+    spawn.new_session_keyring()  # nothing of the worker's keyring for the sandbox's commands
     parent = int(argv[2])
     worker = os.pidfd_open(parent)
     if os.getppid() != parent:

@@ -1,6 +1,6 @@
-"""One uid per running sandbox, so that two sandboxes running at once share no kernel user keyring (a
-token one stores with ``add_key`` the other cannot read), cannot signal or ptrace each other's processes,
-and own none of each other's files.
+"""One uid per running sandbox, so that two sandboxes running at once cannot signal or ptrace each other's
+processes and own none of each other's files (the kernel's keyrings, which a uid's would share, are no
+sandbox's at all: seccomp.py).
 
 A sandbox leases its uid from a pool (``lease``): ``POOL_SIZE`` numbers from ``POOL_BASE`` (far above
 any account or container range, below 2**31; a number with an account is skipped), with a gid of the same
@@ -63,8 +63,7 @@ def _try_lock(path: str, operation: int) -> int | None:
 # start tried (open, flock, close) every uid held, ~500 at 1,000 sandboxes in flight, for each lease;
 # ahead of the cursor nearly all are free. The cursor goes back to the start past the first CURSOR_SPAN
 # uids, so that the lock files stay as few (two per uid ever leased); a lease still looks round the whole
-# pool when those are taken. A uid's last tenant's keyrings are emptied before its next one runs
-# (supervisor.py), whichever lease order.
+# pool when those are taken.
 CURSOR_SPAN = 4096
 _cursor = [POOL_BASE]
 

@@ -349,6 +349,7 @@ def main(argv: list[str]) -> int:
         print("usage: zygote.py WORKER_PID CONTROL_FD", file=sys.stderr)
         return 2
     proctree.name_process(b"rollout-zygote")
+    spawn.new_session_keyring()  # nothing of the worker's keyring for the servers we fork
     zygote = _Zygote(int(argv[1]), int(argv[2]))
     return zygote.serve()
 

@@ -60,7 +60,6 @@ def _params(tmp_path: Path, argv: list[str], **extra: object) -> dict[str, objec
         "view": [["root's view, built by the server"]],
         "view_fds": [mnt, ipc],
         "user": [SANDBOX_UID, SANDBOX_UID],
-        "fresh_uid": True,
         "nofile_limit": 777,
         "memory_limit_bytes": 6 << 30,
         "file_size_limit_bytes": 3 << 30,

@@ -190,8 +190,8 @@ async def test_a_hostile_command_gets_nothing_of_the_node(tmp_path):
         shutil.rmtree(home, ignore_errors=True)
     out = res.stdout_tail + res.stderr_tail
     uid, groups, *_ = res.stdout_tail.splitlines()
-    # A uid of the node's pool (its gid the same number), not the other job's on the node: no keyring or
-    # signal crosses between them.
+    # A uid of the node's pool (its gid the same number), not the other job's on the node: no signal
+    # crosses between them.
     assert int(uid) >= uidpool.POOL_BASE and groups == uid and other_uid != uid, (out, other_uid)
     assert "SECRET" not in out and token not in out, out
     for gone in ("/etc/munge/munge.key", f"{home}/.aws", "/tmp/rollout-slurm", str(tmp_path / "sb")):
