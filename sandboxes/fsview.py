@@ -24,9 +24,9 @@ and it becomes the root. Over a base (``make_base``: a namespace of one empty re
 every view of the fork server's is unshared from), by ``chroot`` into it, the base's tmpfs left beneath:
 ``pivot_root`` walks every thread on the host (~1 ms a session with a thousand sandboxes in flight), and
 what it would detach holds nothing to reach. Over a copy of the host's tree, by ``pivot_root``, the
-host's tree detached. A process that joins a view's namespace gets its topmost root, the view's. Without
-root, bubblewrap does it
-(``bwrap_args``, sandboxes/isolation.py), which also starts from an empty root.
+host's tree detached. A process that joins a view's namespace gets its topmost root, the view's.
+Without root, bubblewrap does it (``bwrap_args``, sandboxes/isolation.py), which also starts from an
+empty root.
 Standard library only, python3 >= 3.8: the supervisor, run by path, and the in-sandbox agent import it.
 """
 

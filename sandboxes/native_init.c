@@ -12,9 +12,9 @@
  * starts; the view's namespaces; no_new_privs and the seccomp filter seccomp.py made (its BPF as hex);
  * the working directory; the OOM score; the address-space and file-size limits; the sandbox's user (UID
  * -1: none); every descriptor past stdio closed; then exec of the first CANDIDATE (the N places argv[0]
- * may be, as execvpe looks) that runs. A step before the working directory that fails exits 1 ("sandbox isolation: ..."); a
- * later one, or an exec that cannot run, exits 126, or 127 when no candidate exists, as a shell would.
- * Every message is one bounded line on stderr.
+ * may be, as execvpe looks) that runs. A step before the working directory that fails exits 1 ("sandbox
+ * isolation: ..."); a later one, or an exec that cannot run, exits 126, or 127 when no candidate exists,
+ * as a shell would. Every message is one bounded line on stderr.
  *
  *   rollout-init view SCRATCH_SIZE D DEVICE... L NAME TARGET... (KIND PATH EXTRA)...
  *

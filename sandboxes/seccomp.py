@@ -13,9 +13,10 @@ as is ``/proc/PID/mem``, which no filter can tell from another file: docs/config
 The keyrings are the kernel's, not a namespace's: a uid's user keyrings outlive its processes, and the
 pool gives a uid to sandbox after sandbox (uidpool.py), so a key one tenant stored would wait there for
 the next. Refused, no sandbox stores one, and none is made for a sandbox at all: each key the kernel
-frees costs a walk of every key on the host (its garbage collector), and one per uid ever leased stayed
-for good (three per uid, ~12,000 on a host after a few days of runs: ~1.5 ms of the kernel's CPU a
-session at 1,000 in flight). Container runtimes refuse the same three calls by default.
+frees costs a walk of every key on the host (its garbage collector), and a uid's keyrings, once made,
+stay for good (three for every uid the pool ever leased, ~12,000 on a host after a few days of runs:
+~1.5 ms of the kernel's CPU a session at 1,000 in flight). Container runtimes refuse the same three
+calls by default.
 
 Standard library only: it ships beside spawn.py (sandboxes/remote.py's AGENT_IMPORTS).
 """
@@ -65,7 +66,7 @@ _FORBIDDEN: dict[str, list[tuple[int, dict[int, int]]]] = {
 
 
 def _program(arches: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, int, int]]:
-    """The filter: for each arch, its numbers refused with theirs errno; any other call allowed, and so
+    """The filter: for each arch, its numbers refused, each with its errno; any other call allowed, and so
     is a call of an arch that is none of these (no process of this machine makes one)."""
     ops: list[tuple[int, int, int, int]] = []
     to_refuse: list[tuple[int, int]] = []  # (the test that jumps to a refusal, its errno), once placed
@@ -117,7 +118,7 @@ _FILTER = _made(_PACKED)
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here too: a child would resolve it again
 
 
-def forbid_taking_over() -> None:
+def install() -> None:
     """In a process about to exec a command (no_new_privs set): refuse ``pidfd_getfd``,
     ``process_vm_writev`` and the keyrings' calls to it and all it starts. Nothing on a machine this does
     not know. Raises OSError where the kernel refuses the filter."""

@@ -143,7 +143,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
 
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
-        seccomp.forbid_taking_over()
+        seccomp.install()
     if listener is None:
         # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
         # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.
