@@ -70,6 +70,10 @@ STOP_TIMEOUT_S = 30.0
 # memory no rollout's latency pays back, and past the bound a grading sandbox starts after its harness.
 MAX_EARLY_REVIEWS = 8
 _early_reviews: weakref.WeakKeyDictionary[SandboxProvider, int] = weakref.WeakKeyDictionary()
+# Sessions of a provider still setting up (their sandbox, workspace and harness). Nor does a grading
+# sandbox begin beside its harness while any do: its start would take the CPU from theirs, which are on
+# their rollouts' paths where it is not (a run's first wave: a worker's hundred starts at once).
+_setting_up: weakref.WeakKeyDictionary[SandboxProvider, int] = weakref.WeakKeyDictionary()
 
 
 class Review:
@@ -98,6 +102,18 @@ class Review:
         self._early = False  # counted in _early_reviews until the agent's run is over
         # The prepared lay-out the agent's workspace came from (``lay_out``), set before ``begin``.
         self.laid_out_as: str | None = None
+        self._setting_up = True  # counted in _setting_up until its session's set-up is over
+        _setting_up[provider] = _setting_up.get(provider, 0) + 1
+
+    def _set_up(self) -> None:
+        if self._setting_up:
+            self._setting_up = False
+            _setting_up[self._provider] = max(0, _setting_up.get(self._provider, 1) - 1)
+
+    @property
+    def began(self) -> bool:
+        """Whether its grading sandbox's start has begun."""
+        return self._ready is not None
 
     def begin(self) -> None:
         if self._ready is None:
@@ -105,11 +121,13 @@ class Review:
 
     def begin_beside_harness(self) -> None:
         """Begin now, while the agent's harness runs, unless ``MAX_EARLY_REVIEWS`` of this provider's
-        grading sandboxes already wait beside theirs (then it begins when it is needed)."""
+        grading sandboxes already wait beside theirs, or other sessions of it are still setting up (then
+        it begins when it is needed). Called once the session's set-up is over."""
+        self._set_up()
         if self._ready is not None:
             return
         waiting = _early_reviews.get(self._provider, 0)
-        if waiting >= MAX_EARLY_REVIEWS:
+        if waiting >= MAX_EARLY_REVIEWS or _setting_up.get(self._provider, 0):
             return
         _early_reviews[self._provider] = waiting + 1
         self._early = True
@@ -133,6 +151,7 @@ class Review:
 
     async def close(self) -> bool:
         """Stop the grading sandbox; True when there was none to stop, or it stopped."""
+        self._set_up()
         self._no_longer_waiting()
         ready, self._ready = self._ready, None
         if ready is None:
@@ -150,6 +169,7 @@ class Review:
         """The outcome, changed only where grading could not be done. A failure of the grading sandbox's
         own is the infrastructure's (verifier_error, retried then masked), never a 0."""
         task = self.task
+        self._set_up()
         self._no_longer_waiting()
         self.begin()
         assert self._ready is not None

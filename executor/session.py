@@ -329,6 +329,8 @@ async def _run(req: SessionRequest, ctx: SessionContext, launch_id: str) -> Row:
             row.cleanup_ok = stopped and reviewed
             row.t_cleanup_s = timer.since_lap()
             row.t_total_s = round(sum(timer.marks.values()) + row.t_cleanup_s, 4)
+        else:
+            await review.close()  # nothing of it began: this ends its session's set-up for the provider
 
 
 async def _run_harness(

@@ -7,17 +7,20 @@ verifier_timeout with no reward. A reward file, when written, is the reward.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from executor import grading
 from executor.decisions import decide_row
 from executor.grading import REWARD_FILE_VAR, VERIFIER_CANNOT_GRADE
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.command import CommandHarness
+from sandboxes.base import SandboxSpec
 from tests.conftest import processes_under, session_context
 
 # The agent: one line appended per run (the verifiers below check it ran once), and a final answer.
@@ -187,3 +190,29 @@ async def test_each_launch_of_an_attempt_gets_its_own_evidence_dir(tmp_path):
     assert all(d.name.startswith("v.s0.a3.") for d in dirs)
     for d in dirs:
         assert (d / "harness.stdout.gz").is_file() and (d / "model").is_dir()
+
+
+async def test_a_grading_sandbox_begins_beside_its_harness_only_once_no_other_session_is_setting_up(tmp_path):
+    """A run's first wave starts a worker's sessions at once: their set-ups are on their rollouts' paths,
+    a grading sandbox begun beside a harness is not, so it waits until none is setting up. A session that
+    ended without a sandbox (its start failed) no longer counts as setting up."""
+    task = Task.model_validate({"id": "v", "prompt": "p", "verify": "true"})
+    async with session_context(tmp_path) as ctx:
+
+        def review(name: str) -> grading.Review:
+            return grading.Review(
+                ctx.provider, SandboxSpec(run_id="t", session_id=name, ttl_s=60), task, None
+            )
+
+        first, second = review("first"), review("second")
+        first.begin_beside_harness()
+        assert not first.began  # the second is still setting up
+        second.begin_beside_harness()
+        assert second.began
+        failed = review("failed")
+        await failed.close()  # as a session whose sandbox never started closes it
+        third = review("third")
+        third.begin_beside_harness()
+        assert third.began
+        assert await asyncio.gather(first.close(), second.close(), third.close()) == [True, True, True]
+    assert not processes_under(str(tmp_path / "sandboxes"))
