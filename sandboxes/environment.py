@@ -6,6 +6,7 @@ harness, so nothing here reads ``os.environ``.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 from collections.abc import Mapping, Sequence
@@ -26,10 +27,17 @@ def marker_entry(token: str) -> bytes:
 
 
 def _user_name() -> str:
+    return _name_of(os.getuid())
+
+
+@functools.cache
+def _name_of(uid: int) -> str:
+    """A uid's user name, looked up once per process: every sandbox's environment names it, and each
+    lookup reads the host's user database (a parse of /etc/passwd, or a directory service's call)."""
     try:
-        return pwd.getpwuid(os.getuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return str(os.getuid())
+        return str(uid)
 
 
 def base_environment(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -37,7 +38,9 @@ _NAME_RE = re.compile(r"[0-9a-f]{16}")
 _RECORD_BYTES = 4096
 
 
+@functools.cache
 def boot_id() -> str:
+    """This boot's id, read once per process (which no boot outlives): every sandbox records it."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             return f.read().strip()

@@ -60,3 +60,26 @@ def test_a_uid_whose_last_tenant_still_runs_is_passed_over(pool):
         os.close(busy)
     uidpool._cursor[0] = lease.uid
     assert uidpool.lease(pool).uid == lease.uid
+
+
+def test_the_account_files_follow_the_hosts_files_as_they_change(tmp_path):
+    """A sandbox's passwd and group are the host's entries (but one of the pool's name) and its own; the
+    host's are kept between sandboxes, and read again once the file has changed."""
+    passwd, group = tmp_path / "passwd", tmp_path / "group"
+    passwd.write_text(f"root:x:0:0::/root:/bin/sh\n{uidpool.USER_NAME}:x:5:5::/:/bin/sh\n")
+    group.write_text("root:x:0:\n")
+    first = uidpool.account_files(70001, 70001, "/h", str(passwd), str(group))
+    assert first[0].splitlines() == [
+        "root:x:0:0::/root:/bin/sh",
+        f"{uidpool.USER_NAME}:x:70001:70001:rollout sandbox:/h:/usr/sbin/nologin",
+    ]
+    assert first[1].splitlines() == ["root:x:0:", f"{uidpool.USER_NAME}:x:70001:"]
+    with passwd.open("a") as f:  # an account added on the host meanwhile, within the same second
+        f.write("dev:x:1000:1000::/home/dev:/bin/sh\n")
+    second = uidpool.account_files(70002, 70002, "/h", str(passwd), str(group))
+    assert "dev:x:1000:1000::/home/dev:/bin/sh" in second[0].splitlines()
+    assert f"{uidpool.USER_NAME}:x:70002:70002:rollout sandbox:/h:/usr/sbin/nologin" in second[0]
+    group.unlink()  # gone: no host entries, the sandbox's own still
+    assert uidpool.account_files(70003, 70003, "/h", str(passwd), str(group))[1] == (
+        f"{uidpool.USER_NAME}:x:70003:\n"
+    )
