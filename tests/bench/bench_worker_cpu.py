@@ -3,7 +3,7 @@ run by ``run_session`` in this one process, ``--at-once`` of them at a time, as 
 share of a run (its provider, gateway and scripted model included; the sandboxes' processes not).
 
     .venv/bin/python tests/bench/bench_worker_cpu.py [--sessions 400] [--at-once 125] [--sleep 5]
-        [--files 0] [--scratch DIR]
+        [--files 0] [--no-verify] [--scratch DIR]
 
 Set against the workers' part of `python -m executor.testing.bench_scale` (f), what is left is Ray's
 task path and the cores the workers share. Prints its figures; asserts nothing.
@@ -32,7 +32,7 @@ WARM_UP = 8  # sessions run first and left out: the provider's fork server, the 
 
 
 async def measure(
-    sessions: int, at_once: int, sleep_s: float, scratch: Path, files: int = 0
+    sessions: int, at_once: int, sleep_s: float, scratch: Path, files: int = 0, verify: bool = True
 ) -> dict[str, float]:
     workspace: dict[str, str] = {}
     if files:  # a repository of the task's: that many small files in a few directories
@@ -42,7 +42,8 @@ async def measure(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"x = {i}\n")
         workspace = {"copy_from": str(repo)}
-    task = Task.model_validate({"id": "null", "prompt": "p", "verify": "true", "workspace": workspace})
+    verifier = {"verify": "true"} if verify else {}
+    task = Task.model_validate({"id": "null", "prompt": "p", **verifier, "workspace": workspace})
     harness = CommandHarness(command=f"sleep {sleep_s:g}; echo done")
     async with session_context(scratch, harness=harness) as ctx:
         slots = asyncio.Semaphore(at_once)
@@ -75,12 +76,17 @@ def main() -> None:
     parser.add_argument("--at-once", type=int, default=125)
     parser.add_argument("--sleep", type=float, default=5.0)
     parser.add_argument("--files", type=int, default=0, help="the task's workspace: this many small files")
+    parser.add_argument(
+        "--no-verify", action="store_true", help="no verifier: the diff alone, as the (f) bench's tasks"
+    )
     # The disk's filesystem matters: an ext4 without a journal searches past every inode freed lately.
     parser.add_argument("--scratch", default=str(Path.home()), help="where the sessions' files go")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-worker-cpu-", dir=args.scratch))
     try:
-        figures = asyncio.run(measure(args.sessions, args.at_once, args.sleep, scratch, args.files))
+        figures = asyncio.run(
+            measure(args.sessions, args.at_once, args.sleep, scratch, args.files, not args.no_verify)
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(
