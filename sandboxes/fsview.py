@@ -135,15 +135,20 @@ def _host_part(
             system.append((LINK, top, os.readlink(top)))
         elif os.path.isdir(top):
             system.append((RO, top))
+    own_hidden = [_resolved(p) for p in hidden]
     found = (
         tuple(system),
         tuple((real,) for p in readonly if (real := _resolved(p)) is not None),
         tuple((real_path(p),) for p in scratch),
-        tuple((real,) for p in (*hidden, *ETC_HIDDEN) if (real := _resolved(p)) is not None),
+        tuple((real,) for real in own_hidden if real is not None)
+        + tuple((real,) for p in ETC_HIDDEN if (real := _resolved(p)) is not None),
     )
-    if len(_host_paths) >= _MAX_HOST_PATHS:
-        _host_paths.clear()
-    _host_paths[key] = (now, found)
+    # A hidden path of the caller's not there yet (a directory of its own it is about to make) is looked
+    # for again at the next view: once made, it is hidden from the next sandbox on.
+    if None not in own_hidden:
+        if len(_host_paths) >= _MAX_HOST_PATHS:
+            _host_paths.clear()
+        _host_paths[key] = (now, found)
     return found
 
 

@@ -373,3 +373,16 @@ async def test_a_command_cannot_take_over_another_process_of_its_sandbox(tmp_pat
         res = await sandbox.exec([sys.executable, "-c", TAKE_OVER_THE_PARENT], timeout=30)
     assert res.exit_code == 0, res.stderr_tail
     assert res.stdout_tail.split() == (["EPERM", "EPERM"] if isolated else ["ok", "ok"])
+
+
+def test_a_hidden_directory_made_after_a_view_was_planned_is_hidden_from_the_next_view_at_once(tmp_path):
+    """A view plan reuses what it found of the host's paths for a second, but a hidden path of the
+    caller's that was not there yet (a run directory about to be made) is looked for again at once."""
+    from sandboxes import fsview
+
+    shown, secret = tmp_path / "shown", tmp_path / "shown" / "run"
+    shown.mkdir()
+    first = fsview.plan([str(secret)], ["/tmp"], [str(shown)], [])
+    assert [fsview.RO, str(shown)] in first and [fsview.HIDE, str(secret)] not in first
+    secret.mkdir()
+    assert [fsview.HIDE, str(secret)] in fsview.plan([str(secret)], ["/tmp"], [str(shown)], [])
