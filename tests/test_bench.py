@@ -126,3 +126,14 @@ def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_
     assert "| 341.7 s | 300 s ideal | 1.139 |" in text
     assert "| (f) the workers' memory (PSS) per session in flight | 0.25 MB |" in text
     assert "26.2 ms: workers 26.2" in text
+
+
+def test_the_scale_parts_sampler_reads_the_sandboxes_memory_once_their_count_stops_rising():
+    """The PSS of thousands of sandbox processes is the sampler's dearest read: never during their burst
+    of starts (its cores are the run's), at the new peak once they are all up, and every few samples."""
+    from executor.testing.bench_scale import PSS_EVERY, pss_due
+
+    assert not pss_due(count=900, seen=400, read_at=0, samples=PSS_EVERY)  # still rising
+    assert pss_due(count=1000, seen=1000, read_at=400, samples=1)  # up: a new peak
+    assert not pss_due(count=1000, seen=1000, read_at=1000, samples=1)  # read at this count already
+    assert pss_due(count=990, seen=1000, read_at=1000, samples=2 * PSS_EVERY)  # every few samples

@@ -35,7 +35,9 @@ SAMPLE_S = 1.0  # between samples, at least
 # bursts it measures ran that much slower. The waits grow with the run instead (~15 s at 1,000 sessions).
 SAMPLER_SHARE = 0.02
 # The sandbox processes' PSS (smaps_rollup of thousands of processes, the sampler's dearest read) is read
-# every this many samples, and whenever their count reaches a new peak; their count every sample.
+# every this many samples, and whenever their count is at a new peak; never while it is still rising (a
+# burst of starts, whose cores the read would take: the peak comes once they are all up). Their count
+# every sample.
 PSS_EVERY = 5
 _TICK = os.sysconf("SC_CLK_TCK")
 WORKER_TITLE = b"ray::SandboxWorker"
@@ -91,6 +93,8 @@ class Sampler:
         self.peak: dict[str, float] = {}
         self._cpu = cpu
         self._samples = 0
+        self._sandboxes_seen = 0  # the sandbox processes at the last sample
+        self._pss_at = 0  # ... and at the last read of their PSS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-sampler", daemon=True)
 
@@ -194,12 +198,20 @@ class Sampler:
         self._note("workers_threads", sum(_threads(p) for p in workers))
         self._note("cluster_processes", len(cluster))
         self._note("cluster_pss_mb", _sum_pss(cluster) / 2**20)
-        if self._samples % PSS_EVERY == 0 or len(sandbox) > self.peak.get("sandbox_processes", 0):
+        if pss_due(len(sandbox), self._sandboxes_seen, self._pss_at, self._samples):
             self._note("sandbox_pss_mb", _sum_pss(sandbox) / 2**20)
+            self._pss_at = len(sandbox)
+        self._sandboxes_seen = len(sandbox)
         self._note("sandbox_processes", len(sandbox))
         self._samples += 1
         self._note("driver_fds", _fds(os.getpid()))
         self._note("driver_threads", threading.active_count())
+
+
+def pss_due(count: int, seen: int, read_at: int, samples: int) -> bool:
+    """Whether this sample reads the sandbox processes' PSS: ``count`` of them now, ``seen`` at the last
+    sample, ``read_at`` at the last read, ``samples`` taken before (``PSS_EVERY``)."""
+    return count <= seen and (samples % PSS_EVERY == 0 or count > read_at)
 
 
 def _descendants(roots: set[int], parent: dict[int, int]) -> set[int]:
