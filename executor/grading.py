@@ -102,12 +102,12 @@ class Review:
         self._early = False  # counted in _early_reviews until the agent's run is over
         # The prepared lay-out the agent's workspace came from (``lay_out``), set before ``begin``.
         self.laid_out_as: str | None = None
-        self._setting_up = True  # counted in _setting_up until its session's set-up is over
+        self._in_set_up = True  # counted in _setting_up until its session's set-up is over
         _setting_up[provider] = _setting_up.get(provider, 0) + 1
 
     def _set_up(self) -> None:
-        if self._setting_up:
-            self._setting_up = False
+        if self._in_set_up:
+            self._in_set_up = False
             _setting_up[self._provider] = max(0, _setting_up.get(self._provider, 1) - 1)
 
     @property

@@ -112,8 +112,9 @@ def real_path(path: str) -> str:
 # binds, /tmp's, the hidden paths'), in seconds. A view is the host as of its sandbox's start: one
 # resolved a second ago is the view of a sandbox started a second earlier. A burst of starts (a worker's
 # hundred sessions, each with its grading sandbox) then walks the same ~30 host paths once a second
-# instead of twice a session (~0.3 ms of the worker's CPU each). Only the host's paths: a session's own
-# directories are named by the caller, and ``real_path``'s other callers are never served from here.
+# instead of twice a session (a plan took 95 us, 29 us now, in a loop: more in a burst, out of the caches).
+# Only the host's paths: a session's own directories are named by the caller, and ``real_path``'s other
+# callers are never served from here.
 HOST_PATHS_TTL_S = 1.0
 _MAX_HOST_PATHS = 32  # distinct (hidden, scratch, readonly) sets kept: a provider has one or two
 _host_paths: dict[tuple[tuple[str, ...], ...], tuple[float, tuple[tuple[tuple[str, ...], ...], ...]]] = {}
