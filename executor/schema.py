@@ -58,6 +58,9 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     return batch.replace_schema_metadata(ROW_SCHEMA.metadata)
 
 
+_ROW_INDEX = {name: i for i, name in enumerate(ROW_SCHEMA.names)}
+
+
 def model_call_fields(batch: pa.RecordBatch, names: tuple[str, ...]) -> list[dict[str, Any]]:
     """The named fields of every model call in ``batch``, as Python: only those, so a row's token id
     lists (capture_tokens: up to a million per call) never become Python objects in the driver."""
@@ -130,9 +133,13 @@ def upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 def with_decisions(batch: pa.RecordBatch, decisions: dict[str, list[Any]]) -> pa.RecordBatch:
-    """A copy of ``batch`` with the decision columns replaced."""
-    arrays = [
-        pa.array(decisions[name], type=ROW_SCHEMA.field(name).type) if name in decisions else column
-        for name, column in zip(batch.schema.names, batch.columns, strict=True)
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=ROW_SCHEMA)
+    """A copy of ``batch`` (of ``ROW_SCHEMA``) with the decision columns replaced: those alone, where a
+    batch rebuilt from every column took twice as long (~80 us a row, 57 columns, the driver's)."""
+    if not batch.schema.equals(ROW_SCHEMA, check_metadata=False):
+        raise ValueError("rows of another schema than this version's cannot be decided")
+    for name, values in decisions.items():
+        i = _ROW_INDEX[name]
+        field = ROW_SCHEMA.field(i)
+        batch = batch.set_column(i, field, pa.array(values, type=field.type))
+    same = batch.schema.metadata == ROW_SCHEMA.metadata
+    return batch if same else batch.replace_schema_metadata(ROW_SCHEMA.metadata)
