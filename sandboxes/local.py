@@ -284,8 +284,9 @@ class LocalSandboxProvider:
 
     def want_spare(self) -> None:
         """Start a spare server for the next sandbox, if none is there: called once a sandbox's command
-        runs, so that its start-up neither delays a session's setup on this event loop nor takes the
-        CPU from a harness (it runs at the lowest priority until taken)."""
+        runs, so that its start-up does not delay a session's setup on this event loop. The start-up
+        itself runs at the normal priority; once up, the spare waits at the lowest until taken (a nice
+        that a kernel grouping CPU by session, autogroup, applies within its own session only)."""
         loop = asyncio.get_running_loop()
         if any(idle.loop is loop for idle in self._idle):
             return  # the next sandbox takes an ended one's server
