@@ -117,12 +117,14 @@ def real_path(path: str) -> str:
 # callers are never served from here.
 HOST_PATHS_TTL_S = 1.0
 _MAX_HOST_PATHS = 32  # distinct (hidden, scratch, readonly) sets kept: a provider has one or two
-_host_paths: dict[tuple[tuple[str, ...], ...], tuple[float, tuple[tuple[tuple[str, ...], ...], ...]]] = {}
+TYPE_CHECKING = False  # no `typing` import here: the in-sandbox agent runs this on python3 >= 3.8
+if TYPE_CHECKING:
+    # The system directories' steps; the read-only, /tmp's and the hidden paths, resolved.
+    _HostPart = tuple[tuple[tuple[str, ...], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+_host_paths: dict[tuple[tuple[str, ...], ...], tuple[float, _HostPart]] = {}
 
 
-def _host_part(
-    hidden: tuple[str, ...], scratch: tuple[str, ...], readonly: tuple[str, ...]
-) -> tuple[tuple[tuple[str, ...], ...], ...]:
+def _host_part(hidden: tuple[str, ...], scratch: tuple[str, ...], readonly: tuple[str, ...]) -> _HostPart:
     """The system directories' steps, the read-only paths and /tmp's resolved (those there), and the
     hidden paths resolved (those there): at most ``HOST_PATHS_TTL_S`` old."""
     key = (hidden, scratch, readonly)
@@ -139,10 +141,10 @@ def _host_part(
     own_hidden = [_resolved(p) for p in hidden]
     found = (
         tuple(system),
-        tuple((real,) for p in readonly if (real := _resolved(p)) is not None),
-        tuple((real_path(p),) for p in scratch),
-        tuple((real,) for real in own_hidden if real is not None)
-        + tuple((real,) for p in ETC_HIDDEN if (real := _resolved(p)) is not None),
+        tuple(real for p in readonly if (real := _resolved(p)) is not None),
+        tuple(real_path(p) for p in scratch),
+        tuple(real for real in own_hidden if real is not None)
+        + tuple(real for p in ETC_HIDDEN if (real := _resolved(p)) is not None),
     )
     # A hidden path of the caller's not there yet (a directory of its own it is about to make) is looked
     # for again at the next view: once made, it is hidden from the next sandbox on.
@@ -176,15 +178,15 @@ def plan(
     )
     steps: list[list[str]] = [[PROC, "/proc"], [DEV, "/dev"], *(list(step) for step in system)]
     visible: list[str] = ["/proc", "/dev", *(step[1] for step in system if step[0] == RO)]
-    binds = [[RO, real] for (real,) in readonly_real]
+    binds = [[RO, real] for real in readonly_real]
     own = (lambda p: p) if resolved else real_path
     binds += [[RW, own(p)] for p in writable]
     binds += [[RO, target, own(src)] for target, src in (files or {}).items()]
     binds = [b for b in binds if b[1] != "/"]
     visible += [b[1] for b in binds]
     steps += binds
-    steps += [[SCRATCH, real] for (real,) in scratch_real]
-    for (real,) in hidden_real:
+    steps += [[SCRATCH, real] for real in scratch_real]
+    for real in hidden_real:
         if _under(real, visible) and real not in visible:
             steps.append([HIDE, real])
     unique = {tuple(s): s for s in steps}

@@ -112,7 +112,8 @@ def account_files(
 
 
 # The host file's other entries by path, with the stat they were read at: every sandbox's start copies
-# them, and the file changes far more rarely (a read and a filter of each line, ~0.1 ms, against a stat).
+# them, and the file changes far more rarely (a read and a filter of each line, ~14 us here, against a
+# stat, ~1 us).
 _read_entries: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}
 
 
