@@ -10,8 +10,10 @@ A view is a list of steps, applied outermost path first (``plan`` orders them)::
     [LINK, path, target]   a symlink (``/bin -> usr/bin`` on a merged-/usr host)
     [PROC, path]           a fresh procfs: the command's PID namespace
     [DEV, path]            a small tmpfs with null, zero, full, random, urandom, tty, a private devpts
-    [HIDE, path]           inside something bound in: an empty read-only tmpfs over a directory, or
-                           /dev/null over a file (``/etc/shadow``, the sandbox root under the cache)
+    [HIDE, path]           inside something bound in: /dev/null over a file (``/etc/shadow``); over a
+                           directory an empty read-only tmpfs, made read-only once the mount points of
+                           the steps inside it are made (the sandbox root under the cache), or where
+                           it holds no step and the view is built over a base, the base's empty root
     [SCRATCH, path]        an empty writable tmpfs of SCRATCH_SIZE over path: /tmp, /dev/shm
     [RO, path(, source)]   a host path bound in read-only (at ``path``, from ``source`` if given)
     [RW, path]             a host path bound in writable: the session's work, home and tmp
@@ -75,6 +77,13 @@ _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOUNT_ATTR_NOEXEC = 
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MNT_DETACH = 2
+_EMPTY_READ_ONLY = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC
+
+
+def _holds_a_step(steps: list[list[str]], i: int) -> bool:
+    """Whether another of the view's ``steps`` lies inside step ``i``'s path."""
+    top = steps[i][1].rstrip("/") + "/"
+    return any(j != i and step[1].startswith(top) for j, step in enumerate(steps))
 
 
 def _depth(path: str) -> int:
@@ -390,9 +399,9 @@ def make_base() -> None:
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)
     # Each view is stacked on this root (``apply``): a walk up out of a view's root comes back down into
     # it, and a process joining the view's namespace gets the view as its root. Were anything to reach
-    # this one, it would find it empty and could leave nothing in it for another sandbox.
-    attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC | _MOUNT_ATTR_RDONLY
-    root = calls.tmpfs({"mode": "0755", "size": "4k"}, attrs)
+    # this one, it would find it empty and could leave nothing in it for another sandbox; every view shows
+    # it at its hidden directories that hold no other step (``apply``).
+    root = calls.tmpfs({"mode": "0755", "size": "4k"}, _EMPTY_READ_ONLY)
     calls.move(root, "/")
     os.fchdir(root)
     os.close(root)
@@ -412,6 +421,11 @@ def apply(steps: list[list[str]], sources: Sources | None = None, proc: int | No
     calls.mount(None, "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing of ours may reach the host
     # Clones first, while every source is in sight: the binds, the devices, /dev/null for hidden files.
     clones, devices = clone_sources(steps) if sources is None else (dict(sources[0]), sources[1])
+    if sources is not None:  # over a base: "/" is its empty read-only root until the view's goes on top
+        for i, step in enumerate(steps):
+            if step[0] == HIDE and i not in clones and not _holds_a_step(steps, i):
+                clones[i] = calls.clone("/")
+                calls.setattr(clones[i], "", _AT_EMPTY_PATH, _EMPTY_READ_ONLY, propagation=_MS_PRIVATE)
     root = calls.tmpfs({"mode": "0755", "size": "1m"}, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
     calls.move(root, "/")  # on top of the host's root; built below through relative paths
     os.fchdir(root)
@@ -442,11 +456,15 @@ def apply(steps: list[list[str]], sources: Sources | None = None, proc: int | No
                 read_only.append(os.open(here, os.O_PATH | os.O_CLOEXEC))
         else:
             fd = clones.pop(i)
+            is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+            if kind == HIDE and is_dir and not os.path.isdir(here):  # hidden already by a step above it
+                os.close(fd)
+                continue
             attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
             if kind == RO or kind == HIDE:
                 attrs |= _MOUNT_ATTR_RDONLY
             calls.setattr(fd, here, _AT_EMPTY_PATH | _AT_RECURSIVE, attrs)
-            _make_mount_point(here, stat.S_ISDIR(os.fstat(fd).st_mode))  # no /proc in a base's root
+            _make_mount_point(here, is_dir)  # no /proc in a base's root
             calls.move(fd, here)
             os.close(fd)
     for fd in read_only:

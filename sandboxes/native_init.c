@@ -348,6 +348,18 @@ static int same(const char *a, const char *b) {
     return *a == *b;
 }
 
+/* Whether another step of the view lies inside step ``i``'s path (fsview._holds_a_step). */
+static int holds_a_step(char **steps, long n_steps, long i) {
+    for (long j = 0; j < n_steps; j++) {
+        const char *top = steps[3 * i + 1], *path = steps[3 * j + 1];
+        while (*top && *top == *path)
+            top++, path++;
+        if (j != i && !*top && *path == '/')
+            return 1;
+    }
+    return 0;
+}
+
 static int build_view(int argc, char **argv) {
     if (argc < 5)
         view_failed("arguments", "", EINVAL);
@@ -390,6 +402,15 @@ static int build_view(int argc, char **argv) {
     checked(CALL2(__NR_setns, BASE_FD, CLONE_NEWNS), "setns", "the base mount namespace");
     checked(CALL1(__NR_unshare, CLONE_NEWNS | CLONE_NEWIPC), "unshare", "mount and IPC namespaces");
     mount_fs(0, "/", 0, MS_REC | MS_PRIVATE, 0); /* nothing of ours may reach the host */
+    /* A hidden directory that holds no other step shows a clone of the base's root, "/" until the view's
+     * root goes on top of it (fsview.apply): empty, read-only, one filesystem for every view. */
+    for (long i = 0; i < n_steps; i++) {
+        if (same(steps[3 * i], "hide") && clones[i] < 0 && !holds_a_step(steps, n_steps, i)) {
+            clones[i] = clone_of("/");
+            set_attr(clones[i], 0, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+                     MS_PRIVATE, "the base's root");
+        }
+    }
     long root = new_tmpfs("0755", "1m", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
     move_to(root, "/"); /* on top of the host's root; built below through relative paths */
     checked(CALL1(__NR_fchdir, root), "fchdir", "the view's root");
@@ -444,11 +465,16 @@ static int build_view(int argc, char **argv) {
             if (!scratch) /* read-only once the binds' mount points are made in it */
                 read_only[n_read_only++] = handle_of(path);
         } else if (clones[i] >= 0) {
+            long mode = mode_of((int)clones[i], "", AT_EMPTY_PATH);
+            if (same(kind, "hide") && dir_mode(mode) && !is_dir(path)) {
+                CALL1(__NR_close, clones[i]); /* hidden already by a step above it */
+                continue;
+            }
             unsigned long attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
             if (!same(kind, "rw"))
                 attrs |= MOUNT_ATTR_RDONLY;
             set_attr(clones[i], AT_RECURSIVE, attrs, 0, path);
-            make_mount_point(path, dir_mode(mode_of((int)clones[i], "", AT_EMPTY_PATH)));
+            make_mount_point(path, dir_mode(mode));
             move_to(clones[i], path);
             CALL1(__NR_close, clones[i]);
         } else {

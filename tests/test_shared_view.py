@@ -177,3 +177,47 @@ async def test_a_root_command_that_climbs_out_of_its_view_finds_the_view_again(t
         view, found, planted = res.stdout_tail.splitlines()
         assert "'usr'" in view and found == view.replace("view", "found", 1), res.stdout_tail
         assert planted == "refused 30", res.stdout_tail  # read-only: EROFS
+
+
+HIDDEN = """
+for d in {a} {b}; do stat -c '%d' "$d"; ls -A "$d" | wc -l; done
+touch {a}/planted 2>/dev/null && echo planted
+mkdir {b}/planted 2>/dev/null && echo planted
+echo done
+"""
+
+
+async def test_hidden_directories_show_one_empty_read_only_filesystem_in_every_view(tmp_path):
+    """A hidden directory with nothing of the view inside it shows the base's root (fsview.apply): empty,
+    read-only, and one filesystem for every view, where a tmpfs each was a superblock made and torn down
+    with each view (and walked at each memory cgroup's removal on the host while it lasted)."""
+    shown = tmp_path / "shown"
+    for name in ("a", "b"):
+        (shown / name).mkdir(parents=True)
+        (shown / name / "secret").write_text("host only\n")
+    provider = LocalSandboxProvider(
+        tmp_path / "sandboxes",
+        kill_grace_s=0.5,
+        keep=False,
+        pids="isolated",
+        filesystem="readonly",
+        user=uidpool.pool_unavailable() is None,
+        hidden=[str(shown / "a"), str(shown / "b")],
+        mounts=[(str(shown), False)],
+    )
+    one = await provider.start(SandboxSpec(run_id="r", session_id="one", ttl_s=300))
+    other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
+    script = HIDDEN.format(a=shown / "a", b=shown / "b")
+    try:
+        seen = [await sandbox.exec(["sh", "-c", script], timeout=60) for sandbox in (one, other)]
+    finally:
+        await one.stop()
+        await other.stop()
+        await provider.aclose()
+    host_dev = str(os.stat(shown / "a").st_dev)
+    devices = set()
+    for res in seen:
+        dev_a, count_a, dev_b, count_b, *rest = res.stdout_tail.split()
+        assert (count_a, count_b, rest) == ("0", "0", ["done"]), res.stdout_tail  # empty; nothing planted
+        devices |= {dev_a, dev_b}
+    assert len(devices) == 1 and host_dev not in devices, (devices, host_dev)
