@@ -8,6 +8,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,9 +40,9 @@ echo done
 """
 
 
-def _provider(tmp_path: Path, **caps: int | None) -> LocalSandboxProvider:
-    """Root's view for every command, a uid of the sandbox's own where the pool has one; ``caps``: the
-    provider's process and memory caps, if any."""
+def _provider(tmp_path: Path, **options: Any) -> LocalSandboxProvider:
+    """Root's view for every command, a uid of the sandbox's own where the pool has one; ``options``: the
+    provider's others (its process and memory caps, hidden paths, mounts), if any."""
     return LocalSandboxProvider(
         tmp_path / "sandboxes",
         kill_grace_s=0.5,
@@ -49,7 +50,7 @@ def _provider(tmp_path: Path, **caps: int | None) -> LocalSandboxProvider:
         pids="isolated",
         filesystem="readonly",
         user=uidpool.pool_unavailable() is None,
-        **caps,
+        **options,
     )
 
 
@@ -195,16 +196,7 @@ async def test_hidden_directories_show_one_empty_read_only_filesystem_in_every_v
     for name in ("a", "b"):
         (shown / name).mkdir(parents=True)
         (shown / name / "secret").write_text("host only\n")
-    provider = LocalSandboxProvider(
-        tmp_path / "sandboxes",
-        kill_grace_s=0.5,
-        keep=False,
-        pids="isolated",
-        filesystem="readonly",
-        user=uidpool.pool_unavailable() is None,
-        hidden=[str(shown / "a"), str(shown / "b")],
-        mounts=[(str(shown), False)],
-    )
+    provider = _provider(tmp_path, hidden=[str(shown / "a"), str(shown / "b")], mounts=[(str(shown), False)])
     one = await provider.start(SandboxSpec(run_id="r", session_id="one", ttl_s=300))
     other = await provider.start(SandboxSpec(run_id="r", session_id="other", ttl_s=300))
     script = HIDDEN.format(a=shown / "a", b=shown / "b")
