@@ -80,18 +80,18 @@ _MNT_DETACH = 2
 _EMPTY_READ_ONLY = _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOEXEC
 
 
-def _holds_a_step(steps: list[list[str]], i: int) -> bool:
-    """Whether another of the view's ``steps`` lies inside step ``i``'s path."""
-    top = steps[i][1].rstrip("/") + "/"
-    return any(j != i and step[1].startswith(top) for j, step in enumerate(steps))
-
-
 def _depth(path: str) -> int:
     return path.rstrip("/").count("/")
 
 
 def _under(path: str, tops: list[str]) -> bool:
     return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+
+
+def _holds_a_step(steps: list[list[str]], i: int) -> bool:
+    """Whether another of the view's ``steps`` lies inside step ``i``'s path."""
+    top = steps[i][1]
+    return any(step[1] != top and _under(step[1], [top]) for step in steps)
 
 
 def _resolved(path: str) -> str | None:

@@ -77,7 +77,7 @@ from sandboxes.local_reap import (  # noqa: E402, F401
     DESCRIPTOR_NAME,
     reap_stale,
 )
-from sandboxes.local_sandbox import LocalSandbox  # noqa: E402
+from sandboxes.local_sandbox import LocalSandbox, remove_caps  # noqa: E402
 
 
 class LocalSandboxProvider:
@@ -196,6 +196,8 @@ class LocalSandboxProvider:
                 lease.release()
             raise SandboxStartError(str(exc)) from exc
 
+        sandbox.session_fs = self.session_fs and server.later_mounts
+
         def in_session_dir() -> None:
             self._fill_session_dir(session_dir, sandbox)
             sandbox._write_descriptor(create=True)
@@ -208,7 +210,6 @@ class LocalSandboxProvider:
             if sandbox.memory_cgroup and sandbox.memory_max != self.max_memory_bytes:  # the task's own
                 assert sandbox.memory_max
                 pidlimit.set_limit(sandbox.memory_cgroup, sandbox.memory_max, pidlimit.MEMORY)
-            sandbox.session_fs = self.session_fs and server.later_mounts
             self._make_session_dir(session_dir, sandbox)
             if not sandbox.session_fs:
                 in_session_dir()
@@ -221,7 +222,7 @@ class LocalSandboxProvider:
             # where a thread's hand-off (two context switches, the interpreter's lock back and forth at
             # each of its calls) costs more than the calls (~0.5 ms of a worker's CPU a session with the
             # stop's, measured).
-            if server.later_mounts and self.session_fs and self._capped(server, sandbox):
+            if sandbox.session_fs and self._capped(server, sandbox):
                 on_disk()
             else:
                 await asyncio.to_thread(on_disk)
@@ -407,9 +408,7 @@ class LocalSandboxProvider:
     async def _discard(self, server: ExecServer, timeout: float) -> None:
         """End a server no sandbox took, and the cap made for it."""
         await server.close(timeout)
-        for group in server.cgroups.values():
-            if not pidlimit.remove(group):  # its last process may not be released yet
-                await asyncio.to_thread(pidlimit.remove, group, 2.0)
+        await remove_caps(server.cgroups.values())
 
     async def _new_server(self) -> ExecServer:
         token = uuid.uuid4().hex

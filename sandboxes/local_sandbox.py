@@ -16,6 +16,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -654,9 +655,7 @@ class LocalSandbox:
         server), its disk, its uid, its descriptor and directory."""
         caps = self._caps
         if not handed_on and not (self._namespace_emptied and self._provider.keep_caps(caps)):
-            for group in set(caps.values()):
-                if not pidlimit.remove(group):  # its last process may not be released yet
-                    await asyncio.to_thread(pidlimit.remove, group, 2.0)
+            await remove_caps(caps.values())
         if self._keep:  # its files copied onto the disk first
             await asyncio.to_thread(self._unmount_disk)
         else:  # a lazy unmount and an rmdir (~80 us): less than a thread's hand-off (``start``'s lay-out)
@@ -684,6 +683,14 @@ class LocalSandbox:
         """Stop, then remove the session's directory whatever ``keep`` says."""
         await self.stop()
         await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+
+
+async def remove_caps(groups: Iterable[str]) -> None:
+    """Remove a sandbox's cgroups (by ``cgroup.procs`` path): at once, or in a thread that waits a little
+    where the kernel still counts a process killed a moment ago."""
+    for group in set(groups):
+        if not pidlimit.remove(group):
+            await asyncio.to_thread(pidlimit.remove, group, 2.0)
 
 
 def _exec_result(
