@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from sandboxes import workspace as workspace_module
 from sandboxes.base import SandboxSpec, WorkspaceSpec
 from sandboxes.local import LocalSandbox, LocalSandboxProvider
 from sandboxes.prepared import PREPARED_DIR, PreparedWorkspaces, reap_prepared
-from sandboxes.workspace import WorkspaceError, lay_out, workspace_diff
+from sandboxes.workspace import WorkspaceError, lay_out, read_diff, workspace_diff
 from tests.test_shared_root import dead_owner
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -407,3 +408,42 @@ async def test_the_diff_trusts_no_stat_data(
     assert diff is not None
     assert "+edited.py = 2" in diff and "+same_size.py = 2" in diff
     assert "kept.py" not in diff
+
+
+@needs_git
+async def test_the_diff_without_a_shell_is_the_scripts_diff(
+    sandbox: LocalSandbox, prepared: PreparedWorkspaces | None
+) -> None:
+    """A local sandbox takes the diff's common case as two `git`s with no shell between them; over every
+    kind of change (an edit, a new file, a removal, a mode, a link, a binary file, a name git quotes, an
+    ignored file) it says what the script says, and a workspace the script must take (a nested
+    repository: `git add` warns) still gets the script's answer."""
+    files = {"a.py": "x = 1\n", "gone.txt": "bye\n", "run.sh": "echo hi\n", ".gitignore": "*.log\n"}
+    await lay_out(sandbox, WorkspaceSpec(files=files), prepared)
+    work = Path(sandbox.workdir)
+    (work / "a.py").write_text("x = 2\n")
+    (work / "gone.txt").unlink()
+    (work / "run.sh").chmod(0o755)
+    (work / "new dir").mkdir()
+    (work / "new dir" / "ünï code.txt").write_text("new\n")
+    (work / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    (work / "ignored.log").write_text("kept in the diff too\n")
+    os.symlink("a.py", work / "link")
+
+    async def by_script() -> str | None:
+        script = workspace_module._DIFF_SCRIPT
+        return await read_diff(sandbox, await workspace_module._git_script(sandbox, script, "diff-script"))
+
+    fast = await workspace_diff(sandbox)
+    # Its index, a fresh name of its own (the script's is rollout-diff.index): the two gits ran.
+    assert [p.name for p in (work.parent / "baseline.git").glob("rollout-diff-*.index")]
+    assert fast is not None and fast == await by_script()
+    for part in ("+x = 2", "deleted file mode", "old mode 100644", "new mode 100755", "Binary files"):
+        assert part in fast, part
+    assert '"new dir/ünï code.txt"' in fast or "new dir/ünï code.txt" in fast
+    assert "+kept in the diff too" in fast and "+++ b/link" in fast
+
+    git(work / "new dir", "init", "-q")  # a nested repository: `git add` warns, the script's way is taken
+    fast = await workspace_diff(sandbox)
+    assert fast is not None and fast == await by_script()
+    assert "ünï code.txt" in fast
