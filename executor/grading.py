@@ -420,18 +420,21 @@ async def _diff_and_grade(
 
 
 async def _write_checks(sandbox: Sandbox, verify: Verifier) -> None:
-    """The task's hidden checks, over whatever the agent left at their paths: what is there goes first, in
-    one exec, with any link or file the agent put where one of their directories belongs (a ``tests``
-    linked out of the workspace would make the write fail, and a failed grading is masked: the agent's
-    way out of its 0)."""
+    """The task's hidden checks, over whatever the agent left at their paths: what is there goes first,
+    with any link or file the agent put where one of their directories belongs (a ``tests`` linked out of
+    the workspace would make the write fail, and a failed grading is masked: the agent's way out of its
+    0); by the worker for a local sandbox, else in one exec."""
     paths = {checked_relative_path(rel): text for rel, text in verify.files.items()}
-    res = await sandbox.exec(
-        ["sh", "-c", _CLEAR_FOR_CHECKS, "sh", *paths], timeout=60, cwd=sandbox.workdir, name="checks"
-    )
-    if res.exit_code != 0:
-        raise SandboxError(
-            f"could not clear the checks' paths (exit {res.exit_code}): {res.stderr_tail[-300:]}"
+    if isinstance(sandbox, LocalSandbox):
+        await sandbox.clear_paths(list(paths))
+    else:
+        res = await sandbox.exec(
+            ["sh", "-c", _CLEAR_FOR_CHECKS, "sh", *paths], timeout=60, cwd=sandbox.workdir, name="checks"
         )
+        if res.exit_code != 0:
+            raise SandboxError(
+                f"could not clear the checks' paths (exit {res.exit_code}): {res.stderr_tail[-300:]}"
+            )
     for path, text in paths.items():
         await sandbox.write_file(path, text.encode())
 

@@ -22,6 +22,8 @@ from executor.decisions import decide_row
 from executor.session import SessionRequest, run_session
 from executor.tasks import Task
 from harnesses.command import CommandHarness
+from sandboxes.base import SandboxSpec
+from sandboxes.local import LocalSandboxProvider
 from tests.conftest import processes_under, session_context
 
 BROKEN = "def add(a, b):\n    return a - b\n"
@@ -165,6 +167,38 @@ async def test_a_workspace_shaped_against_the_checks_is_graded_not_masked(tmp_pa
     row = await _session(tmp_path, task)
     assert "+++ b/t" in (row["workspace_diff"] or ""), row["workspace_diff"]  # the agent's work is there
     _zero_and_accepted(row)  # the checks went back in, and ran against the broken calc.py
+
+
+async def test_making_room_for_the_checks_reaches_nothing_outside_the_workspace(tmp_path):
+    """A local grading sandbox's checks' paths are cleared by the worker, as root, on the host: links
+    out of the workspace at every level are removed, never followed, and what they point at stays."""
+    outside = tmp_path / "outside"
+    (outside / "tests").mkdir(parents=True)
+    (outside / "tests" / "test_calc.py").write_text("theirs\n")
+    (outside / "keep.txt").write_text("kept\n")
+    provider = LocalSandboxProvider(tmp_path / "sandboxes")
+    sandbox = await provider.start(SandboxSpec(run_id="run", session_id="clear", ttl_s=600))
+    try:
+        work = Path(sandbox.workdir)
+        (work / "tests").symlink_to(outside)  # the checks' directory linked out: removed, not entered
+        (work / "deep" / "a").mkdir(parents=True)
+        (work / "deep" / "a" / "b").symlink_to(outside / "tests")  # a check's directory, a link out
+        (work / "deep" / "a" / "c").mkdir()  # a directory where a check goes, a link out inside it
+        (work / "deep" / "a" / "c" / "out").symlink_to(outside)
+        (work / "file").write_text("where a directory belongs\n")
+        checks = ["tests/test_calc.py", "deep/a/b/x.py", "deep/a/c", "file/y.py", "missing/z.py"]
+        await sandbox.clear_paths(checks)
+        assert not (work / "tests").is_symlink() and not (work / "tests").exists()
+        assert not (work / "deep" / "a" / "b").is_symlink() and not (work / "deep" / "a" / "c").exists()
+        assert not (work / "file").exists() and (work / "deep" / "a").is_dir()
+        assert (outside / "tests" / "test_calc.py").read_text() == "theirs\n"
+        assert (outside / "keep.txt").read_text() == "kept\n"
+        for path in checks:  # each check can now be written where it belongs
+            await sandbox.write_file(path, b"check\n")
+            assert (work / path).read_text() == "check\n"
+    finally:
+        await sandbox.stop()
+        await provider.aclose()
 
 
 async def test_killing_its_own_harness_is_graded_not_masked(tmp_path):
