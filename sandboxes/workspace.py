@@ -241,11 +241,15 @@ exit 0
 
 def git_script(body: str, workdir: str) -> tuple[list[str], dict[str, str]]:
     """The argv and git environment that run ``body`` in ``workdir``, in a sandbox or on this host."""
+    return ["sh", "-c", _PRELUDE + body], _git_env(workdir)
+
+
+def _git_env(workdir: str) -> dict[str, str]:
     env = dict(_GIT_ENV)
     # Never climb above the workspace into a repository that happens to contain the sandbox root.
     env["GIT_CEILING_DIRECTORIES"] = posixpath.dirname(workdir.rstrip("/"))
     env[_BASELINE_GIT_ENV] = baseline_git_dir(workdir)
-    return ["sh", "-c", _PRELUDE + body], env
+    return env
 
 
 async def _git_script(sandbox: Sandbox, body: str, name: str) -> ExecResult:
@@ -296,16 +300,13 @@ async def _two_gits(sandbox: Sandbox) -> ExecResult | None:
     the hypervisor). None where that case is not the workspace's: `git add` failed or said anything
     (a nested repository, no baseline, no git), or the diff failed; ``_DIFF_SCRIPT`` then takes the
     diff, and its word is the diff's. A fresh index of its own name each time: nothing staged before,
-    and no stat data, is trusted."""
+    and no stat data, is trusted. A step past its timeout is the diff's failure, as the script's is:
+    not tried again."""
     workdir = sandbox.workdir
-    git_dir = baseline_git_dir(workdir)
-    env = {
-        **_GIT_ENV,
-        "GIT_CEILING_DIRECTORIES": posixpath.dirname(workdir.rstrip("/")),
-        "GIT_DIR": git_dir,
-        "GIT_WORK_TREE": workdir,
-        "GIT_INDEX_FILE": posixpath.join(git_dir, f"rollout-diff-{secrets.token_hex(8)}.index"),
-    }
+    env = _git_env(workdir)
+    git_dir = env["GIT_DIR"] = env[_BASELINE_GIT_ENV]
+    env["GIT_WORK_TREE"] = workdir
+    env["GIT_INDEX_FILE"] = posixpath.join(git_dir, f"rollout-diff-{secrets.token_hex(8)}.index")
     stage = ["git", *_GIT_OPTIONS, "add", "--warn-embedded-repo", "-A", "-f", "--", "."]
     result = await sandbox.exec(  # type: ignore[call-arg]  # a RunsBefore sandbox (see the caller)
         ["git", *_GIT_OPTIONS, "diff", *_DIFF_OPTIONS, BASELINE_REF],
@@ -316,9 +317,11 @@ async def _two_gits(sandbox: Sandbox) -> ExecResult | None:
         before=ExecStep(argv=stage, timeout=GIT_TIMEOUT_S, name="git-stage"),
     )
     staged = result.before
-    if staged is None or staged.exit_code != 0 or staged.stderr_bytes or staged.timed_out:
+    if staged is not None and staged.timed_out:
+        raise git_failure("diff", "timed out", staged.stderr_tail)  # its diff ran on a part of the tree
+    if staged is None or staged.exit_code != 0 or staged.stderr_bytes:
         return None
-    return result if result.exit_code == 0 and not result.timed_out else None
+    return result if result.exit_code == 0 or result.timed_out else None  # read_diff: a timeout fails
 
 
 async def read_diff(sandbox: Sandbox, result: ExecResult | None, limit: int = DIFF_LIMIT_BYTES) -> str | None:
