@@ -10,13 +10,15 @@ The workspace is the agent's, written by the policy under training, so it is rea
   and depth: a tree that a few system calls made must not fill the host's disk or exhaust descriptors.
 What is left behind is named in the result, so the row can say so. Nothing the agent does to its
 workspace makes the carry fail: a workspace it made uncopyable would otherwise be masked, and masking
-must never be the agent's choice.
+must never be the agent's choice. The room the task's hidden checks need in the carried workspace is
+made the same way (``clear_paths``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -242,3 +244,42 @@ def _set_stat(fd: int, st: os.stat_result, owner: tuple[int, int] | None) -> Non
     if owner is not None:
         os.fchown(fd, *owner)
     os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def clear_paths(root: str, paths: list[str]) -> None:
+    """Make room in the directory ``root`` for a file at each of ``paths`` (relative, checked): every
+    ancestor of it that is a link or not a directory is removed, then whatever is at the path itself (a
+    tree, a link, a file). Every step goes by a directory descriptor opened without following a link, so
+    nothing outside ``root`` is reached whatever the tree holds. Blocking."""
+    top = os.open(root, _DIR_FLAGS)
+    try:
+        for path in paths:
+            _clear_one(top, path.split("/"))
+    finally:
+        os.close(top)
+
+
+def _clear_one(top: int, parts: list[str]) -> None:
+    fd = os.dup(top)
+    try:
+        for name in parts[:-1]:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return  # nothing there, nor below
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=fd)  # a link or a file where a directory belongs
+                return
+            below = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        try:
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(parts[-1], dir_fd=fd)  # by descriptors, links never followed
+        else:
+            os.unlink(parts[-1], dir_fd=fd)
+    finally:
+        os.close(fd)

@@ -4,7 +4,6 @@ directory trees copied in (and a kept sandbox's copied off its disk)."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -111,45 +110,3 @@ def _copy_file(src: str, dst: str, owner: identity.Identity | None) -> None:
             os.close(fout)
     finally:
         os.close(fin)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def clear_paths(root: str, paths: list[str]) -> None:
-    """Make room in the directory ``root`` for a file at each of ``paths`` (relative, checked): every
-    ancestor of it that is a link or not a directory is removed, then whatever is at the path itself (a
-    tree, a link, a file). Every step goes by a directory descriptor opened without following a link, so
-    nothing outside ``root`` is reached whatever the tree holds. Blocking."""
-    top = os.open(root, _DIR_FLAGS)
-    try:
-        for path in paths:
-            _clear_one(top, path.split("/"))
-    finally:
-        os.close(top)
-
-
-def _clear_one(top: int, parts: list[str]) -> None:
-    fd = os.dup(top)
-    try:
-        for name in parts[:-1]:
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return  # nothing there, nor below
-            if not stat.S_ISDIR(st.st_mode):
-                os.unlink(name, dir_fd=fd)  # a link or a file where a directory belongs
-                return
-            below = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = below
-        try:
-            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(parts[-1], dir_fd=fd)  # by descriptors, links never followed
-        else:
-            os.unlink(parts[-1], dir_fd=fd)
-    finally:
-        os.close(fd)

@@ -31,6 +31,7 @@ from sandboxes.base import (
     SandboxLostError,
     SandboxSpec,
 )
+from sandboxes.carry import clear_paths
 from sandboxes.environment import (
     base_environment,
     marker_entry,
@@ -39,7 +40,7 @@ from sandboxes.environment import (
 )
 from sandboxes.exec_server import ExecServer, ServedExec
 from sandboxes.inline import inline_if, small_inline, small_tree
-from sandboxes.local_files import _copy_dir_stat, clear_paths, confined_path, copy_tree, write_confined
+from sandboxes.local_files import _copy_dir_stat, confined_path, copy_tree, write_confined
 from sandboxes.local_reap import DESCRIPTOR_NAME, _kill_tree
 from sandboxes.owner import boot_id, own_start_ticks
 from sandboxes.workspace import baseline_git_dir
@@ -299,7 +300,7 @@ class LocalSandbox:
 
     async def clear_paths(self, paths: list[str]) -> None:
         """Room in the workspace for a file at each of ``paths`` (relative, checked): what is at each,
-        and any ancestor of it that is a link or not a directory, removed (``local_files.clear_paths``),
+        and any ancestor of it that is a link or not a directory, removed (``carry.clear_paths``),
         by the worker on this host: no command of the sandbox's, whose exec costs ~5 ms of the machine's
         CPU. For a grading sandbox, where nothing of the agent's ever ran."""
         self._check_open()
