@@ -16,6 +16,11 @@ free (measured: ~3 ms of a worker's CPU a session on such an ext4, tests/bench/b
 size of its own: what is written there is bounded by the output caps. What a sandbox's server writes
 there (its commands' output) counts toward the sandbox's memory cap, as its page cache did on the disk.
 
+A session directory's tmpfs is mounted on a directory of the disk, and that directory is what a sandbox
+would still make and free on the disk: an emptied one is kept for a later session (``MountPoints``), so
+that a run's sessions make and free no inode of the disk (each made on such an ext4 searches past every
+one freed in the last minute, the run's evidence files among them).
+
 Its pages are memory: what the sandbox's commands write counts toward the sandbox's memory cap
 (sandboxes/pidlimit.py), so the tighter of the two bounds holds; what the worker copies in counts toward
 the worker's. They are freed at ``unmount`` (the sandbox's stop); a kept session directory (``sandbox.keep``)
@@ -29,6 +34,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import secrets
 from collections.abc import Callable
 
 DISK_DIR = "disk"
@@ -39,6 +45,12 @@ _KEPT_SUFFIX = ".kept"
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+# An emptied session mount point kept for a later session (``MountPoints``), named
+# ``<random>.<owner>.spare`` in its run's directory: a reaper removes a dead owner's (local_reap.py).
+SPARE_SUFFIX = ".spare"
+# Spares a provider keeps at most: as many as its sandboxes at once, each an empty directory.
+MAX_SPARES = 4096
 
 
 @functools.cache  # a CDLL(None) costs ~50 us, two per sandbox
@@ -46,6 +58,7 @@ def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     return libc
 
 
@@ -88,14 +101,81 @@ def mount_session(session_dir: str) -> None:
     _mount(_libc(), "tmpfs", session_dir, "tmpfs", flags, "mode=0700")
 
 
+class MountPoints:
+    """The directories a provider's session directories' tmpfs are mounted on (``mount_session``), each
+    kept once its tmpfs is detached and renamed into a later session's place rather than freed and made
+    again: a rename makes and frees no inode. Thread-safe (each step is one list operation); blocking."""
+
+    def __init__(self) -> None:
+        self._spares: list[str] = []
+
+    def make(self, session_dir: str) -> None:
+        """Make the session's directory (mode 0700), empty: a spare renamed into place where one is kept.
+        Raises OSError as ``os.mkdir`` does (FileExistsError where the directory is there already)."""
+        while True:
+            try:
+                spare = self._spares.pop()
+            except IndexError:
+                break
+            try:
+                if _empty(spare):
+                    _rename_noreplace(spare, session_dir)
+                    return
+            except FileExistsError:
+                self._spares.append(spare)
+                raise
+            except OSError:  # gone, or a filesystem without the rename's flag: made below
+                pass
+            with contextlib.suppress(OSError):
+                os.rmdir(spare)
+        os.mkdir(session_dir, 0o700)
+
+    def keep(self, session_dir: str, owner_name: str) -> bool:
+        """Keep ``session_dir``, its tmpfs detached and so an empty directory again, for a later session;
+        False where it is not kept (the caller removes it)."""
+        if len(self._spares) >= MAX_SPARES:
+            return False
+        name = f"{secrets.token_hex(8)}.{owner_name}{SPARE_SUFFIX}"
+        spare = os.path.join(os.path.dirname(session_dir), name)
+        try:
+            _rename_noreplace(session_dir, spare)
+        except OSError:
+            return False
+        self._spares.append(spare)
+        return True
+
+    def close(self) -> None:
+        """Remove every spare (the provider's last step)."""
+        spares, self._spares = self._spares, []
+        for spare in spares:
+            with contextlib.suppress(OSError):
+                os.rmdir(spare)
+
+
+def _empty(directory: str) -> bool:
+    with os.scandir(directory) as entries:
+        return next(entries, None) is None
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    if _libc().renameat2(_AT_FDCWD, src.encode(), _AT_FDCWD, dst.encode(), _RENAME_NOREPLACE):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), dst)
+
+
 def unmount(
-    session_dir: str, keep: Callable[[str, str], None] | None = None, *, session: bool = False
+    session_dir: str,
+    keep: Callable[[str, str], None] | None = None,
+    *,
+    session: bool = False,
+    spare: Callable[[str], bool] | None = None,
 ) -> None:
     """Detach the session's tmpfs (idempotent; lazily, so a process still holding a file open cannot keep
     the mount from going), and an older version's binds of it. ``keep(src, dst)``: copies what the tmpfs
     holds into a directory on the disk before it goes (a kept session), which then takes its place, so the
     kept files are where the sandbox had them. ``session``: the session directory's own tmpfs goes too
-    (``mount_session``), every file in it, and the directory. Blocking."""
+    (``mount_session``), every file in it, and the directory, unless ``spare(session_dir)`` takes the
+    emptied directory for a later session (``MountPoints.keep``). Blocking."""
     disk = os.path.join(session_dir, DISK_DIR)
     kept = None
     if keep is not None and os.path.ismount(disk):
@@ -111,8 +191,9 @@ def unmount(
     # A lazy unmount takes every mount below too: the disk goes with the session's tmpfs, in one call
     # (each takes ~0.1 ms of the kernel's CPU).
     if session and kept is None and _detach(session_dir):
-        with contextlib.suppress(OSError):  # else left for a reaper
-            os.rmdir(session_dir)
+        if spare is None or not spare(session_dir):
+            with contextlib.suppress(OSError):  # else left for a reaper
+                os.rmdir(session_dir)
         return
     _detach(disk)
     with contextlib.suppress(OSError):

@@ -157,6 +157,7 @@ class LocalSandboxProvider:
         self.disk_fs = bool(self.max_disk_bytes) and view_maker == "mounts" and diskfs.unavailable() is None
         # A session directory no one keeps is a tmpfs where its server's commands see it (diskfs.py).
         self.session_fs = not keep and diskfs.unavailable() is None and isolation.mounts_unavailable() is None
+        self.mount_points = diskfs.MountPoints()  # what those tmpfs are mounted on, kept for later sessions
         # What no command may see besides homes and /tmp: every sandbox's directory, the run's directory.
         self.hidden: list[str] = [str(self.root), *hidden]
 
@@ -484,6 +485,7 @@ class LocalSandboxProvider:
             for groups in kept:
                 for group in set(groups.values()):
                     await asyncio.to_thread(pidlimit.remove, group, 2.0)
+            await asyncio.to_thread(self.mount_points.close)
         finally:
             self._closing = False
 
@@ -527,7 +529,10 @@ class LocalSandboxProvider:
 
     def _make_session_dir(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
-        session_dir.mkdir(mode=0o700)
+        if sandbox.session_fs:
+            self.mount_points.make(str(session_dir))
+        else:
+            session_dir.mkdir(mode=0o700)
         if sandbox.session_fs:
             try:
                 diskfs.mount_session(str(session_dir))

@@ -119,14 +119,20 @@ def reap_stale(
         if owner_dead and not desc.get("keep"):
             shutil.rmtree(path.parent, ignore_errors=True)
         reaped.append(sandbox_id)
-    # Directories whose deletion a worker began but did not live to finish; nothing runs in them.
-    for aside in root.glob(f"{run_id or '*'}/*{_REMOVING_SUFFIX}"):
-        if aside.is_dir() and not (aside / DESCRIPTOR_NAME).exists() and _remover_gone(root, aside.name):
-            shutil.rmtree(aside, ignore_errors=True)
+    # Directories whose deletion a worker began but did not live to finish, and the empty mount points it
+    # kept for later sessions (diskfs.MountPoints); nothing runs in them.
+    for suffix in (_REMOVING_SUFFIX, diskfs.SPARE_SUFFIX):
+        for aside in root.glob(f"{run_id or '*'}/*{suffix}"):
+            if (
+                aside.is_dir()
+                and not (aside / DESCRIPTOR_NAME).exists()
+                and _remover_gone(root, aside.name, suffix)
+            ):
+                shutil.rmtree(aside, ignore_errors=True)
     return reaped
 
 
-def _remover_gone(root: Path, aside: str) -> bool:
-    name = aside.removesuffix(_REMOVING_SUFFIX).rpartition(".")[2]
+def _remover_gone(root: Path, aside: str, suffix: str) -> bool:
+    name = aside.removesuffix(suffix).rpartition(".")[2]
     # An aside named after its session alone is an older version's: nobody is deleting it any more.
     return not owner.is_owner_name(name) or owner.known_dead(root, name)

@@ -682,7 +682,10 @@ class LocalSandbox:
     def _unmount_disk(self) -> None:
         if self._provider.disk_fs or self.session_fs:
             keep = self._keep_files if self._keep else None
-            diskfs.unmount(str(self.root), keep, session=self.session_fs)
+            diskfs.unmount(str(self.root), keep, session=self.session_fs, spare=self._spare_mount_point)
+
+    def _spare_mount_point(self, session_dir: str) -> bool:
+        return self._provider.mount_points.keep(session_dir, self._owner)
 
     def _keep_files(self, src: str, dst: str) -> None:
         """A kept session's files, copied off its tmpfs before it goes (links as links)."""

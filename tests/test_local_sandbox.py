@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxes import diskfs
 from sandboxes.base import (
     TAIL_BYTES,
     ExecStep,
@@ -248,6 +249,49 @@ async def test_the_defaults_keep_a_sandboxs_files_on_its_own_filesystem(tmp_path
         assert not os.path.ismount(disk)
     else:
         assert not sandbox.root.exists()
+
+
+def _entry_inode(path: Path) -> int:
+    """The inode of ``path``'s directory entry on its parent's filesystem, not of what is mounted on it."""
+    with os.scandir(path.parent) as entries:
+        return next(entry.inode() for entry in entries if entry.name == path.name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a session directory of its own is a mount: root only")
+async def test_an_emptied_session_directory_becomes_a_later_sessions_and_none_outlives_the_provider(
+    tmp_path: Path,
+) -> None:
+    """The directory a stopped session's tmpfs was mounted on is renamed into a later session's place (on
+    the host's disk no inode made or freed a session): that session starts empty, whatever the one before
+    wrote; a taken session's name is still refused; the provider's close removes what it kept."""
+    gateway = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listening; nothing here connects
+    gateway.bind(str(tmp_path / "gw.sock"))
+    gateway.listen()
+    provider = LocalSandboxConfig(keep=False).build(tmp_path / "sb", (8, str(tmp_path / "gw.sock")))
+    first = await provider.start(spec("first"))
+    mount_point = _entry_inode(first.root)
+    res = await first.exec(["sh", "-c", "echo x > note && mkdir -p deep/er && echo y > $HOME/h"], timeout=30)
+    assert res.exit_code == 0, res
+    await first.write_file("logs/extra", b"z")
+    await first.stop()
+    run_dir = first.root.parent
+    assert [(e.name.endswith(diskfs.SPARE_SUFFIX), e.inode()) for e in os.scandir(run_dir)] == [
+        (True, mount_point)
+    ]
+    second = await provider.start(spec("second"))
+    try:
+        assert _entry_inode(second.root) == mount_point and os.path.ismount(second.root)
+        assert sorted(os.listdir(second.root)) == ["disk", "logs", "run", "sandbox.json"]
+        assert os.listdir(second.workdir) == [] and os.listdir(second.root / "logs") == []
+        assert sorted(os.listdir(run_dir)) == ["second"]
+        with pytest.raises(SandboxStartError, match="already exists"):
+            await provider.start(spec("second"))
+    finally:
+        await second.stop()
+        await provider.aclose()
+        gateway.close()
+    assert os.listdir(run_dir) == []
+    assert str(run_dir) not in Path("/proc/self/mountinfo").read_text()
 
 
 async def test_layout_and_descriptor(sandbox: LocalSandbox, root: Path) -> None:
@@ -712,9 +756,15 @@ async def test_reap_removes_a_directory_a_dead_worker_left_half_deleted(root: Pa
     abandoned = root / "run" / f"s3.{dead_owner(root)}.removing"
     for path in (deleting, abandoned):
         (path / "home").mkdir(parents=True)
+    # The empty mount points a worker kept for later sessions (diskfs.MountPoints): the same.
+    spare = root / "run" / f"0a1b.{hold(root)}{diskfs.SPARE_SUFFIX}"
+    orphaned_spare = root / "run" / f"2c3d.{dead_owner(root)}{diskfs.SPARE_SUFFIX}"
+    for path in (spare, orphaned_spare):
+        path.mkdir()
     assert await asyncio.to_thread(reap_stale, root, "run") == []
     assert not aside.exists() and live.exists()
     assert deleting.exists() and not abandoned.exists()
+    assert spare.exists() and not orphaned_spare.exists()
 
 
 async def test_delete_removes_the_directory(sandbox: LocalSandbox) -> None:
