@@ -1,7 +1,7 @@
 """What a fresh sandbox's server and its fork server cost in a burst of starts: N local sandboxes with the
 run's layers (``LocalSandboxConfig()``, as a run builds its provider) started at once, one ``true`` each,
 then stopped. A burst is where a forked interpreter costs most: each page it writes is copied, shared as
-it is with the fork server and every server alive (docs/performance.md, "Where a burst's CPU goes").
+it is with the fork server and every server alive (docs/performance.md, "Pages copied after a fork").
 
     .venv/bin/python tests/bench/bench_server_burst.py [--n 150] [--repeat 2]
 
