@@ -529,11 +529,10 @@ class LocalSandboxProvider:
 
     def _make_session_dir(self, session_dir: Path, sandbox: LocalSandbox) -> None:
         session_dir.parent.mkdir(parents=True, exist_ok=True)
-        if sandbox.session_fs:
-            self.mount_points.make(str(session_dir))
-        else:
+        if not sandbox.session_fs:
             session_dir.mkdir(mode=0o700)
-        if sandbox.session_fs:
+        else:
+            self.mount_points.make(str(session_dir))  # an ended session's mount point, where one is kept
             try:
                 diskfs.mount_session(str(session_dir))
             except OSError as exc:  # the directory on the disk, as for a kept one: this and later ones
