@@ -44,7 +44,7 @@ _LEGACY_BINDS = ("work", "home", "tmp", "baseline.git")
 _KEPT_SUFFIX = ".kept"
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
-_EINVAL, _ENOENT = 22, 2
+_EINVAL, _ENOENT, _ENOSYS = 22, 2, 38
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 # An emptied session mount point kept for a later session (``MountPoints``), named
 # ``<random>.<owner>.spare`` in its run's directory: a reaper removes a dead owner's (local_reap.py).
@@ -58,7 +58,9 @@ def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if hasattr(libc, "renameat2"):  # glibc 2.28 and later; without it no mount point is kept (MountPoints)
+        path = ctypes.c_char_p
+        libc.renameat2.argtypes = [ctypes.c_int, path, ctypes.c_int, path, ctypes.c_uint]
     return libc
 
 
@@ -158,7 +160,10 @@ def _empty(directory: str) -> bool:
 
 
 def _rename_noreplace(src: str, dst: str) -> None:
-    if _libc().renameat2(_AT_FDCWD, src.encode(), _AT_FDCWD, dst.encode(), _RENAME_NOREPLACE):
+    rename = getattr(_libc(), "renameat2", None)
+    if rename is None:
+        raise OSError(_ENOSYS, "no renameat2 in this C library", dst)
+    if rename(_AT_FDCWD, src.encode(), _AT_FDCWD, dst.encode(), _RENAME_NOREPLACE):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), dst)
 
