@@ -20,10 +20,11 @@ import time
 import uuid
 
 try:  # as part of the package
-    from sandboxes import agent_layers, proctree, uidpool
+    from sandboxes import agent_layers, agent_supervisors, proctree, uidpool
     from sandboxes import supervisor as sup
 except ImportError:  # copied beside supervisor.py and proctree.py into a sandbox
     import agent_layers  # type: ignore[no-redef]
+    import agent_supervisors  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
     import supervisor as sup  # type: ignore[no-redef]
     import uidpool  # type: ignore[no-redef]
@@ -46,10 +47,13 @@ SUBDIRS = ("work", "home", "tmp", "logs", "run")
 USER_DIRS = ("work", "home", "tmp", "baseline.git")
 
 
-def wait_exit(proc: subprocess.Popen, timeout: float) -> None:
+def wait_exit(proc: subprocess.Popen | agent_supervisors.ServedSupervisor, timeout: float) -> None:
     """``proc.wait(timeout)``, returning as soon as the process ends: Popen's own wait with a timeout
     polls, sleeping up to 50 ms between looks, which made every command through an agent ~30 ms late
     (an exec of `true` 68 ms)."""
+    if isinstance(proc, agent_supervisors.ServedSupervisor):  # ends when its server reports it
+        proc.wait(timeout)
+        return
     try:
         ended = proctree.ended_within(proc.pid, timeout)
     except (AttributeError, OSError):  # no pidfds here
@@ -100,7 +104,7 @@ class Agent:
         # container (the task's image keeps its workspace and tests where it chose).
         self.confined = confined
         self.lock = threading.Lock()
-        self.running = {}  # type: dict[int, tuple[subprocess.Popen, bytes | None]]
+        self.running = {}  # type: dict[int, tuple[subprocess.Popen | agent_supervisors.ServedSupervisor, bytes | None]]
         self.stopping = False
         self.started_at = time.time()
         # A view binds back only what exists: the baseline's git directory too (made later by the worker).
@@ -112,6 +116,8 @@ class Agent:
         # The supervisor's own directory too: a command's init imports its siblings once in the view.
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
         self.relay = agent_layers.GatewayRelay() if self.layers.network else None
+        server_log = os.path.join(self.root, "run", "server.log")
+        self.supervisors = agent_supervisors.SupervisorServer(PYTHON, server_log)
         self.account_files = None  # type: dict | None
         if self.layers.lease is not None:  # a uid with no account: the view names it (uidpool.py)
             uid, gid = self.run_as
@@ -268,9 +274,6 @@ class Agent:
             user=list(self.run_as) if self.run_as else None,
             **layers,
         )
-        params_path = os.path.join(run, stem + ".params.json")
-        with open(params_path, "w", encoding="utf-8") as f:
-            json.dump(params, f)
         marker = None
         if "ROLLOUT_SANDBOX" in env:
             marker = ("ROLLOUT_SANDBOX=" + env["ROLLOUT_SANDBOX"]).encode()
@@ -278,17 +281,7 @@ class Agent:
         with self.lock:
             if self.stopping:
                 raise AgentError(409, "the agent is stopping")
-            with open(os.path.join(run, stem + ".supervisor.log"), "wb") as sup_log:
-                # The command's environment is exactly what the client sent: nothing of ours leaks in.
-                proc = subprocess.Popen(
-                    [*PYTHON, "-I", "-S", SUPERVISOR_PATH, params_path],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=sup_log,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                )
+            proc = self._start_supervisor(params, env, os.path.join(run, stem))
             self.running[proc.pid] = (proc, marker)
         killed = False
         try:
@@ -308,6 +301,33 @@ class Agent:
             if stdin_path:
                 _unlink(stdin_path)
         return self._result(files, proc, killed, time.monotonic() - started)
+
+    def _start_supervisor(
+        self, params: dict, env: dict, stem: str
+    ) -> subprocess.Popen | agent_supervisors.ServedSupervisor:
+        """A supervisor for ``params``, the command's environment ``env``: forked by the agent's server,
+        or, where there is none to be had, an interpreter of its own; its stderr in STEM.supervisor.log."""
+        if not self.supervisors.failed:
+            try:
+                return self.supervisors.spawn(params, env, stem + ".supervisor.log")
+            except agent_supervisors.ServerLost:
+                pass  # nothing started: this command as before; the next tries a server again
+            except agent_supervisors.RequestLost as exc:  # never run twice: it may have started
+                raise AgentError(410, str(exc)) from exc
+        params_path = stem + ".params.json"
+        with open(params_path, "w", encoding="utf-8") as f:
+            json.dump(params, f)
+        with open(stem + ".supervisor.log", "wb") as sup_log:
+            # The command's environment is exactly what the client sent: nothing of ours leaks in.
+            return subprocess.Popen(
+                [*PYTHON, "-I", "-S", SUPERVISOR_PATH, params_path],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=sup_log,
+                cwd=params["cwd"],
+                env=env,
+                start_new_session=True,
+            )
 
     def _isolation_params(self, gateway: object) -> dict:
         """The supervisor's ``network_forward`` and ``view`` for one command. ``gateway``: [host, port] of
@@ -410,6 +430,7 @@ class Agent:
             clean = self._kill_tree(roots, marker) and clean
         if self.relay is not None:
             self.relay.close()
+        self.supervisors.close(STOP_GRACE_S)
         return clean
 
 

@@ -53,6 +53,12 @@ AGENT_IMPORTS = (
     "seccomp.py",
     "isolation.py",
     "uidpool.py",
+    "agent_supervisors.py",
+    "supervisor_server.py",
+    "folded.py",
+    "namespaces.py",
+    "native_init.py",
+    "pidlimit.py",
 )
 # What an exec may take past its own timeout before we stop waiting for the agent's answer: the
 # supervisor's kill rounds and drain, and the agent's own slack.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import os
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -216,6 +218,56 @@ async def test_stop_ends_running_commands_and_the_agent(agent):
     assert agent.proc.wait(15) == 0
     assert _marked(marker) == []
     await sandbox.stop()  # idempotent
+
+
+_ANCESTRY = (
+    'p=$$; while [ "$p" -gt 1 ]; do echo "$p $(cat /proc/$p/comm)"; p=$(cut -d" " -f4 /proc/$p/stat); done'
+)
+
+
+async def test_one_server_forks_every_commands_supervisor_and_is_started_again_when_lost(agent):
+    sandbox = _remote(agent)
+
+    async def ancestry() -> list[tuple[int, str]]:
+        res = await sandbox.exec(["sh", "-c", _ANCESTRY], timeout=30)
+        assert res.exit_code == 0, res.stderr_tail
+        return [
+            (int(pid), comm) for pid, comm in (line.split(" ", 1) for line in res.stdout_tail.splitlines())
+        ]
+
+    def server_of(chain: list[tuple[int, str]]) -> int:
+        comms = [comm for _pid, comm in chain]
+        # The command, its supervisor, the server, the agent: no interpreter started for the command.
+        assert comms[:3] == ["sh", "rollout-sup", "rollout-server"], chain
+        assert chain[3][0] == agent.proc.pid, chain
+        return chain[2][0]
+
+    first, second = await ancestry(), await ancestry()
+    server = server_of(first)
+    assert server_of(second) == server and first[1][0] != second[1][0]  # one server, a supervisor each
+    env = await sandbox.exec(["env", "-0"], timeout=30)  # the command's environment is the client's alone
+    entries = (await sandbox.read_file(env.stdout_path, 65536)).decode().split("\0")
+    marked = [entry for entry in entries if entry.startswith("ROLLOUT_SANDBOX=")]
+    assert marked == ["ROLLOUT_SANDBOX=" + sandbox.base_env["ROLLOUT_SANDBOX"]], marked
+    os.kill(server, signal.SIGKILL)
+    # A command that met the server dying is refused as lost (it may have started: never run twice), or
+    # started another way; by its answer the agent knows the server is gone, and the next one has a new one.
+    with contextlib.suppress(SandboxLostError):
+        await ancestry()
+    again = server_of(await ancestry())
+    assert again != server
+    await sandbox.stop()
+    assert agent.proc.wait(15) == 0
+    # The server does not outlive its agent.
+    assert not _alive_as(again, "rollout-server")
+
+
+def _alive_as(pid: int, comm: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == comm
+    except OSError:
+        return False
 
 
 async def test_a_dead_agent_reads_as_a_lost_sandbox(agent):
