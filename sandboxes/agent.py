@@ -3,8 +3,9 @@
 Standard library only, so it runs under whatever python3 an image or a compute node has; it ships next to
 ``supervisor.py`` and ``proctree.py`` (copied beside it, or imported from the package) and runs every
 command under the supervisor, so an exec here gets what a local exec gets: its own session and process
-group, capped output files, the timeout and the TTL, and the whole tree killed before the answer. The
-supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
+group, capped output files, the timeout and the TTL, and the whole tree killed before the answer. Each
+command's supervisor is forked by one pre-imported server the agent starts beside itself
+(agent_supervisors.py). The supervisor needs python3 >= 3.11; this module itself keeps to python3 >= 3.8.
 
     python3 agent.py --root DIR (--token-file FILE | --token-env VAR) [--host H] [--port P]
                      [--ttl-s N] [--rendezvous FILE] [--max-connections N]

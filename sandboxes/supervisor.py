@@ -5,9 +5,10 @@ enforces the timeout and the sandbox's TTL, and before it exits kills every proc
 behind, then writes a small JSON result. Two ways to start one:
 
 - ``python3 -I -S supervisor.py PARAMS.json``, with the command's environment as its own (the in-sandbox
-  agent does this);
-- forked by a sandbox's server (``supervisor_server.py``, the local sandbox's), which calls ``run`` in
-  the child, so a command costs a fork rather than an interpreter start-up and these imports. (A server
+  agent's way where it has no server: agent_supervisors.py);
+- forked by a server (``supervisor_server.py``: the local sandbox's, and the in-sandbox agent's), which
+  calls ``run`` in the child, so a command costs a fork rather than an interpreter start-up and these
+  imports. (A server
   that is its sandbox's PID-namespace init does this module's work itself for a command alone in the
   sandbox, with its pumps and result: folded.py.)
 
