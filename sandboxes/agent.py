@@ -450,7 +450,7 @@ def main(argv: list | None = None) -> int:
         hidden=args.hide,
         readonly=args.readonly,
     )
-    agent.supervisors.warm()  # its start overlaps the server's, off the first exec's path
+    agent.supervisors.warm()  # the supervisor server starts beside the agent, off the first exec's path
     limits = dict(
         max_connections=args.max_connections,
         idle_timeout_s=args.idle_timeout_s,
