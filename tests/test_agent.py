@@ -225,15 +225,15 @@ _ANCESTRY = (
 )
 
 
+async def _ancestry(sandbox: RemoteSandbox) -> list[tuple[int, str]]:
+    """(pid, name) of a command run through the agent, and of each process above it."""
+    res = await sandbox.exec(["sh", "-c", _ANCESTRY], timeout=30)
+    assert res.exit_code == 0, res.stderr_tail
+    return [(int(pid), comm) for pid, comm in (line.split(" ", 1) for line in res.stdout_tail.splitlines())]
+
+
 async def test_one_server_forks_every_commands_supervisor_and_is_started_again_when_lost(agent):
     sandbox = _remote(agent)
-
-    async def ancestry() -> list[tuple[int, str]]:
-        res = await sandbox.exec(["sh", "-c", _ANCESTRY], timeout=30)
-        assert res.exit_code == 0, res.stderr_tail
-        return [
-            (int(pid), comm) for pid, comm in (line.split(" ", 1) for line in res.stdout_tail.splitlines())
-        ]
 
     def server_of(chain: list[tuple[int, str]]) -> int:
         comms = [comm for _pid, comm in chain]
@@ -242,7 +242,7 @@ async def test_one_server_forks_every_commands_supervisor_and_is_started_again_w
         assert chain[3][0] == agent.proc.pid, chain
         return chain[2][0]
 
-    first, second = await ancestry(), await ancestry()
+    first, second = await _ancestry(sandbox), await _ancestry(sandbox)
     server = server_of(first)
     assert server_of(second) == server and first[1][0] != second[1][0]  # one server, a supervisor each
     env = await sandbox.exec(["env", "-0"], timeout=30)  # the command's environment is the client's alone
@@ -253,8 +253,8 @@ async def test_one_server_forks_every_commands_supervisor_and_is_started_again_w
     # A command that met the server dying is refused as lost (it may have started: never run twice), or
     # started another way; by its answer the agent knows the server is gone, and the next one has a new one.
     with contextlib.suppress(SandboxLostError):
-        await ancestry()
-    again = server_of(await ancestry())
+        await _ancestry(sandbox)
+    again = server_of(await _ancestry(sandbox))
     assert again != server
     await sandbox.stop()
     assert agent.proc.wait(15) == 0
@@ -464,11 +464,19 @@ async def test_run_as_runs_every_command_as_the_unprivileged_user():
         diff = await workspace_diff(sandbox)
         appended = (agent.root / "work" / "sub" / "b.txt").read_text()
         planted = (agent.root / "x").exists()
+        # The agent's supervisor server (root) is out of the user's reach: no signal, no request of its.
+        server = [pid for pid, comm in (await _ancestry(sandbox)) if comm == "rollout-server"]
+        attack = (
+            f"kill -9 {server[0]} && echo killed; echo '{{\"id\": 9}}' > /proc/{server[0]}/fd/0 && echo wrote"
+        )
+        attacked = await sandbox.exec(["sh", "-c", attack], timeout=30)
+        after = [pid for pid, comm in (await _ancestry(sandbox)) if comm == "rollout-server"]
     finally:
         agent.kill()
         shutil.rmtree(base, ignore_errors=True)
     assert result.stdout_tail.splitlines()[0] == identity.SANDBOX_USER, result.stderr_tail
     assert "Permission denied" in result.stderr_tail and not planted
+    assert attacked.stdout_tail == "" and after == server, (attacked.stdout_tail, attacked.stderr_tail)
     assert appended == "uploaded\nmore\n"
     assert diff is not None and "+two" in diff
 
