@@ -27,7 +27,7 @@ import pytest
 from sandboxes import identity, uidpool
 from sandboxes.agent import DEFAULT_MAX_CONNECTIONS
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, WorkspaceSpec
-from sandboxes.remote import AGENT_PATH, RemoteSandbox, agent_files
+from sandboxes.remote import AGENT_PATH, RemoteSandbox, agent_files, agent_transport
 from sandboxes.workspace import lay_out, workspace_diff
 from tests.agent_process import AgentProcess, start_agent
 
@@ -268,6 +268,14 @@ def _alive_as(pid: int, comm: str) -> bool:
             return f.read().strip() == comm
     except OSError:
         return False
+
+
+def test_an_agent_is_reached_over_plain_http_only():
+    """Agents serve plain HTTP: the worker's transport to one loads no CA store, and a URL that would need
+    TLS is refused in one line rather than spoken to unverified."""
+    with pytest.raises(ValueError, match="plain http, not 'https://node:8080'"):
+        agent_transport("https://node:8080")
+    assert agent_transport("http://node:8080") is not None
 
 
 async def test_a_dead_agent_reads_as_a_lost_sandbox(agent):
