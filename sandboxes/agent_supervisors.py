@@ -3,7 +3,7 @@ with no PID namespace of its own) rather than started as an interpreter of its o
 ``python3 -I -S supervisor.py PARAMS`` costs ~20 ms of CPU and of the exec's wall (the interpreter's
 start and the supervisor's imports), a fork of the server ~1-2 ms.
 
-The agent starts the server at its first exec, as
+The agent starts the server beside its own start (``warm``), else at its first exec, as
 
     python3 -I -S supervisor_server.py --serve AGENT_PID
 
@@ -164,9 +164,9 @@ class SupervisorServer:
             raise ServerLost("the supervisor server could not start")
         try:
             self._proc = self._start()
-        except OSError:
+        except OSError as exc:  # no python to start it with, no fork to be had, or it did not answer
             self.failed = True
-            raise
+            raise exc if isinstance(exc, ServerLost) else ServerLost(f"cannot start it: {exc}") from exc
         return self._proc
 
     def _start(self) -> subprocess.Popen:

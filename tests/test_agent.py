@@ -183,13 +183,17 @@ async def test_exec_files_and_workspace_like_a_local_sandbox(agent, tmp_path):
     assert diff is not None and "-one" in diff and "+two" in diff and "pkg/mod.py" not in diff
 
 
-async def test_the_agent_runs_from_the_files_a_sandbox_is_given(tmp_path):
+@pytest.mark.parametrize("left_out", [None, "supervisor_server.py"])
+async def test_the_agent_runs_from_the_files_a_sandbox_is_given(tmp_path, left_out):
     """Copied alone into a directory, as into a Slurm job's control directory or the ECS image, with
-    nothing of the package importable: ``agent_files()`` is all the agent and its supervisor need."""
+    nothing of the package importable: ``agent_files()`` is all the agent and its supervisor need. Its
+    supervisor server is among them; without it (no server to be had) each command gets an interpreter
+    of its own, as before there was one."""
     shipped = tmp_path / "control"
     shipped.mkdir()
     for src in agent_files():
-        shutil.copy2(src, shipped / src.name)
+        if src.name != left_out:
+            shutil.copy2(src, shipped / src.name)
     # -E -S: neither PYTHONPATH nor site-packages, so no `sandboxes` package to fall back on.
     alone = start_agent(tmp_path / "sb", TOKEN, agent=shipped / "agent.py", python_flags=("-E", "-S"))
     try:
@@ -198,8 +202,12 @@ async def test_the_agent_runs_from_the_files_a_sandbox_is_given(tmp_path):
         result = await sandbox.exec(["bash", "-c", "(setsid sleep 300 &); echo hi; exit 3"], timeout=30)
         assert result.exit_code == 3 and result.stdout_tail == "hi\n"
         assert _marked(marker) == []  # the supervisor, run from the copy, ended what the command left
+        chain = await _ancestry(sandbox)
     finally:
         alone.kill()
+    # Above the command its supervisor, then the server, or (with none) the agent itself.
+    assert chain[1][1] == "rollout-sup", chain
+    assert chain[2][1] == "rollout-server" if left_out is None else chain[2][0] == alone.proc.pid, chain
 
 
 async def test_stop_ends_running_commands_and_the_agent(agent):
