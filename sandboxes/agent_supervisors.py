@@ -54,9 +54,9 @@ class ServedSupervisor:
     """One supervisor the server forked: the part of ``subprocess.Popen`` the agent uses. ``returncode``
     is its exit code once the server has reported it (-1 where the server was lost first)."""
 
-    def __init__(self, pid: int, args: list, marker: bytes) -> None:
+    def __init__(self, pid: int, marker: bytes) -> None:
         self.pid = pid
-        self.args = args
+        self.args = ["supervisor", str(pid)]  # what a TimeoutExpired names
         self.returncode = None  # type: int | None
         self._marker = marker
         self._ended = threading.Event()
@@ -118,7 +118,6 @@ class SupervisorServer:
         directory) with the command's environment ``env``, its own stderr appended to ``log_path``.
         Raises ServerLost where there is no server to be had (nothing was started), RequestLost where it
         was lost with the request, OSError where it could not fork."""
-        args = ["supervisor", params.get("result_path", "")]
         with self._lock:
             proc = self._running_server()
             self._ids += 1
@@ -139,7 +138,6 @@ class SupervisorServer:
             raise RequestLost(f"no fork from the supervisor server within {SPAWN_TIMEOUT_S:.0f} s")
         answer = waiter[1]
         if isinstance(answer, ServedSupervisor):
-            answer.args = args
             return answer
         raise answer
 
@@ -229,7 +227,7 @@ class SupervisorServer:
                 waiter = self._starting.pop(req_id, None)
                 served = None
                 if "pid" in message:
-                    served = ServedSupervisor(int(message["pid"]), [], self._marker)
+                    served = ServedSupervisor(int(message["pid"]), self._marker)
                     self._live[req_id] = served
         if "status" in message:
             if served is not None:

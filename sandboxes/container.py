@@ -54,14 +54,13 @@ from sandboxes.cache_root import default_cache_root
 from sandboxes.images import ImageInfo, Images
 from sandboxes.owner import Owner, hold
 from sandboxes.provider_config import NetworkForward, ProviderConfig
-from sandboxes.remote import RemoteSandbox, agent_files, agent_transport, ready_or_torn_down
+from sandboxes.remote import RemoteSandbox, agent_files, ready_or_torn_down
 from sandboxes.runtime import RT_IN, Runtime, RuntimeUnavailable, host_runtime
 
 log = logging.getLogger(__name__)
 
 LABEL = "rollout.sandbox"
 CODE_DIR = "/opt/rollout"  # the agent's files, read-only
-AGENT_URL = "http://sandbox"  # the agent, through its Unix socket: any host name reaches it
 ROOT_IN = "/rollout"  # the session's directory
 GATEWAY_SOCKET_IN = "/run/rollout-gateway.sock"
 ENTRY_PATH = Path(__file__).with_name("container_entry.py")
@@ -502,14 +501,14 @@ class ContainerSandboxProvider:
             # The engine's cgroup enforces the memory limit; an address-space one too would break
             # runtimes that reserve more than they use (node).
             spec=spec.model_copy(update={"memory_limit_mb": None}),
-            base_url=AGENT_URL,
+            base_url="http://sandbox",  # through its Unix socket: any host name reaches it
             token=launch.token,
             root=ROOT_IN,
             teardown=functools.partial(self._teardown, name, session_dir, (spec, image, runtime)),
             probe=functools.partial(self._probe, name),
             marker_token=uuid.uuid4().hex,
             extra={"container": name, "image": image.ref, "engine": self.engine},
-            transport=agent_transport(AGENT_URL, launch.socket_path),
+            uds=launch.socket_path,
         )
 
     # -- spares -----------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ class RemoteSandbox:
         marker_token: str,
         extra: dict[str, Any] | None = None,
         path_prefixes: tuple[str, ...] = (),
-        transport: httpx.AsyncBaseTransport | None = None,  # e.g. to an agent on a Unix socket
+        uds: str | None = None,  # the agent's Unix socket, where it listens on one
     ) -> None:
         self.id = sandbox_id
         self.provider_name = provider_name
@@ -145,7 +145,7 @@ class RemoteSandbox:
             headers={"Authorization": f"Bearer {token}"},
             timeout=REQUEST_TIMEOUT_S,
             trust_env=False,  # never through a proxy the worker's environment names
-            transport=transport or agent_transport(base_url),
+            transport=agent_transport(base_url, uds),
         )
         self._stopped = False
         self._stop_lock = asyncio.Lock()
