@@ -410,6 +410,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument(
         "--uid-pool", action="store_true", help="as root, run the commands as a uid of the node's pool"
     )
+    parser.add_argument(
+        "--nest", action="store_true", help="root commands get user, PID and mount namespaces of their own"
+    )
     parser.add_argument("--hide", action="append", default=[], help="a path no command may see")
     parser.add_argument("--readonly", action="append", default=[], help="a path commands see read-only")
     parser.add_argument("--loader", help="start the supervisor's python through this dynamic loader")
@@ -426,7 +429,7 @@ def main(argv: list | None = None) -> int:
         print("agent: no token (--token-file or --token-env): refusing to start", file=sys.stderr)
         return 2
     try:
-        layers = agent_layers.resolve(args.isolation, args.run_as, args.uid_pool)
+        layers = agent_layers.resolve(args.isolation, args.run_as, args.uid_pool, args.nest)
     except ValueError as exc:
         print(f"agent: {exc}"[:1000], file=sys.stderr)
         return 2

@@ -113,6 +113,8 @@ class Agent:
         self.layers = layers or agent_layers.Layers()
         self.run_as = self.layers.user or run_as
         self.hidden = [self.root, *(hidden or [])]  # under a shared root: the control directory, its token
+        # What a nested command (nest.py) must not see: where the results and logs are, and the rest.
+        self.nest_hidden = [os.path.join(self.root, sub) for sub in ("run", "logs")] + list(hidden or [])
         # The supervisor's own directory too: a command's init imports its siblings once in the view.
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
         self.relay = agent_layers.GatewayRelay() if self.layers.network else None
@@ -274,6 +276,8 @@ class Agent:
             user=list(self.run_as) if self.run_as else None,
             **layers,
         )
+        if self.layers.nest:
+            params["nest"] = {"hide": self.nest_hidden}
         marker = None
         if "ROLLOUT_SANDBOX" in env:
             marker = ("ROLLOUT_SANDBOX=" + env["ROLLOUT_SANDBOX"]).encode()

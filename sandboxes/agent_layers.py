@@ -37,9 +37,10 @@ import sys
 import tempfile
 
 try:  # as part of the package
-    from sandboxes import fsview, netns, proctree, uidpool
+    from sandboxes import fsview, nest, netns, proctree, uidpool
 except ImportError:  # copied beside agent.py
     import fsview  # type: ignore[no-redef]
+    import nest  # type: ignore[no-redef]
     import netns  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
     import uidpool  # type: ignore[no-redef]
@@ -73,22 +74,31 @@ class Layers:
         self.network = False
         self.filesystem = False
         self.bwrap = False  # the namespaces and the view made by bubblewrap, per command (not root)
+        self.nest = False  # root commands in user, PID and mount namespaces of their own (nest.py)
         self.missing = []  # type: list[str]  # "layer (why)", for the one line the agent says
 
     @property
     def label(self) -> str:
         """As a row records it (``Row.sandbox_isolation``, the local provider's ``Isolation.label``)."""
-        on = {"network": self.network, "pids": self.pids, "filesystem": self.filesystem, "user": self.user}
+        pids = self.pids or self.nest
+        on = {"network": self.network, "pids": pids, "filesystem": self.filesystem, "user": self.user}
         return ",".join(name for name in LAYERS if on[name]) or "none"
 
 
-def resolve(mode: str, run_as: str | None, uid_pool: bool = False) -> Layers:
+def resolve(mode: str, run_as: str | None, uid_pool: bool = False, nested: bool = False) -> Layers:
     """The layers ``mode`` (off | auto | strict) asks for that this node allows. ``run_as``: the user,
     which ``off`` still honours (the agent's older ``--run-as`` alone). ``uid_pool``: with root, the
     commands run as a uid of the node's pool instead (uidpool.py), no other running sandbox's on the
-    node, as the ``run_as`` user's would be every job's. Raises ValueError with one line for what cannot
-    be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
+    node, as the ``run_as`` user's would be every job's. ``nested``: commands that run as root (no user)
+    get namespaces of their own (nest.py), under any mode. Raises ValueError with one line for what
+    cannot be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
     layers = Layers()
+    if nested and not run_as and os.geteuid() == 0:
+        why = nest.probe()
+        if why is None:
+            layers.nest = True
+        else:
+            layers.missing.append(why)
     root = os.geteuid() == 0
     if run_as:
         try:

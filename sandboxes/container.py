@@ -343,6 +343,9 @@ class ContainerSandboxProvider:
         # then the engine's default network too. The gateway is reached the same way in both.
         network = "bridge" if spec.allow_internet else "none"
         argv = ["run", "-d", "--name", name, "--network", network, "--pull", "never"]
+        # A nested root command's user namespace does not own the container's network one (nest.py): the
+        # ports below 1024 are its to bind only so.
+        argv += ["--sysctl", "net.ipv4.ip_unprivileged_port_start=0"]
         if cfg.runtime and cfg.engine == "podman":
             argv += ["--runtime", cfg.runtime]
         for key, value in labels.items():
@@ -391,6 +394,10 @@ class ContainerSandboxProvider:
         ]  # fmt: skip
         if spec.user and spec.user not in ("root", "0"):
             argv += ["--run-as", spec.user]  # the image's user: the agent, as root, runs commands as it
+        else:  # root commands beside the agent: out of its reach, and it out of theirs (nest.py)
+            argv += ["--nest", "--hide", f"{ROOT_IN}/control", "--hide", GATEWAY_SOCKET_IN]
+            if os.path.exists(other):
+                argv += ["--hide", netns.other_socket(GATEWAY_SOCKET_IN)]
         if runtime is not None and runtime.argv[0] != f"{RT_IN}/bin/python3":
             argv += ["--loader", runtime.argv[0], "--library-path", runtime.argv[2]]
         return argv

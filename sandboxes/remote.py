@@ -59,6 +59,7 @@ AGENT_IMPORTS = (
     "namespaces.py",
     "native_init.py",
     "pidlimit.py",
+    "nest.py",
 )
 # What an exec may take past its own timeout before we stop waiting for the agent's answer: the
 # supervisor's kill rounds and drain, and the agent's own slack.

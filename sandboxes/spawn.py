@@ -20,9 +20,10 @@ import sys
 # imports by name (``_init``). Found once, at import: its abspath in each init cost ~35 pages copied.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if __package__:
-    from sandboxes import proctree
+    from sandboxes import nest, proctree
 else:  # imported by supervisor.py run by path: -I leaves our directory off sys.path
     sys.path.insert(0, _HERE)
+    import nest
     import proctree
 
 # No `typing` or `subprocess` at start-up (see supervisor.py).
@@ -47,7 +48,7 @@ MAX_FD = 1 << 16  # what a command's init may hold open; the command gets only s
 
 
 def needs_init(p: dict[str, Any]) -> bool:
-    keys = ("network_forward", "view", "user", "cgroup_procs", "memory_procs")
+    keys = ("network_forward", "view", "user", "cgroup_procs", "memory_procs", "nest")
     return any(p.get(key) for key in keys)
 
 
@@ -62,6 +63,8 @@ def _start_init(
     """Fork the command's init. ``prepare``: run in it first, by a parent that is no supervisor (the
     sandbox's server, folded.py): the init then takes a session of its own, as a supervisor would."""
     status_r, status_w = os.pipe()
+    # The nested command's user namespace is mapped from here, where the ids are (nest.py).
+    ready_r, ready_w, go_r, go_w = (*os.pipe(), *os.pipe()) if p.get("nest") else (-1, -1, -1, -1)
     pid = os.fork()
     if pid == 0:
 
@@ -77,11 +80,41 @@ def _start_init(
             for fd, target in ((stdin_fd, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, target)
                 os.close(fd)
+            if ready_w >= 0:
+                os.close(ready_r)
+                os.close(go_w)
+                return _nested(p, env, status_w, ready_w, go_r)
             return _init(p, env, status_w)
 
         proctree.end_child("sandbox isolation", init)
     os.close(status_w)
+    if ready_w >= 0:
+        os.close(ready_w)
+        os.close(go_r)
+        try:
+            nest.map_child(pid, ready_r, go_w)
+        except OSError as exc:  # ours, not the command's (not yet started): no "cannot run" for it
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(status_r)
+            raise RuntimeError(f"sandbox isolation: {exc}"[:500]) from None
     return _Forked(pid), status_r
+
+
+def _nested(p: dict[str, Any], env: dict[str, str] | None, status_fd: int, ready_w: int, go_r: int) -> int:
+    """The command's init in the container's namespaces (nest.py): enter the command's own, fork their
+    pid 1, which goes on as ``_init``, pass signals on to it, and end as it did."""
+    nest.enter(p["nest"]["hide"], ready_w, go_r)
+    first = os.fork()
+    if first == 0:
+        proctree.name_process(b"rollout-pid1")
+        proctree.end_child("sandbox isolation", lambda: _init(p, env, status_fd))
+    os.close(status_fd)
+    status = proctree.wait_passing_signals(first, reap_all=False, unblock=True)
+    if os.WIFSIGNALED(status):  # as it did: the supervisor reads its death, where no report came
+        proctree.set_handler(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    return proctree.shell_exit_code(status)
 
 
 class _Forked:
@@ -144,7 +177,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
         seccomp.install()
-    if listener is None:
+    if listener is None and not p.get("nest"):
         # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
         # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.
         _exec_command(p, env, user, _command_limits(p), _candidates(p["argv"], env))
@@ -154,7 +187,9 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     proctree.set_handler(signal.SIGCHLD, signal.SIG_DFL)
-    status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
+    # Nested, we are its namespace's pid 1 (never the command, to which a signal at its default would not
+    # come from inside): the orphans are ours to reap, and our end ends them.
+    status = proctree.wait_passing_signals(command, reap_all=bool(p.get("nest")), unblock=True)
     os.write(status_fd, str(status).encode())
     return 0
 

@@ -1,0 +1,142 @@
+"""A container sandbox's root commands against the agent beside them (sandboxes/nest.py), as a policy
+would try them: each attack is an exec of a real container's agent, which must come back as that
+command's own result (graded), never as the sandbox lost, and leave the next exec working. And a root
+command stays root for what it does in its container: files of any owner, another user, a low port."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from sandboxes.container import ROOT_IN
+from sandboxes.testing.images import podman_usable
+from tests import test_container
+
+# The container tests' fixtures: a provider on the test image, a sandbox of it, the gateway's socket.
+gateway_socket, provider, sandbox = (
+    test_container.gateway_socket,
+    test_container.provider,
+    test_container.sandbox,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(podman_usable() is not None, reason=str(podman_usable())),
+]
+
+# Each reaches for what runs the commands, or for what the agent keeps: its last line says how far it
+# got, so that a test of an attack that silently did nothing fails.
+ATTACKS = {
+    "kill its parent": "kill -9 $PPID; kill -TERM $PPID; echo parent-signalled",
+    "kill every process it can": "kill -9 -1; kill -TERM -1; echo all-signalled",
+    "signal its process group": "trap '' TERM; kill -TERM 0; echo group-signalled",
+    "signal the agent, pid 1": "kill -TERM 1; kill -INT 1; kill -9 1; echo pid1-signalled",
+    "signal every pid by number": (
+        "for p in $(seq 2 400); do [ $p = $$ ] || kill -9 $p 2>/dev/null; done; echo numbers-signalled"
+    ),
+    "read the agent's token and drive it": (
+        f"cat {ROOT_IN}/control/token || echo no-token;"
+        f" find {ROOT_IN}/control {ROOT_IN}/run {ROOT_IN}/logs -mindepth 1 | wc -l; echo token-tried"
+    ),
+    "reach the agent's files through /proc": (
+        "for p in /proc/[0-9]*; do cat $p/root/rollout/control/token $p/environ 2>/dev/null; done;"
+        " echo proc-tried"
+    ),
+    "break the result files": (
+        f"rm -rf {ROOT_IN}/run/* {ROOT_IN}/logs/* 2>/dev/null; mv {ROOT_IN}/run {ROOT_IN}/x 2>/dev/null;"
+        " echo results-tried"
+    ),
+    "make the agent the OOM killer's choice": (  # by number: a thread's /proc/TID is not listed
+        "for p in $(seq 1 3000); do echo 1000 2>/dev/null > /proc/$p/oom_score_adj; done; echo oom-tried"
+    ),
+    "undo the covers": (
+        f"umount {ROOT_IN}/run 2>/dev/null; unshare -U -r -m sh -c 'umount {ROOT_IN}/run; ls {ROOT_IN}/run'"
+        " 2>/dev/null | wc -l; echo covers-tried"
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+async def test_a_root_command_cannot_end_its_exec_as_the_sandbox_lost(sandbox, attack):
+    assert sandbox.isolation_label == "pids", sandbox.isolation_label
+    script = ATTACKS[attack]
+    res = await sandbox.exec(["sh", "-c", script], timeout=60)
+    # Its own result: it ran to its last line (or was ended by what it did to itself), nothing of the
+    # agent's was read, and the agent still serves the next command.
+    last = script.rsplit("echo ", 1)[1]
+    assert last in res.stdout_tail, (res.exit_code, res.signal, res.stdout_tail, res.stderr_tail)
+    assert sandbox._token not in res.stdout_tail
+    if "token" in attack:
+        assert res.stdout_tail == "no-token\n0\ntoken-tried\n"
+    if "covers" in attack:
+        assert res.stdout_tail == "0\ncovers-tried\n"
+    if "OOM" in attack:  # seen from outside: every process of ours as the OOM killer had it
+        container = sandbox.descriptor()["container"]
+        scores = "cat /proc/[0-9]*/oom_score_adj | sort -u"
+        seen = subprocess.run(
+            ["podman", "exec", container, "sh", "-c", scores], capture_output=True, text=True, timeout=60
+        )
+        assert seen.stdout.split() == ["0"], seen
+    follow = await sandbox.exec(["sh", "-c", "echo still-here"], timeout=60)
+    assert (follow.exit_code, follow.stdout_tail) == (0, "still-here\n")
+
+
+async def test_a_root_command_that_kills_its_own_group_is_its_own_death(sandbox):
+    res = await sandbox.exec(["sh", "-c", "kill -9 0; echo survived"], timeout=60)
+    assert (res.exit_code, res.signal, res.stdout_tail) == (None, 9, "")
+    follow = await sandbox.exec(["sh", "-c", "echo still-here"], timeout=60)
+    assert (follow.exit_code, follow.stdout_tail) == (0, "still-here\n")
+
+
+async def test_what_a_root_command_leaves_behind_ends_with_its_exec(sandbox):
+    res = await sandbox.exec(["sh", "-c", "(setsid sleep 300 &); echo $$"], timeout=60)
+    assert res.exit_code == 0 and res.stdout_tail.strip() != "1"  # never its namespace's pid 1
+    ps = await sandbox.exec(["sh", "-c", "cat /proc/[0-9]*/comm 2>/dev/null"], timeout=60)
+    assert "sleep" not in ps.stdout_tail.split(), ps.stdout_tail
+
+
+async def test_a_nested_root_command_is_still_root_in_its_container(sandbox):
+    script = (
+        "set -e; cd /tmp; touch f; chown 1234:4321 f; stat -c '%u:%g' f;"
+        " setpriv --reuid 65534 --regid 65534 --clear-groups id -u;"
+        " echo x >> /etc/passwd-probe; rm /etc/passwd-probe;"
+        ' python3 -c \'import socket; s = socket.socket(); s.bind(("127.0.0.1", 80)); print("port-80")\''
+    )
+    res = await sandbox.exec(["sh", "-c", script], timeout=60)
+    assert (res.exit_code, res.stdout_tail) == (0, "1234:4321\n65534\nport-80\n"), res.stderr_tail
+
+
+# What a policy would run in its harness's shell to be masked rather than graded: every reach at once.
+# The shell outlives it (a signal to the namespace's pid 1 is passed on to the command, the harness),
+# so that the command harness, which never calls the model, finishes and its row is graded too.
+REACH_ALL = (
+    "trap '' TERM INT; kill -TERM 1; kill -INT 1; cat /rollout/control/token; rm -rf /rollout/run/*"
+    " /rollout/logs/*; for p in $(seq 2 400); do [ $p = $$ ] || kill -9 $p; done 2>/dev/null; kill -9 -1;"
+    " echo done"
+)
+
+
+@pytest.mark.parametrize("harness_kind", ["command", "codex"])
+async def test_a_rollout_whose_commands_reach_for_the_agent_is_graded(
+    tmp_path, test_images, codex_installed, harness_kind
+):
+    """Through the real harness path: the command harness runs the reach as its command, Codex as a shell
+    step of the scripted model's. Either way the row is the agent's own failure, graded (reward 0,
+    accepted), never the sandbox lost (retried, then masked)."""
+    from executor.session import SessionRequest, run_session
+    from harnesses.command import CommandHarness
+    from tests.conftest import session_context
+    from tests.test_container import HOST_ARGS
+    from tests.test_reward_integrity import _decision, _task
+
+    steps = [{"type": "shell", "command": REACH_ALL}, {"type": "text", "text": "done"}]
+    task = _task(steps if harness_kind == "codex" else None, image=test_images.base)
+    harness = CommandHarness(command=REACH_ALL) if harness_kind == "command" else None
+    section = {"provider": "container", "root": str(tmp_path / "sandboxes"), **HOST_ARGS}
+    async with session_context(tmp_path, {"sandbox": section}, harness=harness) as ctx:
+        row = await run_session(SessionRequest("reach", task, 0, 1), ctx)
+    assert row["failure_kind"] != "sandbox_lost", (row["failure_kind"], row["error_message"])
+    assert (row["verified"], row["reward"]) == (True, 0.0), (row["failure_kind"], row["error_message"])
+    assert _decision(row) == "accept"
+    assert row["sandbox_isolation"] == "pids"
