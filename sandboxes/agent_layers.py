@@ -19,6 +19,10 @@ With the agent as root, each layer is the local sandbox's, made on the node:
   work, home and tmp writable; homes, /root, /run (the munge socket), the spool, the shared sandbox root
   (every other session and its token) are not there, and ``--hide`` hides paths inside what is.
 
+In a container whose commands run as root beside the agent (no ``--run-as``), ``--nest`` gives each
+command a user, PID and mount namespace of its own instead (nest.py): it stays root for the container's
+files and users, and can reach no process or file of the agent's; the row says ``pids``.
+
 Without root, where bubblewrap and user namespaces allow, bubblewrap makes the same PID namespace (one a
 command), network and view (isolation.py's chain, as a local sandbox's without root), and the commands
 run as the job's or task's own user; where they do not, the agent says which layers it runs without.
