@@ -169,7 +169,8 @@ class Row:
     )
     sandbox_isolation: str | None = col(
         "string",
-        "the isolation layers the sandbox's commands ran under: network, pids, filesystem, user; none",
+        "the isolation layers the sandbox's commands ran under: network, pids, filesystem, user, nested (a"
+        " container's root commands out of its agent's reach, sandboxes/nest.py); none",
     )
     node_id: str | None = col("string", "the Ray node the attempt ran on")
     worker_id: str | None = col("string", "the worker actor the attempt ran in")

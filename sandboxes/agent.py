@@ -17,9 +17,9 @@ command's supervisor is forked by one pre-imported server the agent starts besid
 root, the ``--run-as`` user, a PID namespace, a loopback-only network reaching only the worker's gateway,
 and a filesystem view hiding the node's secrets (``--hide`` adds paths, ``--readonly`` binds back paths
 such as the harness cache); ``auto`` says in one line which it cannot make, ``strict`` refuses to start.
-``--nest`` (a container's agent, whose commands run as root beside it): each command in a user, PID and
-mount namespace of its own, out of reach of the agent's processes and files, its results, logs and what
-``--hide`` names (nest.py).
+``--nest`` (a container's agent, whose commands run as root beside it): each command in a Landlock
+domain and a user and mount namespace of its own, out of reach of the agent's processes and files, its
+results, logs and what ``--hide`` names (nest.py).
 
 With no token it refuses to start. Once listening it writes ``--rendezvous`` (JSON: host, port, pid,
 paths) atomically, which is how a starter on another machine learns it is ready and where. Endpoints

@@ -20,8 +20,9 @@ With the agent as root, each layer is the local sandbox's, made on the node:
   (every other session and its token) are not there, and ``--hide`` hides paths inside what is.
 
 In a container whose commands run as root beside the agent (no ``--run-as``), ``--nest`` gives each
-command a user, PID and mount namespace of its own instead (nest.py): it stays root for the container's
-files and users, and can reach no process or file of the agent's; the row says ``pids``.
+command a Landlock domain scoping its signals, and a user and mount namespace of its own, instead
+(nest.py): it stays root for the container's files and users, and can reach no process or file of the
+agent's; the row says ``nested``.
 
 Without root, where bubblewrap and user namespaces allow, bubblewrap makes the same PID namespace (one a
 command), network and view (isolation.py's chain, as a local sandbox's without root), and the commands
@@ -84,9 +85,9 @@ class Layers:
     @property
     def label(self) -> str:
         """As a row records it (``Row.sandbox_isolation``, the local provider's ``Isolation.label``)."""
-        pids = self.pids or self.nest
-        on = {"network": self.network, "pids": pids, "filesystem": self.filesystem, "user": self.user}
-        return ",".join(name for name in LAYERS if on[name]) or "none"
+        on = {"network": self.network, "pids": self.pids, "filesystem": self.filesystem, "user": self.user}
+        names = [name for name in LAYERS if on[name]] + (["nested"] if self.nest else [])
+        return ",".join(names) or "none"
 
 
 def resolve(mode: str, run_as: str | None, uid_pool: bool = False, nested: bool = False) -> Layers:

@@ -1,27 +1,26 @@
-"""A command's own user, PID and mount namespace, for commands that run as root beside the in-sandbox
-agent (a container sandbox whose task names no user).
+"""A root command out of reach of the in-sandbox agent beside it (a container sandbox whose task names no
+user), and the agent out of the command's.
 
 There the agent, its supervisor server and each command's supervisor run as root in the same container
-as the commands, and a command that could reach them could end its own exec as "sandbox lost" (a
-signal to its supervisor or the agent, the agent's token and socket, the result files) and be masked
-rather than graded: the policy choosing to be masked. So each such command starts nested::
+as the commands. A command that could reach them could end its own exec as "sandbox lost" (a signal
+to its supervisor or the agent, the agent's token and socket, the result files) and be masked rather
+than graded: the policy choosing to be masked. So each such command's init, before it becomes the
+command, takes:
 
-    supervisor ── init (container's namespaces) ── pid 1 (the command's namespaces) ── command
+- **a Landlock domain** scoped for signals: the command and all it starts can signal, trace or read
+  (/proc/PID/root, cwd, fd, environ, mem) only processes of its own domain, never the agent's side,
+  and cannot change its mounts;
+- **a user namespace** mapping every id of the container's to itself, so the command is root for every
+  file, user and group as before (its capabilities count only in its own namespaces);
+- **a mount namespace** in which the agent's directories (its token and socket, results, logs) and the
+  gateway's socket are covered, read-only and empty, and /proc/PID of every process there was before it
+  (ours: the agent, its threads, the server, the supervisor), whose oom_score_adj a root command could
+  otherwise raise. The domain keeps the command from undoing any of them.
 
-- **user**: a user namespace mapping every id of the container's to itself, so the command is root for
-  every file, user and group as before, while its capabilities count only in its own namespaces: no
-  ptrace-mode access to a process outside (its /proc/PID/root, cwd, fd, environ, mem), whatever the
-  uid, and no signal to what it cannot name;
-- **pids**: a PID namespace of its own, so it can name no process of ours; its pid 1 reaps, passes
-  signals on, and, by ending, ends everything the command left behind in it;
-- **mounts**: a mount namespace in which the agent's directories (its token and socket, results, logs)
-  and the gateway's socket are covered, read-only and empty, and /proc/PID of every process there was
-  before the command (ours: the agent, its threads, the server, the supervisor), whose oom_score_adj a
-  root command could otherwise raise; the command holds no CAP_SYS_ADMIN to undo them, and a user
-  namespace it makes sees them locked.
-
-Its capability bounding set is the container's again (a new user namespace starts with a full one),
-less CAP_SYS_ADMIN. Ports below 1024: the container's network namespace is not the command's user
+No PID namespace: the container's /proc (no other can be mounted in a user namespace under the engine's
+masked paths) would show the command pids that are not its own, and ``pkill`` and ``/proc/$$`` would
+miss. The bounding set is the container's again (a new user namespace starts with a full one), less
+CAP_SYS_ADMIN. Ports below 1024: the container's network namespace is not the command's user
 namespace's, so binding them needs ``net.ipv4.ip_unprivileged_port_start=0`` (container.py sets it).
 
 Standard library only, like supervisor.py and spawn.py, beside which it ships.
@@ -32,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import struct
 
 if __package__:
     from sandboxes import proctree
@@ -42,11 +42,17 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 1, 2, 4, 8, 4096
 CAP_SYS_ADMIN = 21
-MAP_TIMEOUT_S = 10.0  # bound on the handshake with the parent that writes the maps
-_COVER = "size=4k,mode=0555"
+# Landlock's system calls (the same number on every architecture) and its signal scope (ABI 6).
+LANDLOCK_CREATE_RULESET, LANDLOCK_RESTRICT_SELF = 444, 446
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_SCOPE_SIGNAL = 2
+LANDLOCK_SIGNAL_ABI = 6
+MAP_TIMEOUT_S = 10.0  # bound on each step of the handshake with the parent that writes the maps
+ERROR_BYTES = 400
+_COVER = b"size=4k,mode=0555"
 
 
 def identity_map(kind: str) -> bytes:
@@ -66,44 +72,59 @@ def bounding_set() -> int:
 
 
 def map_child(pid: int, ready_r: int, go_w: int) -> None:
-    """In the parent: once ``pid`` says it is in its new user namespace, give it our ids and tell it."""
+    """In the parent: once ``pid`` says it is in its new user namespace, give it our ids, then wait for
+    it to say it is ready for its command. Raises OSError with the child's reason where it is not."""
     try:
-        if not _readable(ready_r) or os.read(ready_r, 1) != b"u":
-            raise OSError(f"the command's init ({pid}) did not enter its user namespace")
-        for kind in ("uid", "gid"):
-            proctree.write_small(f"/proc/{pid}/{kind}_map", identity_map(kind).decode())
-        os.write(go_w, b"m")
+        said = os.read(ready_r, ERROR_BYTES) if _readable(ready_r) else b""
+        if said == b"u":
+            for kind in ("uid", "gid"):
+                with open(f"/proc/{pid}/{kind}_map", "wb") as f:
+                    f.write(identity_map(kind))
+            os.write(go_w, b"m")
+            said = os.read(ready_r, ERROR_BYTES) if _readable(ready_r) else b""
+        if said != b"r":
+            why = said[1:].decode(errors="replace") if said[:1] == b"e" else "no answer"
+            raise OSError(f"the command's init ({pid}) could not nest it: {why}")
     finally:
         os.close(ready_r)
         os.close(go_w)
 
 
 def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
-    """In the command's init, before it forks the namespaces' pid 1: the user namespace (the parent maps
-    it: ``map_child``), then the PID and mount namespaces, the covers, and the bounding set."""
-    bounding = bounding_set()
-    proctree.libc_call("unshare", CLONE_NEWUSER)
-    os.write(ready_w, b"u")
+    """In the command's init, just before it becomes the command: the user namespace (the parent maps
+    it, ``map_child``), the mount namespace and its covers, the bounding set, the Landlock domain. What
+    fails is told to the parent (and raised): the command is then not run, and the fault is ours."""
+    try:
+        bounding = bounding_set()
+        proctree.libc_call("unshare", CLONE_NEWUSER)
+        os.write(ready_w, b"u")
+        if not _readable(go_r) or os.read(go_r, 1) != b"m":
+            raise OSError("the supervisor did not map the command's user namespace")
+        proctree.libc_call("unshare", CLONE_NEWNS)
+        for path in [*hide, *ours()]:
+            cover(path)
+        for cap in range(64):
+            if cap == CAP_SYS_ADMIN or not (bounding >> cap) & 1:
+                try:
+                    proctree.prctl(proctree.PR_CAPBSET_DROP, cap)
+                except OSError:  # past the kernel's last capability
+                    break
+        restrict_signals()
+    except BaseException as exc:
+        os.write(ready_w, b"e" + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:ERROR_BYTES])
+        raise
+    finally:
+        os.close(go_r)
+    os.write(ready_w, b"r")
     os.close(ready_w)
-    if not _readable(go_r) or os.read(go_r, 1) != b"m":
-        raise OSError("the supervisor did not map the command's user namespace")
-    os.close(go_r)
-    proctree.libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID)
-    for path in [*hide, *ours()]:
-        cover(path)
-    for cap in range(64):
-        if cap == CAP_SYS_ADMIN or not (bounding >> cap) & 1:
-            try:
-                proctree.prctl(proctree.PR_CAPBSET_DROP, cap)
-            except OSError:  # past the kernel's last capability
-                break
 
 
 def ours() -> list[str]:
-    """/proc/PID of every process and thread in sight: the command's own all come after."""
-    paths = []
+    """/proc/PID of every process and thread in sight but this one (the command to be): the command's
+    own all come after."""
+    paths, me = [], str(os.getpid())
     for name in os.listdir("/proc"):
-        if name.isdigit():
+        if name.isdigit() and name != me:
             paths.append(f"/proc/{name}")
             try:  # a thread's /proc/TID is there by name, unlisted: its oom_score_adj is its process's
                 paths += [f"/proc/{tid}" for tid in os.listdir(f"/proc/{name}/task") if tid != name]
@@ -116,24 +137,39 @@ def cover(path: str) -> None:
     """An empty read-only directory over ``path``, or /dev/null over a file or socket; nothing where
     nothing is (or a process of ours ended since /proc was listed)."""
     try:
-        is_dir = os.path.isdir(path) and not os.path.islink(path)
-        if is_dir:
-            flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-            proctree.libc_call(
-                "mount", b"tmpfs", path.encode(), b"tmpfs", ctypes.c_ulong(flags), _COVER.encode()
-            )
+        if os.path.isdir(path) and not os.path.islink(path):
+            flags = ctypes.c_ulong(MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            proctree.libc_call("mount", b"tmpfs", path.encode(), b"tmpfs", flags, _COVER)
         elif os.path.lexists(path):
             proctree.libc_call("mount", b"/dev/null", path.encode(), None, ctypes.c_ulong(MS_BIND), None)
-    except FileNotFoundError:
-        pass
     except OSError as exc:
-        if not (path.startswith("/proc/") and not os.path.exists(path)):
-            raise OSError(exc.errno, f"cannot cover {path}: {exc.strerror}") from None
+        if os.path.lexists(path):
+            raise OSError(exc.errno, f"cannot cover {path}: {exc.strerror or exc}") from None
+
+
+def restrict_signals() -> None:
+    """This thread, and all it starts, into a Landlock domain of its own that scopes signals (and, as
+    every domain does, tracing and mount changes) to itself. No file access is restricted by it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = struct.pack("QQQ", 0, 0, LANDLOCK_SCOPE_SIGNAL)  # handled fs, handled net, scoped
+    fd = libc.syscall(LANDLOCK_CREATE_RULESET, attr, len(attr), 0)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        if libc.syscall(LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
 
 
 def probe() -> str | None:
-    """Why commands cannot be nested here (None: they can): a child tries the namespaces and a cover,
-    and says what failed on a pipe."""
+    """Why commands cannot be nested here (None: they can): Landlock's signal scope, then a child tries
+    the namespaces, a cover and the domain, and says what failed on a pipe."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < LANDLOCK_SIGNAL_ABI:
+        found = f"ABI {abi}" if abi > 0 else os.strerror(ctypes.get_errno())
+        return f"root commands nested (no Landlock signal scope: {found}; Linux >= 6.12 has it)"
     why_r, why_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -141,11 +177,11 @@ def probe() -> str | None:
         def body() -> int:
             os.close(why_r)
             try:
-                proctree.libc_call("unshare", CLONE_NEWUSER)
-                proctree.libc_call("unshare", CLONE_NEWNS | CLONE_NEWPID)
+                proctree.libc_call("unshare", CLONE_NEWUSER | CLONE_NEWNS)
                 cover(f"/proc/{os.getpid()}")
+                restrict_signals()
             except OSError as exc:
-                os.write(why_w, str(exc).encode(errors="replace")[:300])
+                os.write(why_w, str(exc).encode(errors="replace")[:ERROR_BYTES])
                 return 1
             return 0
 
@@ -153,15 +189,13 @@ def probe() -> str | None:
     os.close(why_w)
     try:
         ended = _readable(why_r)  # the child's end closes it
-        why = os.read(why_r, 300).decode(errors="replace") if ended else "no answer in time"
+        why = os.read(why_r, ERROR_BYTES).decode(errors="replace") if ended else "no answer in time"
     finally:
         os.close(why_r)
     if not ended:
         os.kill(pid, 9)
     status = os.waitpid(pid, 0)[1]
-    if status == 0:
-        return None
-    return f"no user, PID and mount namespace of its own for a command ({why or status})"
+    return None if status == 0 else f"root commands nested ({why or status})"[:ERROR_BYTES]
 
 
 def _readable(fd: int) -> bool:

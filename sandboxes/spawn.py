@@ -83,7 +83,7 @@ def _start_init(
             if ready_w >= 0:
                 os.close(ready_r)
                 os.close(go_w)
-                return _nested(p, env, status_w, ready_w, go_r)
+                nest.enter(p["nest"]["hide"], ready_w, go_r)
             return _init(p, env, status_w)
 
         proctree.end_child("sandbox isolation", init)
@@ -99,22 +99,6 @@ def _start_init(
             os.close(status_r)
             raise RuntimeError(f"sandbox isolation: {exc}"[:500]) from None
     return _Forked(pid), status_r
-
-
-def _nested(p: dict[str, Any], env: dict[str, str] | None, status_fd: int, ready_w: int, go_r: int) -> int:
-    """The command's init in the container's namespaces (nest.py): enter the command's own, fork their
-    pid 1, which goes on as ``_init``, pass signals on to it, and end as it did."""
-    nest.enter(p["nest"]["hide"], ready_w, go_r)
-    first = os.fork()
-    if first == 0:
-        proctree.name_process(b"rollout-pid1")
-        proctree.end_child("sandbox isolation", lambda: _init(p, env, status_fd))
-    os.close(status_fd)
-    status = proctree.wait_passing_signals(first, reap_all=False, unblock=True)
-    if os.WIFSIGNALED(status):  # as it did: the supervisor reads its death, where no report came
-        proctree.set_handler(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
-    return proctree.shell_exit_code(status)
 
 
 class _Forked:
@@ -177,7 +161,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
         proctree.prctl(PR_SET_NO_NEW_PRIVS, 1)
         proctree.prctl(proctree.PR_CAPBSET_DROP, proctree.CAP_SYS_ADMIN)
         seccomp.install()
-    if listener is None and not p.get("nest"):
+    if listener is None:
         # Nothing of ours to keep running beside the command: become it. The supervisor then reaps the
         # command itself, and the status pipe (close-on-exec) carries no report. A process and a fork less.
         _exec_command(p, env, user, _command_limits(p), _candidates(p["argv"], env))
@@ -187,9 +171,7 @@ def _init(p: dict[str, Any], env: dict[str, str] | None, status_fd: int) -> int:
     for fd in (0, 1, 2):  # the output pipes end when the command's side of them does
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     proctree.set_handler(signal.SIGCHLD, signal.SIG_DFL)
-    # Nested, we are its namespace's pid 1 (never the command, to which a signal at its default would not
-    # come from inside): the orphans are ours to reap, and our end ends them.
-    status = proctree.wait_passing_signals(command, reap_all=bool(p.get("nest")), unblock=True)
+    status = proctree.wait_passing_signals(command, reap_all=False, unblock=True)
     os.write(status_fd, str(status).encode())
     return 0
 

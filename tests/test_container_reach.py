@@ -59,7 +59,7 @@ ATTACKS = {
 
 @pytest.mark.parametrize("attack", ATTACKS)
 async def test_a_root_command_cannot_end_its_exec_as_the_sandbox_lost(sandbox, attack):
-    assert sandbox.isolation_label == "pids", sandbox.isolation_label
+    assert sandbox.isolation_label == "nested", sandbox.isolation_label
     script = ATTACKS[attack]
     res = await sandbox.exec(["sh", "-c", script], timeout=60)
     # Its own result: it ran to its last line (or was ended by what it did to itself), nothing of the
@@ -90,10 +90,33 @@ async def test_a_root_command_that_kills_its_own_group_is_its_own_death(sandbox)
 
 
 async def test_what_a_root_command_leaves_behind_ends_with_its_exec(sandbox):
-    res = await sandbox.exec(["sh", "-c", "(setsid sleep 300 &); echo $$"], timeout=60)
-    assert res.exit_code == 0 and res.stdout_tail.strip() != "1"  # never its namespace's pid 1
+    res = await sandbox.exec(["sh", "-c", "(setsid sleep 300 &); echo started"], timeout=60)
+    assert (res.exit_code, res.stdout_tail) == (0, "started\n")
     ps = await sandbox.exec(["sh", "-c", "cat /proc/[0-9]*/comm 2>/dev/null"], timeout=60)
     assert "sleep" not in ps.stdout_tail.split(), ps.stdout_tail
+
+
+# What pkill does: find a process by its command line in /proc, signal the pid found there.
+PKILL = """
+import os, signal, subprocess
+assert os.readlink("/proc/self") == str(os.getpid()) and os.path.exists(f"/proc/{os.getpid()}/stat")
+sleeper = subprocess.Popen(["sleep", "234"])
+def cmdline(pid):
+    try:  # as pkill: a process it cannot read (gone, or not its to see) is not the one
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+found = [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == b"sleep\\x00234\\x00"]
+os.kill(found[0], signal.SIGTERM)
+print(found == [sleeper.pid], sleeper.wait(10))
+"""
+
+
+async def test_a_root_command_sees_itself_in_proc_and_pkill_finds_its_own(sandbox):
+    """No PID namespace of its own: the /proc it sees is its own pids' (what a fresh one would be where
+    the engine's masked paths allow none), so ``/proc/$$`` and ``pkill`` mean what they say."""
+    res = await sandbox.exec(["python3", "-c", PKILL], timeout=60)
+    assert (res.exit_code, res.stdout_tail) == (0, "True -15\n"), res.stderr_tail
 
 
 async def test_a_nested_root_command_is_still_root_in_its_container(sandbox):
@@ -139,4 +162,4 @@ async def test_a_rollout_whose_commands_reach_for_the_agent_is_graded(
     assert row["failure_kind"] != "sandbox_lost", (row["failure_kind"], row["error_message"])
     assert (row["verified"], row["reward"]) == (True, 0.0), (row["failure_kind"], row["error_message"])
     assert _decision(row) == "accept"
-    assert row["sandbox_isolation"] == "pids"
+    assert row["sandbox_isolation"] == "nested"
