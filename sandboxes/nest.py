@@ -13,9 +13,10 @@ command, takes:
 - **a user namespace** mapping every id of the container's to itself, so the command is root for every
   file, user and group as before (its capabilities count only in its own namespaces);
 - **a mount namespace** in which the agent's directories (its token and socket, results, logs) and the
-  gateway's socket are covered, read-only and empty, and /proc/PID of every process there was before it
-  (ours: the agent, its threads, the server, the supervisor), whose oom_score_adj a root command could
-  otherwise raise. The domain keeps the command from undoing any of them.
+  gateway's socket are covered, read-only and empty, and the OOM scores of every process there was
+  before it (ours: the agent, its threads, the server, the supervisor) are read-only, which a root
+  command could otherwise raise to have the OOM killer take one of ours. The domain keeps the command
+  from undoing any of them.
 
 No PID namespace: the container's /proc (no other can be mounted in a user namespace under the engine's
 masked paths) would show the command pids that are not its own, and ``pkill`` and ``/proc/$$`` would
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 1, 2, 4, 8, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 CAP_SYS_ADMIN = 21
 # Landlock's system calls (the same number on every architecture) and its signal scope (ABI 6).
 LANDLOCK_CREATE_RULESET, LANDLOCK_RESTRICT_SELF = 444, 446
@@ -101,8 +102,10 @@ def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
         if not _readable(go_r) or os.read(go_r, 1) != b"m":
             raise OSError("the supervisor did not map the command's user namespace")
         proctree.libc_call("unshare", CLONE_NEWNS)
-        for path in [*hide, *ours()]:
+        for path in hide:
             cover(path)
+        for how, path in ours():
+            (seal if how == "seal" else cover)(path)
         for cap in range(64):
             if cap == CAP_SYS_ADMIN or not (bounding >> cap) & 1:
                 try:
@@ -119,18 +122,21 @@ def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
     os.close(ready_w)
 
 
-def ours() -> list[str]:
-    """/proc/PID of every process and thread in sight but this one (the command to be): the command's
-    own all come after."""
-    paths, me = [], str(os.getpid())
+def ours() -> list[tuple[str, str]]:
+    """What of every process in sight but this one (the command to be) a root command could otherwise
+    change, each to "seal" (read-only, still read) or "cover": its OOM scores, and its threads, whose
+    /proc/TID (unlisted, there by name) and task/TID hold their process's score too. Its /proc/PID
+    stays, so that ``ps`` and a walk up a command's ancestors see them as before."""
+    found, me = [], str(os.getpid())
     for name in os.listdir("/proc"):
         if name.isdigit() and name != me:
-            paths.append(f"/proc/{name}")
-            try:  # a thread's /proc/TID is there by name, unlisted: its oom_score_adj is its process's
-                paths += [f"/proc/{tid}" for tid in os.listdir(f"/proc/{name}/task") if tid != name]
+            found += [("seal", f"/proc/{name}/oom_score_adj"), ("seal", f"/proc/{name}/oom_adj")]
+            try:
+                tids = [tid for tid in os.listdir(f"/proc/{name}/task") if tid != name]
             except OSError:  # ended since
-                pass
-    return paths
+                continue
+            found += [("cover", f"/proc/{name}/task")] + [("cover", f"/proc/{tid}") for tid in tids]
+    return found
 
 
 def cover(path: str) -> None:
@@ -145,6 +151,18 @@ def cover(path: str) -> None:
     except OSError as exc:
         if os.path.lexists(path):
             raise OSError(exc.errno, f"cannot cover {path}: {exc.strerror or exc}") from None
+
+
+def seal(path: str) -> None:
+    """``path`` bound read-only over itself: read as before, written by no one (EROFS)."""
+    try:
+        proctree.libc_call("mount", path.encode(), path.encode(), None, ctypes.c_ulong(MS_BIND), None)
+        # The flags locked on /proc (the engine mounts it so) must be kept, or the remount is refused.
+        flags = ctypes.c_ulong(MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        proctree.libc_call("mount", None, path.encode(), None, flags, None)
+    except OSError as exc:
+        if os.path.lexists(path):
+            raise OSError(exc.errno, f"cannot seal {path}: {exc.strerror or exc}") from None
 
 
 def restrict_signals() -> None:
