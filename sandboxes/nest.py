@@ -72,6 +72,24 @@ def bounding_set() -> int:
     raise OSError("no CapBnd in /proc/self/status")
 
 
+class _Known:
+    """The maps, the bounding set and libc, read once by the process that imports us (a container's
+    supervisor server, before it forks the supervisors that fork each init), never per command: in a
+    freshly forked interpreter each line of Python copies pages (the bounding set's read cost ~1.3 ms
+    there)."""
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            self.maps = {kind: identity_map(kind) for kind in ("uid", "gid")}
+            self.bounding = bounding_set()
+        except (OSError, ValueError):  # no /proc here: no command is nested (the agent's probe says so)
+            self.maps, self.bounding = {}, 0
+
+
+_KNOWN = _Known()
+
+
 def map_child(pid: int, ready_r: int, go_w: int) -> None:
     """In the parent: once ``pid`` says it is in its new user namespace, give it our ids, then wait for
     it to say it is ready for its command. Raises OSError with the child's reason where it is not."""
@@ -80,7 +98,7 @@ def map_child(pid: int, ready_r: int, go_w: int) -> None:
         if said == b"u":
             for kind in ("uid", "gid"):
                 with open(f"/proc/{pid}/{kind}_map", "wb") as f:
-                    f.write(identity_map(kind))
+                    f.write(_KNOWN.maps[kind])
             os.write(go_w, b"m")
             said = os.read(ready_r, ERROR_BYTES) if _readable(ready_r) else b""
         if said != b"r":
@@ -96,7 +114,7 @@ def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
     it, ``map_child``), the mount namespace and its covers, the bounding set, the Landlock domain. What
     fails is told to the parent (and raised): the command is then not run, and the fault is ours."""
     try:
-        bounding = bounding_set()
+        bounding = _KNOWN.bounding
         proctree.libc_call("unshare", CLONE_NEWUSER)
         os.write(ready_w, b"u")
         if not _readable(go_r) or os.read(go_r, 1) != b"m":
@@ -168,7 +186,7 @@ def seal(path: str) -> None:
 def restrict_signals() -> None:
     """This thread, and all it starts, into a Landlock domain of its own that scopes signals (and, as
     every domain does, tracing and mount changes) to itself. No file access is restricted by it."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _KNOWN.libc
     attr = struct.pack("QQQ", 0, 0, LANDLOCK_SCOPE_SIGNAL)  # handled fs, handled net, scoped
     fd = libc.syscall(LANDLOCK_CREATE_RULESET, attr, len(attr), 0)
     if fd < 0:
@@ -183,7 +201,7 @@ def restrict_signals() -> None:
 def probe() -> str | None:
     """Why commands cannot be nested here (None: they can): Landlock's signal scope, then a child tries
     the namespaces, a cover and the domain, and says what failed on a pipe."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _KNOWN.libc
     abi = libc.syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
     if abi < LANDLOCK_SIGNAL_ABI:
         found = f"ABI {abi}" if abi > 0 else os.strerror(ctypes.get_errno())
