@@ -12,6 +12,10 @@ command, takes:
   and cannot change its mounts;
 - **a user namespace** mapping every id of the container's to itself, so the command is root for every
   file, user and group as before (its capabilities count only in its own namespaces);
+- **seccomp filters**: no ``prlimit64`` on another process (the kernel lets a process set the limits of
+  another of its uid: an agent left with 3 descriptors fails), nor ``pidfd_getfd`` or
+  ``process_vm_writev`` (seccomp.py: among the command's own processes, the harness's connections to the
+  gateway are the harness's);
 - **a mount namespace** in which the agent's directories (its token and socket, results, logs) and the
   gateway's socket are covered, read-only and empty, and the OOM scores of every process there was
   before it (ours: the agent, its threads, the server, the supervisor) are read-only, which a root
@@ -35,9 +39,10 @@ import select
 import struct
 
 if __package__:
-    from sandboxes import proctree
+    from sandboxes import proctree, seccomp
 else:  # beside supervisor.py, imported by spawn.py run by path
     import proctree
+    import seccomp
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -130,6 +135,11 @@ def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
                     proctree.prctl(proctree.PR_CAPBSET_DROP, cap)
                 except OSError:  # past the kernel's last capability
                     break
+        # Our filters, while CAP_SYS_ADMIN (in its own namespace) lets them in without no_new_privs, which
+        # would keep a root command's set-uid tools from working: no other process's limits, descriptors
+        # or memory (the harness's connections are its own, netns.py).
+        seccomp.install_prlimit_guard()
+        seccomp.install()
         restrict_signals()
     except BaseException as exc:
         os.write(ready_w, b"e" + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:ERROR_BYTES])

@@ -118,12 +118,62 @@ _FILTER = _made(_PACKED)
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here too: a child would resolve it again
 
 
+# prlimit64 by pid, per machine as above: a nested root command (nest.py) shares root's uid with the
+# agent's processes, and the kernel lets a process set the limits of another of its uid (an agent left
+# with 3 descriptors, or 20 MB of address space, fails its next request): refused (EPERM) for any pid but
+# 0, the caller itself, as glibc's setrlimit and getrlimit pass it. ``prlimit --pid $$`` is refused too.
+_PRLIMIT: dict[str, list[tuple[int, list[int]]]] = {
+    "x86_64": [(0xC000003E, [302, _X32 | 302]), (0x40000003, [340])],
+    "aarch64": [(0xC00000B7, [261]), (0x40000028, [369])],
+}
+_ARG0 = 16  # the low word of args[0] in struct seccomp_data (little-endian machines, as both are)
+
+
+def _prlimit_program(arches: list[tuple[int, list[int]]]) -> list[tuple[int, int, int, int]]:
+    """The filter: prlimit64 with a pid other than 0 refused (EPERM), any other call allowed."""
+    ops: list[tuple[int, int, int, int]] = []
+    to_check: list[int] = []  # the tests that jump to the pid's check, once placed
+    for arch, numbers in arches:
+        ops.append((_LD_ABS, 0, 0, _ARCH))
+        test = len(ops)
+        ops.append((_JEQ, 0, 0, arch))
+        ops.append((_LD_ABS, 0, 0, _NR))
+        for number in numbers:
+            to_check.append(len(ops))
+            ops.append((_JEQ, 0, 0, number))
+        ops.append((_RET, 0, 0, _RET_ALLOW))
+        ops[test] = (_JEQ, 0, len(ops) - test - 1, arch)
+    ops.append((_RET, 0, 0, _RET_ALLOW))
+    check = len(ops)
+    ops += [(_LD_ABS, 0, 0, _ARG0), (_JEQ, 0, 1, 0), (_RET, 0, 0, _RET_ALLOW)]
+    ops.append((_RET, 0, 0, _RET_ERRNO | errno.EPERM))
+    for at in to_check:
+        code, _jt, jf, k = ops[at]
+        ops[at] = (code, check - at - 1, jf, k)
+    return ops
+
+
+_PRLIMIT_ARCHES = _PRLIMIT.get(os.uname().machine)
+_PRLIMIT_FILTER = _made(_packed(_prlimit_program(_PRLIMIT_ARCHES))) if _PRLIMIT_ARCHES else None
+
+
+def install_prlimit_guard() -> None:
+    """In a process about to exec a nested root command (CAP_SYS_ADMIN in its own user namespace, or
+    no_new_privs set): refuse it and all it starts ``prlimit64`` on another process. Nothing on a machine
+    this does not know. Raises OSError where the kernel refuses the filter."""
+    _load(_PRLIMIT_FILTER)
+
+
 def install() -> None:
     """In a process about to exec a command (no_new_privs set): refuse ``pidfd_getfd``,
     ``process_vm_writev`` and the keyrings' calls to it and all it starts. Nothing on a machine this does
     not know. Raises OSError where the kernel refuses the filter."""
-    if _FILTER is None:
+    _load(_FILTER)
+
+
+def _load(made: tuple[_Fprog, ctypes.Array[ctypes.c_char]] | None) -> None:
+    if made is None:
         return
-    if _PRCTL(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(_FILTER[0]), 0, 0) != 0:
+    if _PRCTL(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(made[0]), 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp filter refused: {os.strerror(err)}")

@@ -50,6 +50,10 @@ ATTACKS = {
     "make the agent the OOM killer's choice": (  # by number: a thread's /proc/TID is not listed
         "for p in $(seq 1 3000); do echo 1000 2>/dev/null > /proc/$p/oom_score_adj; done; echo oom-tried"
     ),
+    "shrink the limits of every process it can": (  # an agent left with 3 descriptors fails
+        "for p in $(seq 1 400); do [ $p = $$ ] || prlimit --pid $p --nofile=3:3 --as=20000000:20000000;"
+        " done 2>/dev/null; ulimit -n 512 && echo limits-tried"
+    ),
     "undo the covers": (
         f"umount {ROOT_IN}/run 2>/dev/null; unshare -U -r -m sh -c 'umount {ROOT_IN}/run; ls {ROOT_IN}/run'"
         " 2>/dev/null | wc -l; echo covers-tried"
@@ -135,8 +139,8 @@ async def test_a_nested_root_command_is_still_root_in_its_container(sandbox):
 # so that the command harness, which never calls the model, finishes and its row is graded too.
 REACH_ALL = (
     "trap '' TERM INT; kill -TERM 1; kill -INT 1; cat /rollout/control/token; rm -rf /rollout/run/*"
-    " /rollout/logs/*; for p in $(seq 2 400); do [ $p = $$ ] || kill -9 $p; done 2>/dev/null; kill -9 -1;"
-    " echo done"
+    " /rollout/logs/*; for p in $(seq 2 400); do [ $p = $$ ] || { prlimit --pid $p --nofile=3:3;"
+    " kill -9 $p; } done 2>/dev/null; kill -9 -1; echo done"
 )
 
 
