@@ -414,7 +414,7 @@ def main(argv: list | None = None) -> int:
         "--uid-pool", action="store_true", help="as root, run the commands as a uid of the node's pool"
     )
     parser.add_argument(
-        "--nest", action="store_true", help="root commands get user, PID and mount namespaces of their own"
+        "--nest", action="store_true", help="root commands out of the agent's reach (nest.py)"
     )
     parser.add_argument("--hide", action="append", default=[], help="a path no command may see")
     parser.add_argument("--readonly", action="append", default=[], help="a path commands see read-only")

@@ -113,7 +113,8 @@ class Agent:
         self.layers = layers or agent_layers.Layers()
         self.run_as = self.layers.user or run_as
         self.hidden = [self.root, *(hidden or [])]  # under a shared root: the control directory, its token
-        # What a nested command (nest.py) must not see: where the results and logs are, and the rest.
+        # What a nested command (nest.py) must not see: the results and logs, and what --hide names (a
+        # container's control directory and gateway sockets).
         self.nest_hidden = [os.path.join(self.root, sub) for sub in ("run", "logs")] + list(hidden or [])
         # The supervisor's own directory too: a command's init imports its siblings once in the view.
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]

@@ -20,9 +20,9 @@ With the agent as root, each layer is the local sandbox's, made on the node:
   (every other session and its token) are not there, and ``--hide`` hides paths inside what is.
 
 In a container whose commands run as root beside the agent (no ``--run-as``), ``--nest`` gives each
-command a Landlock domain scoping its signals, and a user and mount namespace of its own, instead
-(nest.py): it stays root for the container's files and users, and can reach no process or file of the
-agent's; the row says ``nested``.
+command a Landlock domain scoping its signals, seccomp filters, and a user and mount namespace of its
+own, instead (nest.py): it stays root for the container's files and users, and can reach no process or
+file of the agent's; the row says ``nested``.
 
 Without root, where bubblewrap and user namespaces allow, bubblewrap makes the same PID namespace (one a
 command), network and view (isolation.py's chain, as a local sandbox's without root), and the commands
@@ -79,7 +79,7 @@ class Layers:
         self.network = False
         self.filesystem = False
         self.bwrap = False  # the namespaces and the view made by bubblewrap, per command (not root)
-        self.nest = False  # root commands in user, PID and mount namespaces of their own (nest.py)
+        self.nest = False  # root commands out of the agent's reach, and it out of theirs (nest.py)
         self.missing = []  # type: list[str]  # "layer (why)", for the one line the agent says
 
     @property
@@ -95,7 +95,7 @@ def resolve(mode: str, run_as: str | None, uid_pool: bool = False, nested: bool 
     which ``off`` still honours (the agent's older ``--run-as`` alone). ``uid_pool``: with root, the
     commands run as a uid of the node's pool instead (uidpool.py), no other running sandbox's on the
     node, as the ``run_as`` user's would be every job's. ``nested``: commands that run as root (no user)
-    get namespaces of their own (nest.py), under any mode. Raises ValueError with one line for what
+    are nested out of the agent's reach (nest.py), under any mode. Raises ValueError with one line for what
     cannot be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
     layers = Layers()
     if nested and not run_as and os.geteuid() == 0:
