@@ -299,6 +299,9 @@ class ContainerSandboxProvider:
         # Spare containers, oldest first: their loop, their key (_spare_key), their start.
         self._spares: list[tuple[asyncio.AbstractEventLoop, str, asyncio.Future[_Launch]]] = []
         self._closing = False
+        # The run is over (finish_removals) and no sandbox has started since: a stop still under way then
+        # (one its session gave up waiting for) starts no spare, which no one would take or remove.
+        self._over = False
         # The --ulimit sets to try when the config names none, the first one known to work or untried.
         self._ulimits = _ulimit_choices()
         self.images = Images(
@@ -414,6 +417,7 @@ class ContainerSandboxProvider:
 
     async def start(self, spec: SandboxSpec) -> ContainerSandbox:
         check_session_names(spec)
+        self._over = False
         default = None if spec.build_context else self.cfg.image
         if spec.gpus and not _host_gpus():
             raise TaskEnvironmentError(
@@ -542,7 +546,7 @@ class ContainerSandboxProvider:
         """Start a spare like a sandbox that stopped, for the next one like it (its session's next, or
         the next session's grading sandbox): off that session's path, and off the CPU its harness was
         using. At most SPARES at once: a full set of others' makes room by its oldest; none beyond."""
-        if self._closing:
+        if self._closing or self._over:
             return
         loop = asyncio.get_running_loop()
         spec, image, runtime = template
@@ -649,7 +653,9 @@ class ContainerSandboxProvider:
 
     async def finish_removals(self) -> None:
         """Remove the spares and wait for the removals of stopped sandboxes' containers begun so far:
-        a run is over (the worker's release), or the worker closes."""
+        a run is over (the worker's release), or the worker closes. Until a sandbox starts again, a stop
+        starts no spare."""
+        self._over = True
         spares, self._spares = self._spares, []
         loop = asyncio.get_running_loop()
         for spare_loop, _key, future in spares:

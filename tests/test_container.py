@@ -176,6 +176,22 @@ async def test_a_spare_serves_the_next_start_and_goes_when_the_run_is_over(provi
     assert ours() == {}
 
 
+async def test_a_stop_that_ends_after_the_run_is_over_leaves_no_spare(provider):
+    """A sandbox whose stop was still under way when its run ended (the worker's release) starts no spare:
+    no one would take it, nor remove it before the reaper. The next start wants spares again."""
+    first = await provider.start(spec())
+    await provider.finish_removals()  # the run is over, this stop still to come
+    await first.stop()
+    await provider.settle()
+    assert [labels for _, labels in list_containers("podman", "ctr-test")
+            if labels["rollout.root"] == str(provider.root)] == []  # fmt: skip
+    second = await provider.start(spec())
+    await second.stop()
+    await provider.settle()
+    assert [labels["rollout.session_id"][:6] for _, labels in list_containers("podman", "ctr-test")
+            if labels["rollout.root"] == str(provider.root)] == ["spare-"]  # fmt: skip
+
+
 async def test_workspace_carried_on_the_host_between_containers(sandbox, provider):
     """The grading sandbox gets the agent's workspace copied on the worker's host, no command run in
     either container: files and links as links, never followed; a workspace the agent replaced by a
