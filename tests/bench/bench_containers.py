@@ -38,7 +38,13 @@ def _timed(argv: list[str]) -> float:
 
 
 async def main(runs: int, execs: int, image: str) -> None:
-    scratch = Path(tempfile.mkdtemp(prefix="bench-ctr-"))
+    with tempfile.TemporaryDirectory(prefix="bench-ctr-") as tmp:
+        await _sandboxes(Path(tmp), runs, execs, image)
+
+
+async def _sandboxes(scratch: Path, runs: int, execs: int, image: str) -> None:
+    """Every figure, printed; the sandboxes' root and the gateway's socket under ``scratch``, which the
+    caller removes."""
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(scratch / "gw.sock"))
         listener.listen()
