@@ -98,13 +98,13 @@ def resolve(mode: str, run_as: str | None, uid_pool: bool = False, nested: bool 
     are nested out of the agent's reach (nest.py), under any mode. Raises ValueError with one line for what
     cannot be met: a ``--run-as`` without root, or any missing layer under ``strict``."""
     layers = Layers()
-    if nested and not run_as and os.geteuid() == 0:
+    root = os.geteuid() == 0
+    if nested and not run_as and root:
         why = nest.probe()
         if why is None:
             layers.nest = True
         else:
             layers.missing.append(why)
-    root = os.geteuid() == 0
     if run_as:
         try:
             entry = pwd.getpwnam(run_as)

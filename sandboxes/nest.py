@@ -78,13 +78,12 @@ def bounding_set() -> int:
 
 
 class _Known:
-    """The maps, the bounding set and libc, read once by the process that imports us (a container's
+    """The maps and the bounding set, read once by the process that imports us (a container's
     supervisor server, before it forks the supervisors that fork each init), never per command: in a
     freshly forked interpreter each line of Python copies pages (the bounding set's read cost ~1.3 ms
     there)."""
 
     def __init__(self) -> None:
-        self.libc = ctypes.CDLL(None, use_errno=True)
         try:
             self.maps = {kind: identity_map(kind) for kind in ("uid", "gid")}
             self.bounding = bounding_set()
@@ -135,11 +134,10 @@ def enter(hide: Iterable[str], ready_w: int, go_r: int) -> None:
                     proctree.prctl(proctree.PR_CAPBSET_DROP, cap)
                 except OSError:  # past the kernel's last capability
                     break
-        # Our filters, while CAP_SYS_ADMIN (in its own namespace) lets them in without no_new_privs, which
+        # Our filter, while CAP_SYS_ADMIN (in its own namespace) lets it in without no_new_privs, which
         # would keep a root command's set-uid tools from working: no other process's limits, descriptors
         # or memory (the harness's connections are its own, netns.py).
-        seccomp.install_prlimit_guard()
-        seccomp.install()
+        seccomp.install_nested()
         restrict_signals()
     except BaseException as exc:
         os.write(ready_w, b"e" + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:ERROR_BYTES])
@@ -196,7 +194,7 @@ def seal(path: str) -> None:
 def restrict_signals() -> None:
     """This thread, and all it starts, into a Landlock domain of its own that scopes signals (and, as
     every domain does, tracing and mount changes) to itself. No file access is restricted by it."""
-    libc = _KNOWN.libc
+    libc = proctree.libc()
     attr = struct.pack("QQQ", 0, 0, LANDLOCK_SCOPE_SIGNAL)  # handled fs, handled net, scoped
     fd = libc.syscall(LANDLOCK_CREATE_RULESET, attr, len(attr), 0)
     if fd < 0:
@@ -211,7 +209,7 @@ def restrict_signals() -> None:
 def probe() -> str | None:
     """Why commands cannot be nested here (None: they can): Landlock's signal scope, then a child tries
     the namespaces, a cover and the domain, and says what failed on a pipe."""
-    libc = _KNOWN.libc
+    libc = proctree.libc()
     abi = libc.syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
     if abi < LANDLOCK_SIGNAL_ABI:
         found = f"ABI {abi}" if abi > 0 else os.strerror(ctypes.get_errno())

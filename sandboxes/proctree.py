@@ -276,10 +276,15 @@ def shell_exit_code(status: int) -> int:
 _libc: list[ctypes.CDLL] = []  # loaded once: a CDLL(None) per call cost ~50 us, ~10 calls a command
 
 
-def libc_call(name: str, *args: object) -> None:
+def libc() -> ctypes.CDLL:
+    """The C library, errno kept, loaded once per process."""
     if not _libc:
         _libc.append(ctypes.CDLL(None, use_errno=True))
-    if getattr(_libc[0], name)(*args) != 0:
+    return _libc[0]
+
+
+def libc_call(name: str, *args: object) -> None:
+    if getattr(libc(), name)(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}{args[:1]} failed: {os.strerror(err)}")
 

@@ -65,9 +65,23 @@ _FORBIDDEN: dict[str, list[tuple[int, dict[int, int]]]] = {
 }  # fmt: skip
 
 
+# prlimit64, per machine as above. A nested root command (nest.py) shares root's uid with the agent's
+# processes, and the kernel lets a process set the limits of another of its uid (an agent left with 3
+# descriptors, or 20 MB of address space, fails its next request): for it, prlimit64 with any pid but 0
+# (the caller itself, as glibc's setrlimit and getrlimit pass it) is refused with EPERM, ``prlimit --pid
+# $$`` too. A sandbox user's commands share their uid only with their own sandbox: theirs is left alone.
+_PRLIMIT64: dict[str, dict[int, list[int]]] = {
+    "x86_64": {0xC000003E: [302, _X32 | 302], 0x40000003: [340]},
+    "aarch64": {0xC00000B7: [261], 0x40000028: [369]},
+}
+_OTHER_PID = -1  # in place of an errno: refused with EPERM unless the call's first argument is 0
+_ARG0 = 16  # the low word of args[0] in struct seccomp_data (little-endian machines, as both are)
+
+
 def _program(arches: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, int, int]]:
-    """The filter: for each arch, its numbers refused, each with its errno; any other call allowed, and so
-    is a call of an arch that is none of these (no process of this machine makes one)."""
+    """The filter: for each arch, its numbers refused, each with its errno (``_OTHER_PID``: unless its
+    first argument is 0); any other call allowed, and so is a call of an arch that is none of these (no
+    process of this machine makes one)."""
     ops: list[tuple[int, int, int, int]] = []
     to_refuse: list[tuple[int, int]] = []  # (the test that jumps to a refusal, its errno), once placed
     for arch, numbers in arches:
@@ -84,6 +98,9 @@ def _program(arches: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, i
     refusals = {}
     for err in sorted({err for _, err in to_refuse}):
         refusals[err] = len(ops)
+        if err == _OTHER_PID:  # the pid 0 allowed (the next but one), any other refused (the last)
+            ops += [(_LD_ABS, 0, 0, _ARG0), (_JEQ, 0, 1, 0), (_RET, 0, 0, _RET_ALLOW)]
+            err = errno.EPERM
         ops.append((_RET, 0, 0, _RET_ERRNO | err))
     for at, err in to_refuse:  # jumps are relative to the next instruction
         code, _jt, jf, k = ops[at]
@@ -109,59 +126,19 @@ def _made(packed: bytes | None) -> tuple[_Fprog, ctypes.Array[ctypes.c_char]] | 
 _OP_BYTES = struct.calcsize("=HBBI")
 _ARCHES = _FORBIDDEN.get(os.uname().machine)
 _PACKED = _packed(_program(_ARCHES)) if _ARCHES is not None else None
+# A nested root command's: the same, and prlimit64 on another process.
+_NESTED = [
+    (arch, {**numbers, **dict.fromkeys(_PRLIMIT64[os.uname().machine][arch], _OTHER_PID)})
+    for arch, numbers in _ARCHES or ()
+]
 # The same filter for the native init (native_init.c), which installs it from its argument: None on a
 # machine this does not know.
 FILTER_HEX = _PACKED.hex() if _PACKED is not None else None
 # Made once, at import (the fork server's: every command's init is forked from it), not in each init: a
 # ctypes structure class made and a libc loaded cost an init ~0.5 ms and ~150 pages copied.
 _FILTER = _made(_PACKED)
+_NESTED_FILTER = _made(_packed(_program(_NESTED))) if _NESTED else None
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here too: a child would resolve it again
-
-
-# prlimit64 by pid, per machine as above: a nested root command (nest.py) shares root's uid with the
-# agent's processes, and the kernel lets a process set the limits of another of its uid (an agent left
-# with 3 descriptors, or 20 MB of address space, fails its next request): refused (EPERM) for any pid but
-# 0, the caller itself, as glibc's setrlimit and getrlimit pass it. ``prlimit --pid $$`` is refused too.
-_PRLIMIT: dict[str, list[tuple[int, list[int]]]] = {
-    "x86_64": [(0xC000003E, [302, _X32 | 302]), (0x40000003, [340])],
-    "aarch64": [(0xC00000B7, [261]), (0x40000028, [369])],
-}
-_ARG0 = 16  # the low word of args[0] in struct seccomp_data (little-endian machines, as both are)
-
-
-def _prlimit_program(arches: list[tuple[int, list[int]]]) -> list[tuple[int, int, int, int]]:
-    """The filter: prlimit64 with a pid other than 0 refused (EPERM), any other call allowed."""
-    ops: list[tuple[int, int, int, int]] = []
-    to_check: list[int] = []  # the tests that jump to the pid's check, once placed
-    for arch, numbers in arches:
-        ops.append((_LD_ABS, 0, 0, _ARCH))
-        test = len(ops)
-        ops.append((_JEQ, 0, 0, arch))
-        ops.append((_LD_ABS, 0, 0, _NR))
-        for number in numbers:
-            to_check.append(len(ops))
-            ops.append((_JEQ, 0, 0, number))
-        ops.append((_RET, 0, 0, _RET_ALLOW))
-        ops[test] = (_JEQ, 0, len(ops) - test - 1, arch)
-    ops.append((_RET, 0, 0, _RET_ALLOW))
-    check = len(ops)
-    ops += [(_LD_ABS, 0, 0, _ARG0), (_JEQ, 0, 1, 0), (_RET, 0, 0, _RET_ALLOW)]
-    ops.append((_RET, 0, 0, _RET_ERRNO | errno.EPERM))
-    for at in to_check:
-        code, _jt, jf, k = ops[at]
-        ops[at] = (code, check - at - 1, jf, k)
-    return ops
-
-
-_PRLIMIT_ARCHES = _PRLIMIT.get(os.uname().machine)
-_PRLIMIT_FILTER = _made(_packed(_prlimit_program(_PRLIMIT_ARCHES))) if _PRLIMIT_ARCHES else None
-
-
-def install_prlimit_guard() -> None:
-    """In a process about to exec a nested root command (CAP_SYS_ADMIN in its own user namespace, or
-    no_new_privs set): refuse it and all it starts ``prlimit64`` on another process. Nothing on a machine
-    this does not know. Raises OSError where the kernel refuses the filter."""
-    _load(_PRLIMIT_FILTER)
 
 
 def install() -> None:
@@ -169,6 +146,12 @@ def install() -> None:
     ``process_vm_writev`` and the keyrings' calls to it and all it starts. Nothing on a machine this does
     not know. Raises OSError where the kernel refuses the filter."""
     _load(_FILTER)
+
+
+def install_nested() -> None:
+    """As ``install``, for a nested root command (nest.py; CAP_SYS_ADMIN in its own user namespace lets
+    the filter in without no_new_privs): ``prlimit64`` on another process refused too."""
+    _load(_NESTED_FILTER)
 
 
 def _load(made: tuple[_Fprog, ctypes.Array[ctypes.c_char]] | None) -> None:
