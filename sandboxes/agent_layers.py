@@ -32,6 +32,7 @@ Standard library only, python3 >= 3.8: it ships beside agent.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
@@ -217,10 +218,30 @@ def enter_pid_namespace() -> None:
     os._exit(code)
 
 
-def _dial(address: tuple) -> socket.socket:
-    upstream = socket.create_connection(address, timeout=10)
-    upstream.settimeout(None)  # a streamed answer may pause longer than the connect's bound
-    upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _resolve(host: str, port: int) -> tuple:
+    """The family and address of the worker's gateway, looked up once (the relay's thread must not wait
+    on a resolver for each connection); a name that does not resolve now is left to each connect."""
+    try:
+        family, _kind, _proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return socket.AF_INET, (host, port)
+    return family, address
+
+
+def _dial(target: tuple) -> socket.socket:
+    """A connection to ``target`` (``_resolve``'s), under way: the relay's one thread waits for it among
+    its other connections (netns.serve_to)."""
+    family, address = target
+    upstream = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        upstream.setblocking(False)
+        upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        error = upstream.connect_ex(address)
+        if error not in (0, errno.EINPROGRESS):
+            raise OSError(error, os.strerror(error))
+    except OSError:
+        upstream.close()
+        raise
     return upstream
 
 
@@ -254,7 +275,8 @@ class GatewayRelay:
             listener.bind(path)
             os.chmod(path, 0o600)  # the commands' inits connect as root; the commands never see it
             listener.listen(64)
-            netns.serve_to(listener, lambda: _dial(key))
+            target = _resolve(host, int(port))
+            netns.serve_to(listener, lambda: _dial(target))
             self.sockets[key] = path
         return self.sockets[key]
 

@@ -25,9 +25,11 @@ import _thread
 import contextlib
 import fcntl
 import os
+import selectors
 import socket
 import struct
 import sys
+import time
 
 if __package__:
     from sandboxes import proctree
@@ -45,7 +47,9 @@ _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 _CHUNK = 64 * 1024
-_MAX_CONNECTIONS = 256  # a harness opens a handful; a runaway one must not exhaust threads
+_MAX_CONNECTIONS = 256  # a harness opens a handful; a runaway one must not exhaust descriptors
+# An upstream that has not taken a connection in this long is not there (a remote gateway's connect).
+CONNECT_TIMEOUT_S = 10.0
 # The kernel's socket diagnostics (linux/sock_diag.h, inet_diag.h): one socket looked up by its addresses.
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -101,33 +105,21 @@ def loopback_up() -> None:
             fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    """Copy until the source ends; then end the destination's writing side, or reset it on an error."""
-    try:
-        while data := src.recv(_CHUNK):
-            dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-    except OSError:
-        # A cut on one side must look like a cut on the other, not like a clean end of the answer.
-        with contextlib.suppress(OSError):
-            dst.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            dst.shutdown(socket.SHUT_RDWR)
-
-
 def _unix(socket_path: str) -> socket.socket:
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        upstream.connect(socket_path)
+        upstream.connect(socket_path)  # a local socket's connect does not wait on the network
     except OSError:
         upstream.close()
         raise
+    upstream.setblocking(False)
     return upstream
 
 
 class Forwarder:
     """A forwarder's state: its relays in flight (at most ``_MAX_CONNECTIONS``: a harness opens a handful;
-    a runaway one must not exhaust threads), and where it has a procfs of its sandbox, the model client."""
+    a runaway one must not exhaust descriptors), and where it has a procfs of its sandbox, the model
+    client."""
 
     def __init__(self, model_client: ModelClient | None) -> None:
         self.model_client = model_client
@@ -158,28 +150,68 @@ class Forwarder:
         return True
 
 
-def _relay(client: socket.socket, connect: Callable[[], socket.socket], forwarder: Forwarder) -> None:
-    try:
+class _Relay:
+    """One connection relayed both ways, by the forwarder's one thread: each direction reads only once
+    what it read before is written, so a slow reader holds back its writer, never the forwarder. The end
+    of one side's writing is passed on as the end of the other's (a half close); a cut (an error either
+    way) as a cut, never as a clean end of an answer."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket, deadline: float) -> None:
+        self.client, self.upstream = client, upstream
+        self.connect_by: float | None = deadline  # until the upstream's connect has completed
+        self.pending = {client: b"", upstream: b""}  # read from the key, not yet written to its peer
+        self.ended: set[socket.socket] = set()  # sides whose reading has ended
+        self.closed = False
+
+    def peer(self, sock: socket.socket) -> socket.socket:
+        return self.upstream if sock is self.client else self.client
+
+    def interest(self, sock: socket.socket) -> int:
+        if self.connect_by is not None:
+            return selectors.EVENT_WRITE if sock is self.upstream else 0
+        events = 0
+        if sock not in self.ended and not self.pending[sock]:
+            events |= selectors.EVENT_READ
+        if self.pending[self.peer(sock)]:
+            events |= selectors.EVENT_WRITE
+        return events
+
+    def on_ready(self, sock: socket.socket, events: int) -> None:
         try:
-            upstream = connect()
+            if self.connect_by is not None:
+                if error := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    raise OSError(error, os.strerror(error))
+                self.connect_by = None
+                return
+            if events & selectors.EVENT_WRITE:
+                self._flush(self.peer(sock), sock)
+            if events & selectors.EVENT_READ and not self.pending[sock]:
+                data = sock.recv(_CHUNK)
+                if data:
+                    self.pending[sock] = data
+                else:
+                    self.ended.add(sock)
+                self._flush(sock, self.peer(sock))
+        except (BlockingIOError, InterruptedError):
+            pass
         except OSError:
-            return
-        back_done = _thread.allocate_lock()
-        back_done.acquire()
-        _thread.start_new_thread(_pump_then_release, (upstream, client, back_done))
-        _pump(client, upstream)
-        back_done.acquire()  # the answer's pump has ended
-        upstream.close()
-    finally:
-        client.close()
-        forwarder.release_slot()
+            self.cut()
 
+    def _flush(self, src: socket.socket, dst: socket.socket) -> None:
+        if data := self.pending[src]:
+            self.pending[src] = data[dst.send(data) :]
+        if src in self.ended and not self.pending[src]:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+            if len(self.ended) == 2 and not self.pending[dst]:
+                self.closed = True
 
-def _pump_then_release(source: socket.socket, sink: socket.socket, done: _thread.LockType) -> None:
-    try:
-        _pump(source, sink)
-    finally:
-        done.release()
+    def cut(self) -> None:
+        """A cut on one side must look like a cut on the other, not like a clean end of the answer."""
+        for sock in (self.client, self.upstream):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.closed = True
 
 
 def other_socket(socket_path: str) -> str:
@@ -299,19 +331,81 @@ def _serve(
     forwarder: Forwarder,
     connect_other: Callable[[], socket.socket] | None = None,
 ) -> None:
+    """Accept and relay every connection from this one thread. No thread of ours starts while a command
+    runs: a root command nested in its container (sandboxes/nest.py) finds the threads there at its start
+    sealed, and a thread started after it would be one whose /proc/TID/oom_score_adj, its whole
+    process's, it could raise."""
     model_client = forwarder.model_client
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    relays: dict[socket.socket, _Relay] = {}
     while True:
+        now = time.monotonic()
+        waits = [r.connect_by - now for r in set(relays.values()) if r.connect_by is not None]
+        for key, events in selector.select(max(0.0, min(waits)) if waits else None):
+            sock = key.fileobj
+            if sock is listener:
+                _accept(listener, connect, forwarder, model_client, connect_other, relays)
+            elif (relay := relays.get(sock)) is not None and not relay.closed:  # type: ignore[arg-type]
+                relay.on_ready(sock, events)  # type: ignore[arg-type]
+        now = time.monotonic()
+        for relay in set(relays.values()):
+            if relay.connect_by is not None and now >= relay.connect_by:
+                relay.cut()
+            for sock in (relay.client, relay.upstream):
+                _watch(selector, sock, 0 if relay.closed else relay.interest(sock))
+            if relay.closed:
+                for sock in (relay.client, relay.upstream):
+                    relays.pop(sock, None)
+                    sock.close()
+                forwarder.release_slot()
+
+
+def _accept(
+    listener: socket.socket,
+    connect: Callable[[], socket.socket],
+    forwarder: Forwarder,
+    model_client: ModelClient | None,
+    connect_other: Callable[[], socket.socket] | None,
+    relays: dict[socket.socket, _Relay],
+) -> None:
+    try:
         client, _addr = listener.accept()
-        if not forwarder.take_slot():
-            client.close()
-            continue
-        # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
-        with contextlib.suppress(OSError):
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        target = connect
-        if model_client is not None and connect_other is not None and not _made_by(model_client, client):
-            target = connect_other
-        _thread.start_new_thread(_relay, (client, target, forwarder))
+    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+        return
+    if not forwarder.take_slot():
+        client.close()
+        return
+    # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
+    with contextlib.suppress(OSError):
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    target = connect
+    if model_client is not None and connect_other is not None and not _made_by(model_client, client):
+        target = connect_other
+    try:
+        upstream = target()
+    except OSError:
+        client.close()
+        forwarder.release_slot()
+        return
+    client.setblocking(False)
+    relay = _Relay(client, upstream, time.monotonic() + CONNECT_TIMEOUT_S)
+    relays[client] = relays[upstream] = relay
+
+
+def _watch(selector: selectors.BaseSelector, sock: socket.socket, events: int) -> None:
+    """Register, change or drop ``sock``'s interest (0: none)."""
+    try:
+        key = selector.get_key(sock)
+    except KeyError:
+        if events:
+            selector.register(sock, events)
+        return
+    if not events:
+        selector.unregister(sock)
+    elif key.events != events:
+        selector.modify(sock, events)
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
@@ -344,8 +438,9 @@ def serve_to(
     model_client: ModelClient | None = None,
     connect_other: Callable[[], socket.socket] | None = None,
 ) -> Forwarder:
-    """Relay each connection to ``listener`` to what ``connect`` opens, from a daemon thread; one that
-    ``model_client`` did not make, to what ``connect_other`` opens."""
+    """Relay each connection to ``listener`` to what ``connect`` opens (a socket set non-blocking, its
+    connect done or under way), from one daemon thread; one that ``model_client`` did not make, to what
+    ``connect_other`` opens."""
     forwarder = Forwarder(model_client)
     args = (listener, connect, forwarder, connect_other)
     _thread.start_new_thread(_serve, args)

@@ -5,7 +5,11 @@ command stays root for what it does in its container: files of any owner, anothe
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +17,36 @@ from sandboxes.container import ROOT_IN
 from sandboxes.testing.images import podman_usable
 from tests import test_container
 
-# The container tests' fixtures: a provider on the test image, a sandbox of it, the gateway's socket.
-gateway_socket, provider, sandbox = (
-    test_container.gateway_socket,
-    test_container.provider,
-    test_container.sandbox,
-)
+# The container tests' fixtures: a provider on the test image, a sandbox of it.
+provider, sandbox = test_container.provider, test_container.sandbox
+GATEWAY_PORT = 4999  # where the provider's forwarder serves the gateway in the container
+
+
+@pytest.fixture
+def gateway_socket(tmp_path: Path) -> Iterator[str]:
+    """A stand-in for the gateway's socket that answers each connection with a line and holds it open
+    until the test ends: a command that reads the line knows its connection is being relayed."""
+    path = str(tmp_path / "gw.sock")
+    held: list[socket.socket] = []
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen()
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                    conn.sendall(b"HTTP/1.1 204 No Content\r\n\r\n")
+                except OSError:  # the listener closed: the test is over
+                    return
+                held.append(conn)
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield path
+        listener.shutdown(socket.SHUT_RDWR)
+    for conn in held:
+        conn.close()
+
 
 pytestmark = [
     pytest.mark.integration,
@@ -49,6 +77,20 @@ ATTACKS = {
     ),
     "make the agent the OOM killer's choice": (  # by number: a thread's /proc/TID is not listed
         "for p in $(seq 1 3000); do echo 1000 2>/dev/null > /proc/$p/oom_score_adj; done; echo oom-tried"
+    ),
+    "make the agent the OOM killer's choice through its relay's threads": (  # ones made after it began
+        "python3 - <<'END'\n"
+        "import socket\n"
+        f"held = [socket.create_connection(('127.0.0.1', {GATEWAY_PORT}), timeout=30) for _ in range(2)]\n"
+        "assert all(s.recv(1) for s in held)  # the gateway's first byte came back: each is relayed\n"
+        "for p in range(1, 3001):\n"
+        "    try:\n"
+        "        with open(f'/proc/{p}/oom_score_adj', 'w') as f:\n"
+        "            f.write('1000')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "END\n"
+        "echo relayed-oom-tried"
     ),
     "shrink the limits of every process it can": (  # an agent left with 3 descriptors fails
         "for p in $(seq 1 400); do [ $p = $$ ] || prlimit --pid $p --nofile=3:3 --as=20000000:20000000;"
