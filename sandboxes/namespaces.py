@@ -148,7 +148,7 @@ class ServerInit:
     waits. The server stays in the host's mount namespace (its /proc the host's: the pids it reports are
     the host's, ``host_pid``); commands cannot reach it, as they could not reach the init before: they
     run as another uid, or with no boundary claimed. With a network forward the server unshares the
-    sandbox's network namespace and relays in threads of its own (netns.py), each on the host's
+    sandbox's network namespace and relays in a thread of its own (netns.py), on the host's
     filesystem root: its main thread then takes a filesystem context of its own, as ``setns`` into a
     view's mount namespace needs."""
 

@@ -340,22 +340,33 @@ def _serve(
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     relays: dict[socket.socket, _Relay] = {}
+    connecting: set[_Relay] = set()
     while True:
         now = time.monotonic()
-        waits = [r.connect_by - now for r in set(relays.values()) if r.connect_by is not None]
-        for key, events in selector.select(max(0.0, min(waits)) if waits else None):
+        wait = min((r.connect_by for r in connecting if r.connect_by is not None), default=None)
+        touched: set[_Relay] = set()
+        for key, events in selector.select(None if wait is None else max(0.0, wait - now)):
             sock = key.fileobj
             if sock is listener:
-                _accept(listener, connect, forwarder, model_client, connect_other, relays)
+                if (new := _accept(listener, connect, forwarder, model_client, connect_other)) is not None:
+                    relays[new.client] = relays[new.upstream] = new
+                    connecting.add(new)
+                    touched.add(new)
             elif (relay := relays.get(sock)) is not None and not relay.closed:  # type: ignore[arg-type]
                 relay.on_ready(sock, events)  # type: ignore[arg-type]
+                touched.add(relay)
         now = time.monotonic()
-        for relay in set(relays.values()):
-            if relay.connect_by is not None and now >= relay.connect_by:
+        for relay in list(connecting):
+            if relay.connect_by is None:
+                connecting.discard(relay)
+            elif now >= relay.connect_by:
                 relay.cut()
+                touched.add(relay)
+        for relay in touched:
             for sock in (relay.client, relay.upstream):
                 _watch(selector, sock, 0 if relay.closed else relay.interest(sock))
             if relay.closed:
+                connecting.discard(relay)
                 for sock in (relay.client, relay.upstream):
                     relays.pop(sock, None)
                     sock.close()
@@ -368,15 +379,15 @@ def _accept(
     forwarder: Forwarder,
     model_client: ModelClient | None,
     connect_other: Callable[[], socket.socket] | None,
-    relays: dict[socket.socket, _Relay],
-) -> None:
+) -> _Relay | None:
+    """The relay of the connection waiting on ``listener``; None when there is none to relay."""
     try:
         client, _addr = listener.accept()
     except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-        return
+        return None
     if not forwarder.take_slot():
         client.close()
-        return
+        return None
     # Streamed answers come in small writes: Nagle's algorithm would hold each until the last is acked.
     with contextlib.suppress(OSError):
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -388,10 +399,9 @@ def _accept(
     except OSError:
         client.close()
         forwarder.release_slot()
-        return
+        return None
     client.setblocking(False)
-    relay = _Relay(client, upstream, time.monotonic() + CONNECT_TIMEOUT_S)
-    relays[client] = relays[upstream] = relay
+    return _Relay(client, upstream, time.monotonic() + CONNECT_TIMEOUT_S)
 
 
 def _watch(selector: selectors.BaseSelector, sock: socket.socket, events: int) -> None:

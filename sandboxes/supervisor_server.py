@@ -267,7 +267,7 @@ class _Server:
                 os.close(fd)
             self.sel.close()
             if isinstance(self.pid_namespace, namespaces.ServerInit):
-                # The relay's sockets (its threads may have accepted one as we forked) and the other
+                # The relay's sockets (its thread may have accepted one as we forked) and the other
                 # views: a copy held here would keep a connection open past the relay's close.
                 keep = [*self.pid_namespace.held(), *params.get("view_fds", ())]
                 keep += [fd for fd in (params.get("base_mounts_fd"), self.busy) if fd is not None]
