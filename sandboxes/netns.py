@@ -25,7 +25,7 @@ import _thread
 import contextlib
 import fcntl
 import os
-import selectors
+import select
 import socket
 import struct
 import sys
@@ -162,40 +162,60 @@ class _Relay:
         self.pending = {client: b"", upstream: b""}  # read from the key, not yet written to its peer
         self.ended: set[socket.socket] = set()  # sides whose reading has ended
         self.closed = False
+        self.steady = False  # each side watched for reading alone (``settled``), as ``_serve`` left it
 
-    def peer(self, sock: socket.socket) -> socket.socket:
-        return self.upstream if sock is self.client else self.client
+    def settled(self) -> bool:
+        """Connected, nothing waiting to be written, neither side ended: each is watched for reading."""
+        pending = self.pending
+        return not (self.connect_by is not None or self.closed or self.ended or any(pending.values()))
 
     def interest(self, sock: socket.socket) -> int:
+        if self.closed:
+            return 0
         if self.connect_by is not None:
-            return selectors.EVENT_WRITE if sock is self.upstream else 0
+            return select.EPOLLOUT if sock is self.upstream else 0
+        peer = self.upstream if sock is self.client else self.client
         events = 0
         if sock not in self.ended and not self.pending[sock]:
-            events |= selectors.EVENT_READ
-        if self.pending[self.peer(sock)]:
-            events |= selectors.EVENT_WRITE
+            events |= select.EPOLLIN
+        if self.pending[peer]:
+            events |= select.EPOLLOUT
         return events
 
-    def on_ready(self, sock: socket.socket, events: int) -> None:
+    def on_ready(self, sock: socket.socket, peer: socket.socket, events: int) -> bool:
+        """Read and write what ``sock``'s events allow; whether its sockets' interests may have changed
+        (an answer streamed through a steady connection changes none: each chunk read is written at once)."""
         try:
+            if self.steady and events == select.EPOLLIN:  # the common case, kept short
+                data = sock.recv(_CHUNK)
+                if data:
+                    sent = peer.send(data)
+                    if sent == len(data):
+                        return False
+                    self.pending[sock] = data[sent:]
+                else:
+                    self.ended.add(sock)
+                    self._flush(sock, peer)
+                return True
             if self.connect_by is not None:
                 if error := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                     raise OSError(error, os.strerror(error))
                 self.connect_by = None
-                return
-            if events & selectors.EVENT_WRITE:
-                self._flush(self.peer(sock), sock)
-            if events & selectors.EVENT_READ and not self.pending[sock]:
+                return True
+            if events & select.EPOLLOUT:
+                self._flush(peer, sock)
+            if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and not self.pending[sock]:
                 data = sock.recv(_CHUNK)
                 if data:
                     self.pending[sock] = data
                 else:
                     self.ended.add(sock)
-                self._flush(sock, self.peer(sock))
+                self._flush(sock, peer)
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
             self.cut()
+        return True
 
     def _flush(self, src: socket.socket, dst: socket.socket) -> None:
         if data := self.pending[src]:
@@ -337,38 +357,43 @@ def _serve(
     process's, it could raise."""
     model_client = forwarder.model_client
     listener.setblocking(False)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    relays: dict[socket.socket, _Relay] = {}
+    poller = select.epoll()
+    listening = listener.fileno()
+    poller.register(listening, select.EPOLLIN)
+    sides: dict[int, tuple[_Relay, socket.socket, socket.socket]] = {}  # by descriptor: relay, it, peer
+    watched: dict[int, int] = {}  # the events each descriptor is registered for
     connecting: set[_Relay] = set()
     while True:
-        now = time.monotonic()
-        wait = min((r.connect_by for r in connecting if r.connect_by is not None), default=None)
+        timeout = -1.0
+        if connecting:
+            timeout = max(0.0, min(r.connect_by or 0.0 for r in connecting) - time.monotonic())
         touched: set[_Relay] = set()
-        for key, events in selector.select(None if wait is None else max(0.0, wait - now)):
-            sock = key.fileobj
-            if sock is listener:
+        for fd, events in poller.poll(timeout):
+            if fd == listening:
                 if (new := _accept(listener, connect, forwarder, model_client, connect_other)) is not None:
-                    relays[new.client] = relays[new.upstream] = new
+                    sides[new.client.fileno()] = (new, new.client, new.upstream)
+                    sides[new.upstream.fileno()] = (new, new.upstream, new.client)
                     connecting.add(new)
                     touched.add(new)
-            elif (relay := relays.get(sock)) is not None and not relay.closed:  # type: ignore[arg-type]
-                relay.on_ready(sock, events)  # type: ignore[arg-type]
-                touched.add(relay)
-        now = time.monotonic()
-        for relay in list(connecting):
-            if relay.connect_by is None:
-                connecting.discard(relay)
-            elif now >= relay.connect_by:
-                relay.cut()
-                touched.add(relay)
+            elif (side := sides.get(fd)) is not None and not side[0].closed:
+                if side[0].on_ready(side[1], side[2], events):
+                    touched.add(side[0])
+        if connecting:
+            now = time.monotonic()
+            for relay in list(connecting):
+                if relay.connect_by is None:
+                    connecting.discard(relay)
+                elif now >= relay.connect_by:
+                    relay.cut()
+                    touched.add(relay)
         for relay in touched:
             for sock in (relay.client, relay.upstream):
-                _watch(selector, sock, 0 if relay.closed else relay.interest(sock))
+                _watch(poller, watched, sock.fileno(), relay.interest(sock))
+            relay.steady = relay.settled()
             if relay.closed:
                 connecting.discard(relay)
                 for sock in (relay.client, relay.upstream):
-                    relays.pop(sock, None)
+                    sides.pop(sock.fileno(), None)
                     sock.close()
                 forwarder.release_slot()
 
@@ -404,18 +429,20 @@ def _accept(
     return _Relay(client, upstream, time.monotonic() + CONNECT_TIMEOUT_S)
 
 
-def _watch(selector: selectors.BaseSelector, sock: socket.socket, events: int) -> None:
-    """Register, change or drop ``sock``'s interest (0: none)."""
-    try:
-        key = selector.get_key(sock)
-    except KeyError:
-        if events:
-            selector.register(sock, events)
+def _watch(poller: select.epoll, watched: dict[int, int], fd: int, events: int) -> None:
+    """Register, change or drop (``events`` 0) the events ``fd`` is watched for."""
+    was = watched.get(fd, 0)
+    if events == was:
         return
-    if not events:
-        selector.unregister(sock)
-    elif key.events != events:
-        selector.modify(sock, events)
+    if not was:
+        poller.register(fd, events)
+        watched[fd] = events
+    elif not events:
+        poller.unregister(fd)
+        del watched[fd]
+    else:
+        poller.modify(fd, events)
+        watched[fd] = events
 
 
 def listen(port: int, *, bring_up_loopback: bool = True) -> socket.socket:
