@@ -20,11 +20,12 @@ import time
 import uuid
 
 try:  # as part of the package
-    from sandboxes import agent_layers, agent_supervisors, proctree, uidpool
+    from sandboxes import agent_layers, agent_supervisors, pidlimit, proctree, uidpool
     from sandboxes import supervisor as sup
 except ImportError:  # copied beside supervisor.py and proctree.py into a sandbox
     import agent_layers  # type: ignore[no-redef]
     import agent_supervisors  # type: ignore[no-redef]
+    import pidlimit  # type: ignore[no-redef]
     import proctree  # type: ignore[no-redef]
     import supervisor as sup  # type: ignore[no-redef]
     import uidpool  # type: ignore[no-redef]
@@ -119,6 +120,9 @@ class Agent:
         # The supervisor's own directory too: a command's init imports its siblings once in the view.
         self.readonly = [os.path.dirname(SUPERVISOR_PATH), *(readonly or [])]
         self.relay = agent_layers.GatewayRelay() if self.layers.network else None
+        # The memory cap the sandbox's commands share with us (a container's, a job's), if it has one: a
+        # command that failed while the kernel killed processes for it says so, as a local sandbox's does.
+        self.memory_group = pidlimit.own_memory_group()
         server_log = os.path.join(self.root, "run", "server.log")
         self.supervisors = agent_supervisors.SupervisorServer(PYTHON, server_log)
         self.account_files = None  # type: dict | None
@@ -283,6 +287,7 @@ class Agent:
         if "ROLLOUT_SANDBOX" in env:
             marker = ("ROLLOUT_SANDBOX=" + env["ROLLOUT_SANDBOX"]).encode()
         started = time.monotonic()
+        oom_before = pidlimit.oom_kills(self.memory_group[0]) if self.memory_group else 0
         with self.lock:
             if self.stopping:
                 raise AgentError(409, "the agent is stopping")
@@ -305,7 +310,12 @@ class Agent:
                 self.running.pop(proc.pid, None)
             if stdin_path:
                 _unlink(stdin_path)
-        return self._result(files, proc, killed, time.monotonic() - started)
+        out = self._result(files, proc, killed, time.monotonic() - started)
+        if self.memory_group:
+            kills = out["oom_kills"] = pidlimit.oom_kills(self.memory_group[0]) - oom_before
+            if kills and out["exit_code"] != 0 and not out["timed_out"]:
+                out["limit"] = pidlimit.killed_by_cap(self.memory_group[1], kills)
+        return out
 
     def _start_supervisor(
         self, params: dict, env: dict, stem: str

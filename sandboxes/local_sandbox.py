@@ -479,13 +479,8 @@ class LocalSandbox:
             result.limit = disk.why
         result.oom_kills = pidlimit.oom_kills(self.memory_cgroup) - oom_before
         if result.oom_kills and result.exit_code != 0 and not result.timed_out:
-            # It failed, and the kernel killed a process of it for the cap meanwhile: a kill by the cap
-            # (SIGKILL, or 137 from a shell between), not a signal sent from inside the sandbox.
             assert self.memory_max
-            result.limit = (
-                f"the sandbox's memory cap of {self.memory_max // 2**20} MiB killed "
-                f"{result.oom_kills} of its processes (out of memory)"
-            )
+            result.limit = pidlimit.killed_by_cap(self.memory_max, result.oom_kills)
         return result
 
     @staticmethod

@@ -148,6 +148,39 @@ def oom_kills(procs_path: str | None) -> int:
     return 0
 
 
+def killed_by_cap(memory_max: int, kills: int) -> str:
+    """What a command's result says (``ExecResult.limit``) when it failed and the kernel killed ``kills``
+    processes of its sandbox for a memory cap of ``memory_max`` bytes meanwhile: a kill by the cap
+    (SIGKILL, or 137 from a shell between), not a signal sent from inside the sandbox."""
+    mib = memory_max // 2**20
+    return f"the sandbox's memory cap of {mib} MiB killed {kills} of its processes (out of memory)"
+
+
+def own_memory_group() -> tuple[str, int] | None:
+    """The memory group this process is in, as its ``cgroup.procs`` path, and its limit in bytes; None
+    where it has no limit, or none can be read. The group /proc/self/cgroup names, under the controller's
+    mount; or, where that path is not there, the mount itself: a container's engine mounts the container's
+    own group there (cgroup v1 with no cgroup namespace: the path named is the host's)."""
+    named = None
+    for line in _read("/proc/self/cgroup").splitlines():
+        _id, controllers, path = line.split(":", 2)
+        if MEMORY in controllers.split(","):
+            named = (_v1_root(MEMORY), path, "memory.limit_in_bytes")
+        elif not controllers and named is None:
+            named = (_V2, path, "memory.max")
+    if named is None:
+        return None
+    root, path, limit_file = named
+    group = os.path.join(root, path.lstrip("/"))
+    if not os.path.isdir(group):
+        group = root
+    limit = _read(os.path.join(group, limit_file)).strip()
+    # v1 says "no limit" with a number near 2**63 (rounded to the page size); v2 with "max".
+    if not limit.isdigit() or int(limit) >= 2**62:
+        return None
+    return os.path.join(group, "cgroup.procs"), int(limit)
+
+
 def remove(procs_path: str | None, wait_s: float = 0.0) -> bool:
     """Remove a sandbox's cgroup once its processes are gone. The kernel refuses while any is left, and
     a process killed a moment ago may still count: ``wait_s`` bounds retrying (blocking). True once gone."""

@@ -266,6 +266,8 @@ class RemoteSandbox:
             stderr_tail=_tail(res.get("stderr_tail_b64", "")),
             stdout_bytes=int(res.get("stdout_bytes", 0)),
             stderr_bytes=int(res.get("stderr_bytes", 0)),
+            oom_kills=int(res.get("oom_kills", 0)),
+            limit=str(res["limit"])[:500] if res.get("limit") else None,
         )
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:

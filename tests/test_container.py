@@ -431,6 +431,24 @@ async def test_task_image_and_limits(tmp_path, provider, test_images):
         await sb.stop()
 
 
+async def test_a_command_the_containers_memory_cap_killed_says_so(provider):
+    """As a local sandbox's: the result names the cap and its kills (``limit``, ``oom_kills``), which the
+    row's message carries (harnesses/classify.py), not a signal with no cause; the sandbox serves on."""
+    sb = await provider.start(spec(memory_limit_mb=128))
+    try:
+        hog = await sb.exec(["python3", "-c", "b = b'x' * (512 * 2**20); print('no cap')"], timeout=60)
+        assert (hog.signal, hog.stdout_tail) == (signal.SIGKILL, ""), hog
+        assert hog.oom_kills >= 1
+        assert (
+            hog.limit
+            == f"the sandbox's memory cap of 128 MiB killed {hog.oom_kills} of its processes (out of memory)"
+        )
+        fine = await sb.exec(["sh", "-c", "echo fine; exit 3"], timeout=60)
+        assert (fine.exit_code, fine.oom_kills, fine.limit) == (3, 0, None)
+    finally:
+        await sb.stop()
+
+
 async def test_an_image_that_cannot_host_the_harness_fails_in_one_line(
     tmp_path, provider, test_images, codex_installed, pi_installed
 ):
