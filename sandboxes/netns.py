@@ -351,10 +351,10 @@ def _serve(
     forwarder: Forwarder,
     connect_other: Callable[[], socket.socket] | None = None,
 ) -> None:
-    """Accept and relay every connection from this one thread. No thread of ours starts while a command
-    runs: a root command nested in its container (sandboxes/nest.py) finds the threads there at its start
-    sealed, and a thread started after it would be one whose /proc/TID/oom_score_adj, its whole
-    process's, it could raise."""
+    """Accept and relay every connection from this one thread, none started for a connection: a root
+    command nested in its container (sandboxes/nest.py) finds the threads there at its start sealed, and
+    a thread started after it (for the harness's model connection) would be one whose
+    /proc/TID/oom_score_adj, its whole process's, it could raise."""
     model_client = forwarder.model_client
     listener.setblocking(False)
     poller = select.epoll()
