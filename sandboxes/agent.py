@@ -44,6 +44,7 @@ whole within ``--header-timeout-s`` and ``MAX_HEADER_BYTES``; any read waits at 
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import io
 import json
@@ -275,7 +276,15 @@ class AgentServer(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` of them serving at once. A newcomer past the
     cap displaces the oldest connection still waiting for its request that has never carried the token;
     with none to displace it is answered 503. Displaced ones whose threads have not yet ended still count
-    against a hard bound of twice the cap, so threads and descriptors stay bounded whatever arrives."""
+    against a hard bound of twice the cap, so threads and descriptors stay bounded whatever arrives.
+
+    A thread whose connection has ended serves the next one, and a new thread starts only when none is
+    free, or ahead of a nested command (``keep_spare``): the connections the worker opens while a root
+    command runs (its stop, a probe) find threads that were there before it began, which it finds sealed
+    (sandboxes/nest.py); a thread started after it would have a /proc/TID/oom_score_adj, its whole
+    process's, the command could raise."""
+
+    SPARE = 2  # the worker's stop and a probe beside a command's exec
 
     daemon_threads = True
     request_queue_size = 128
@@ -297,7 +306,11 @@ class AgentServer(ThreadingHTTPServer):
         self.header_timeout_s = header_timeout_s
         self.conns = {}  # type: dict[socket.socket, _Conn]
         self.conns_lock = threading.Lock()
+        self.waiting = collections.deque()  # type: collections.deque[tuple[socket.socket, object]]
+        self.free = 0  # threads serving no connection, started or waiting for one
+        self.handed = threading.Condition(self.conns_lock)
         super().__init__(address, Handler)
+        agent.before_nested = self.keep_spare
 
     def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
         with self.conns_lock:
@@ -312,7 +325,37 @@ class AgentServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        with self.conns_lock:
+            self.waiting.append((request, client_address))
+            self.handed.notify()
+            short = len(self.waiting) - self.free
+        for _ in range(short):
+            self._start_thread()
+
+    def keep_spare(self) -> None:
+        """At least ``SPARE`` threads free, started now if need be."""
+        with self.conns_lock:
+            short = self.SPARE - (self.free - len(self.waiting))
+        for _ in range(short):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self.conns_lock:
+            self.free += 1
+        threading.Thread(target=self._serve_connections, daemon=True).start()  # returns once it runs
+
+    def _serve_connections(self) -> None:
+        while True:
+            with self.conns_lock:
+                while not self.waiting:
+                    self.handed.wait()
+                request, client_address = self.waiting.popleft()
+                self.free -= 1
+            try:
+                self.process_request_thread(request, client_address)
+            finally:
+                with self.conns_lock:
+                    self.free += 1
 
     def _make_room(self) -> bool:
         """Under ``conns_lock``: whether one more connection may be served, displacing one if need be."""

@@ -123,6 +123,8 @@ class Agent:
         # The memory cap the sandbox's commands share with us (a container's, a job's), if it has one: a
         # command that failed while the kernel killed processes for it says so, as a local sandbox's does.
         self.memory_group = pidlimit.own_memory_group()
+        # Called before a nested command starts, so what serves the worker meanwhile is there before it.
+        self.before_nested = None  # type: Callable[[], None] | None
         server_log = os.path.join(self.root, "run", "server.log")
         self.supervisors = agent_supervisors.SupervisorServer(PYTHON, server_log)
         self.account_files = None  # type: dict | None
@@ -283,6 +285,8 @@ class Agent:
         )
         if self.layers.nest:
             params["nest"] = {"hide": self.nest_hidden}
+            if self.before_nested is not None:
+                self.before_nested()
         marker = None
         if "ROLLOUT_SANDBOX" in env:
             marker = ("ROLLOUT_SANDBOX=" + env["ROLLOUT_SANDBOX"]).encode()

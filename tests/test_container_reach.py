@@ -5,9 +5,12 @@ command stays root for what it does in its container: files of any owner, anothe
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,6 +129,56 @@ async def test_a_root_command_cannot_end_its_exec_as_the_sandbox_lost(sandbox, a
         assert seen.stdout.split() == ["0"], seen
     follow = await sandbox.exec(["sh", "-c", "echo still-here"], timeout=60)
     assert (follow.exit_code, follow.stdout_tail) == (0, "still-here\n")
+
+
+RAISE_WHEN_TOLD = f"""
+import os, time
+open("{ROOT_IN}/work/started", "w").close()
+deadline = time.monotonic() + 50
+while not os.path.exists("{ROOT_IN}/work/go") and time.monotonic() < deadline:  # the worker has spoken
+    time.sleep(0.01)
+for p in range(1, 3001):
+    try:
+        with open(f"/proc/{{p}}/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+print(os.path.exists("{ROOT_IN}/work/go"))
+"""
+
+
+def _until(path: Path, bound_s: float = 50.0) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return path.exists()
+
+
+async def test_a_connection_the_worker_opens_during_a_root_command_meets_no_thread_it_can_raise(sandbox):
+    """The agent serves a connection opened while a command runs (the worker's stop, a probe) with a
+    thread it had before the command began: a thread started for it would have a /proc/TID/oom_score_adj
+    of its own, unsealed, and a thread's is its whole process's."""
+    work = Path(sandbox.host_workdir)
+    raising = asyncio.ensure_future(sandbox.exec(["python3", "-c", RAISE_WHEN_TOLD], timeout=60))
+    assert await asyncio.to_thread(_until, work / "started")
+    control = os.open(work.parent / "control", os.O_PATH)
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(30)
+        conn.connect(f"/proc/self/fd/{control}/agent.sock")
+        # As the worker's client asks: its connection kept open, and its thread with it.
+        request = f"GET /health HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer {sandbox._token}\r\n\r\n"
+        conn.sendall(request.encode())
+        assert conn.recv(15) == b"HTTP/1.1 200 OK"
+        (work / "go").touch()
+        res = await raising
+    os.close(control)
+    assert (res.exit_code, res.stdout_tail) == (0, "True\n"), res
+    container = sandbox.descriptor()["container"]
+    scores = "cat /proc/[0-9]*/oom_score_adj | sort -u"
+    seen = subprocess.run(
+        ["podman", "exec", container, "sh", "-c", scores], capture_output=True, text=True, timeout=60
+    )
+    assert seen.stdout.split() == ["0"], seen
 
 
 async def test_a_root_command_that_kills_its_own_group_is_its_own_death(sandbox):
