@@ -189,7 +189,10 @@ class _Relay:
             if self.steady and events == select.EPOLLIN:  # the common case, kept short
                 data = sock.recv(_CHUNK)
                 if data:
-                    sent = peer.send(data)
+                    try:
+                        sent = peer.send(data)
+                    except (BlockingIOError, InterruptedError):  # no room at all: all of it waits
+                        sent = 0
                     if sent == len(data):
                         return False
                     self.pending[sock] = data[sent:]

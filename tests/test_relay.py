@@ -96,6 +96,9 @@ def test_one_thread_relays_every_connection_and_a_slow_reader_holds_back_only_it
         conn.sendall(b"pong %d" % i)
         assert client.recv(64) == b"pong %d" % i
     assert _threads() == before  # the forwarder's one thread was there before the connections
+    stalled.setblocking(True)
+    stalled.shutdown(socket.SHUT_WR)
+    assert len(_read_all(clients[0])) == sent  # held back, never dropped
     for sock in clients + conns:
         sock.close()
 
@@ -137,3 +140,26 @@ def test_an_upstream_that_never_takes_the_connect_is_given_up_on(monkeypatch):
     with pytest.raises(ConnectionResetError):
         client.recv(1)
     client.close()
+
+
+def test_a_chunk_read_when_its_reader_has_no_room_at_all_waits_and_is_not_lost():
+    """The steady connection's short path (netns._Relay.on_ready): a chunk read while the other side's
+    buffer is full to the last byte is kept for it, not dropped."""
+    import select
+
+    client, client_far = socket.socketpair()
+    upstream, upstream_far = socket.socketpair()
+    for sock in (client, upstream):
+        sock.setblocking(False)
+    try:
+        while True:  # the client's side full: not one byte more goes
+            client.send(bytes(65536))
+    except BlockingIOError:
+        pass
+    relay = netns._Relay(client, upstream, 0.0)
+    relay.connect_by, relay.steady = None, True
+    upstream_far.sendall(b"chunk")
+    assert relay.on_ready(upstream, client, select.EPOLLIN)  # its interests change: the client's writes
+    assert relay.pending[upstream] == b"chunk"
+    for sock in (client, client_far, upstream, upstream_far):
+        sock.close()
