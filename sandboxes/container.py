@@ -115,10 +115,12 @@ class ContainerSandboxConfig(ProviderConfig):
 
 
 def _engine(
-    engine: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S
+    engine: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run([engine, *argv], capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            [engine, *argv], capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd
+        )
     except FileNotFoundError:
         # Checked here, on the worker's machine: the driver's (a cluster's head) may have no engine.
         raise SandboxError(f"sandbox.engine {engine!r} is not installed on this machine") from None
@@ -477,7 +479,11 @@ class ContainerSandboxProvider:
         name, session_dir = launch.name, launch.session_dir
         argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
         tried = self._ulimits[0]
-        proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+        # From the session's directory: the container's monitor (podman's conmon) writes a file named
+        # `oom` where it was started when the container's memory cap kills, which is no one's to find in
+        # the worker's working directory.
+        run = functools.partial(_engine, self.engine, timeout=self.cfg.start_timeout_s, cwd=session_dir)
+        proc = await asyncio.to_thread(run, argv)
         # Limits of our choosing the engine cannot apply: the next, lower choice, for this start and
         # every later one (the error names no limit an operator could act on).
         while proc.returncode != 0 and "rlimit" in proc.stderr and not self.cfg.ulimits:
@@ -489,7 +495,7 @@ class ContainerSandboxProvider:
                 self._ulimits.pop(0)
             tried = self._ulimits[0]
             argv = self._run_argv(spec, image, name, session_dir, launch.owner_name, runtime)
-            proc = await asyncio.to_thread(_engine, self.engine, argv, self.cfg.start_timeout_s)
+            proc = await asyncio.to_thread(run, argv)
         if proc.returncode != 0:
             raise SandboxStartError(self._cannot_run(image.ref, proc.stderr))
         await self._wait_ready(name, session_dir / "control")

@@ -431,9 +431,14 @@ async def test_task_image_and_limits(tmp_path, provider, test_images):
         await sb.stop()
 
 
-async def test_a_command_the_containers_memory_cap_killed_says_so(provider):
+async def test_a_command_the_containers_memory_cap_killed_says_so(provider, tmp_path, monkeypatch):
     """As a local sandbox's: the result names the cap and its kills (``limit``, ``oom_kills``), which the
-    row's message carries (harnesses/classify.py), not a signal with no cause; the sandbox serves on."""
+    row's message carries (harnesses/classify.py), not a signal with no cause; the sandbox serves on. And
+    nothing of it lands in the worker's working directory (podman's monitor writes an `oom` file where
+    it was started)."""
+    here = tmp_path / "worker-cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
     sb = await provider.start(spec(memory_limit_mb=128))
     try:
         hog = await sb.exec(["python3", "-c", "b = b'x' * (512 * 2**20); print('no cap')"], timeout=60)
@@ -445,6 +450,7 @@ async def test_a_command_the_containers_memory_cap_killed_says_so(provider):
         )
         fine = await sb.exec(["sh", "-c", "echo fine; exit 3"], timeout=60)
         assert (fine.exit_code, fine.oom_kills, fine.limit) == (3, 0, None)
+        assert list(here.iterdir()) == []
     finally:
         await sb.stop()
 
