@@ -205,7 +205,7 @@ class _Relay:
                     raise OSError(error, os.strerror(error))
                 self.connect_by = None
                 return True
-            if events & select.EPOLLOUT:
+            if events & (select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP):  # an error shows in the send
                 self._flush(peer, sock)
             if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and not self.pending[sock]:
                 data = sock.recv(_CHUNK)

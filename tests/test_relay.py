@@ -114,6 +114,32 @@ def test_a_client_that_resets_its_connection_ends_the_relay_and_frees_its_slot(r
         conn.close()
 
 
+def test_a_client_that_resets_while_its_answer_waits_ends_the_relay(relayed):
+    upstream, port = relayed
+    client = _client(port)
+    conn = upstream.take()
+    conn.setblocking(False)
+    try:  # an answer the client never reads, until the relay holds some of it back
+        for _ in range(1024):
+            conn.send(bytes(65536))
+    except BlockingIOError:
+        pass
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    client.close()  # a reset, with the relay's write to it pending
+    conn.setblocking(True)
+    try:  # the upstream's side ends too: cut, as what it sent was never read
+        assert _read_all(conn) == b""
+    except ConnectionResetError:
+        pass
+    conn.close()
+    again = _client(port)  # and the forwarder serves on
+    again.sendall(b"ping")
+    served = upstream.take()
+    assert served.recv(4) == b"ping"
+    again.close()
+    served.close()
+
+
 def test_an_upstream_that_never_takes_the_connect_is_given_up_on(monkeypatch):
     """A remote gateway's connect under way (the agent's relay, sandboxes/agent_layers.py) is bounded: past
     it the client's connection is cut, and the forwarder goes on serving."""
