@@ -56,6 +56,26 @@ pytestmark = [
     pytest.mark.skipif(podman_usable() is not None, reason=str(podman_usable())),
 ]
 
+# A root command's raise of every process's OOM score, by number: a thread's /proc/TID is not listed.
+RAISE_EVERY_SCORE = """for p in range(1, 3001):
+    try:
+        with open(f"/proc/{p}/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+"""
+
+
+def oom_scores_seen_from_outside(sandbox) -> list[str]:
+    """Every OOM score in the sandbox's container, read with the engine's exec (no command of ours)."""
+    container = sandbox.descriptor()["container"]
+    scores = "cat /proc/[0-9]*/oom_score_adj | sort -u"
+    seen = subprocess.run(
+        ["podman", "exec", container, "sh", "-c", scores], capture_output=True, text=True, timeout=60
+    )
+    return seen.stdout.split()
+
+
 # Each reaches for what runs the commands, or for what the agent keeps: its last line says how far it
 # got, so that a test of an attack that silently did nothing fails.
 ATTACKS = {
@@ -86,13 +106,8 @@ ATTACKS = {
         "import socket\n"
         f"held = [socket.create_connection(('127.0.0.1', {GATEWAY_PORT}), timeout=30) for _ in range(2)]\n"
         "assert all(s.recv(1) for s in held)  # the gateway's first byte came back: each is relayed\n"
-        "for p in range(1, 3001):\n"
-        "    try:\n"
-        "        with open(f'/proc/{p}/oom_score_adj', 'w') as f:\n"
-        "            f.write('1000')\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "END\n"
+        + RAISE_EVERY_SCORE
+        + "END\n"
         "echo relayed-oom-tried"
     ),
     "shrink the limits of every process it can": (  # an agent left with 3 descriptors fails
@@ -121,12 +136,7 @@ async def test_a_root_command_cannot_end_its_exec_as_the_sandbox_lost(sandbox, a
     if "covers" in attack:
         assert res.stdout_tail == "0\ncovers-tried\n"
     if "OOM" in attack:  # seen from outside: every process of ours as the OOM killer had it
-        container = sandbox.descriptor()["container"]
-        scores = "cat /proc/[0-9]*/oom_score_adj | sort -u"
-        seen = subprocess.run(
-            ["podman", "exec", container, "sh", "-c", scores], capture_output=True, text=True, timeout=60
-        )
-        assert seen.stdout.split() == ["0"], seen
+        assert oom_scores_seen_from_outside(sandbox) == ["0"]
     follow = await sandbox.exec(["sh", "-c", "echo still-here"], timeout=60)
     assert (follow.exit_code, follow.stdout_tail) == (0, "still-here\n")
 
@@ -137,13 +147,7 @@ open("{ROOT_IN}/work/started", "w").close()
 deadline = time.monotonic() + 50
 while not os.path.exists("{ROOT_IN}/work/go") and time.monotonic() < deadline:  # the worker has spoken
     time.sleep(0.01)
-for p in range(1, 3001):
-    try:
-        with open(f"/proc/{{p}}/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-print(os.path.exists("{ROOT_IN}/work/go"))
+{RAISE_EVERY_SCORE}print(os.path.exists("{ROOT_IN}/work/go"))
 """
 
 
@@ -173,12 +177,7 @@ async def test_a_connection_the_worker_opens_during_a_root_command_meets_no_thre
         res = await raising
     os.close(control)
     assert (res.exit_code, res.stdout_tail) == (0, "True\n"), res
-    container = sandbox.descriptor()["container"]
-    scores = "cat /proc/[0-9]*/oom_score_adj | sort -u"
-    seen = subprocess.run(
-        ["podman", "exec", container, "sh", "-c", scores], capture_output=True, text=True, timeout=60
-    )
-    assert seen.stdout.split() == ["0"], seen
+    assert oom_scores_seen_from_outside(sandbox) == ["0"]
 
 
 async def test_a_root_command_that_kills_its_own_group_is_its_own_death(sandbox):
