@@ -204,6 +204,7 @@ def reap_containers(
         if everything or expired or (ours and owner is not None and owner.known_dead(root)):
             if remove(engine, name):
                 reaped.append(name)
+                (_LINK_DIR / name).unlink(missing_ok=True)  # its agent's socket's short path, if made
                 session_dir = Path(labels.get("rollout.dir", ""))
                 if ours and session_dir.is_relative_to(root) and session_dir != root:
                     shutil.rmtree(session_dir, ignore_errors=True)

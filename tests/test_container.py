@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxes import container
 from sandboxes.base import SandboxError, SandboxLostError, SandboxSpec, SandboxStartError
 from sandboxes.container import (
     ContainerSandboxConfig,
@@ -318,7 +319,7 @@ def _owner_script(root: Path, image: str, gateway_socket: str) -> str:
 
 
 async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, gateway_socket, sandbox):
-    root = tmp_path / "root"
+    root = tmp_path / ("root-" + "r" * 60)  # its agents' sockets are reached through short links
     child = subprocess.Popen(
         [sys.executable, "-c", _owner_script(root, test_images.base, gateway_socket)],
         stdout=subprocess.PIPE,
@@ -330,6 +331,7 @@ async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, 
         orphan = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 120)
         orphan = orphan.strip()
         assert orphan and exists(orphan)
+        assert os.path.lexists(container._LINK_DIR / orphan)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(30)
@@ -337,6 +339,7 @@ async def test_sigkilled_owner_is_reaped_live_owner_kept(tmp_path, test_images, 
     reaped = await asyncio.to_thread(reap_containers, "podman", root)
     assert reaped == [orphan]
     assert not exists(orphan) and exists(mine)
+    assert not os.path.lexists(container._LINK_DIR / orphan)
     assert not (root / "ctr-owner" / "s1").exists()
     assert await asyncio.to_thread(reap_containers, "podman", root) == []
     # gc --all of a run ends even a live owner's.
