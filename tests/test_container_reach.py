@@ -196,7 +196,7 @@ async def test_what_a_root_command_leaves_behind_ends_with_its_exec(sandbox):
 
 # What pkill does: find a process by its command line in /proc, signal the pid found there.
 PKILL = """
-import os, signal, subprocess
+import os, signal, subprocess, time
 assert os.readlink("/proc/self") == str(os.getpid()) and os.path.exists(f"/proc/{os.getpid()}/stat")
 sleeper = subprocess.Popen(["sleep", "234"])
 def cmdline(pid):
@@ -204,6 +204,11 @@ def cmdline(pid):
         return open(f"/proc/{pid}/cmdline", "rb").read()
     except OSError:
         return b""
+# Popen returns once the exec has begun; the new program's arguments are in place a moment later.
+for _ in range(5000):
+    if cmdline(sleeper.pid) == b"sleep\\x00234\\x00":
+        break
+    time.sleep(0.001)
 found = [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == b"sleep\\x00234\\x00"]
 os.kill(found[0], signal.SIGTERM)
 print(found == [sleeper.pid], sleeper.wait(10))
