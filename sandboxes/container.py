@@ -204,7 +204,7 @@ def reap_containers(
         if everything or expired or (ours and owner is not None and owner.known_dead(root)):
             if remove(engine, name):
                 reaped.append(name)
-                (_LINK_DIR / name).unlink(missing_ok=True)  # its agent's socket's short path, if made
+                _forget_socket_link(name)
                 session_dir = Path(labels.get("rollout.dir", ""))
                 if ours and session_dir.is_relative_to(root) and session_dir != root:
                     shutil.rmtree(session_dir, ignore_errors=True)
@@ -652,7 +652,7 @@ class ContainerSandboxProvider:
 
     async def _remove(self, name: str, session_dir: Path) -> None:
         gone = await asyncio.to_thread(remove, self.engine, name)
-        (_LINK_DIR / name).unlink(missing_ok=True)
+        _forget_socket_link(name)
         if not self.cfg.keep:
             await asyncio.to_thread(shutil.rmtree, session_dir, True)
         if not gone:
@@ -746,6 +746,11 @@ def _socket_path(path: Path, name: str) -> str:
     link.unlink(missing_ok=True)
     link.symlink_to(path.parent)
     return str(link / path.name)
+
+
+def _forget_socket_link(name: str) -> None:
+    """Remove container ``name``'s short link (``_socket_path``), if one was made."""
+    (_LINK_DIR / name).unlink(missing_ok=True)
 
 
 __all__ = ["ContainerSandboxConfig", "ContainerSandboxProvider", "list_containers", "reap_containers"]

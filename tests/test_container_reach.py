@@ -204,12 +204,13 @@ def cmdline(pid):
         return open(f"/proc/{pid}/cmdline", "rb").read()
     except OSError:
         return b""
+wanted = b"sleep\\x00234\\x00"
 # Popen returns once the exec has begun; the new program's arguments are in place a moment later.
 for _ in range(5000):
-    if cmdline(sleeper.pid) == b"sleep\\x00234\\x00":
+    if cmdline(sleeper.pid) == wanted:
         break
     time.sleep(0.001)
-found = [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == b"sleep\\x00234\\x00"]
+found = [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == wanted]
 os.kill(found[0], signal.SIGTERM)
 print(found == [sleeper.pid], sleeper.wait(10))
 """
