@@ -105,6 +105,34 @@ def test_the_scale_parts_cpu_account_counts_the_children_it_never_reaps():
     assert not ours.group.exists()
 
 
+def test_the_scale_parts_cpu_account_says_what_of_each_part_was_the_kernels():
+    """A part whose process works in system calls is told apart from one whose process computes."""
+    from executor.testing.bench_scale import TreeCpu
+
+    # 0.4 s of CPU each: reads of /dev/zero (the kernel clears the buffer), or arithmetic.
+    spin = "import os, sys, time\nt = time.process_time() + 0.4\nfd = os.open('/dev/zero', os.O_RDONLY)\n"
+    spin += "while time.process_time() < t:\n"
+    spin += "    os.read(fd, 1 << 20) if sys.argv[1] == 'k' else sum(range(9999))\n"
+    with TreeCpu() as ours:
+        if ours.group is None:
+            pytest.skip("no cpuacct cgroup of our own here (not root, or no cgroup v1)")
+        for part, mode in (("sandboxes", "k"), ("workers", "u")):
+            child = subprocess.Popen([sys.executable, "-c", spin, mode])
+            assert ours.move(child.pid, part)
+            assert child.wait(timeout=60) == 0
+    assert set(ours.kernel_parts) == {"sandboxes", "workers"}
+    assert ours.kernel_parts["sandboxes"] > 0.5 * ours.parts["sandboxes"]
+    assert ours.kernel_parts["workers"] < 0.5 * ours.parts["workers"]
+
+
+def test_a_cpu_groups_kernel_share_is_read_from_its_ticks():
+    from executor.testing.bench_scale import kernel_share
+
+    assert kernel_share("user 30\nsystem 10\n") == 0.25
+    assert kernel_share("user 0\nsystem 0\n") is None  # no tick yet: unknown, not 0
+    assert kernel_share("") is None
+
+
 def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_beyond_the_fixed():
     from executor.testing.bench import markdown
     from executor.testing.bench_scale import beyond_fixed
@@ -113,9 +141,11 @@ def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_
         "rows": 8,
         "sessions": 8,
         "parts_cpu_ms_per_rollout": {"workers": 500.0},
+        "parts_kernel_ms_per_rollout": {"workers": 100.0},
         "peak_workers_pss_mb": 800,
     }
     big = {"rows": 1000, "sessions": 1000, "parts_cpu_ms_per_rollout": {"workers": 30.0}}
+    big["parts_kernel_ms_per_rollout"] = {"workers": 10.0}
     big["peak_workers_pss_mb"] = 800 + 992 * 0.25
     figures = beyond_fixed(small, big)
     # (30 ms x 1,000 - 500 ms x 8) / 992 sessions; 0.25 MB a session in flight.
@@ -125,7 +155,8 @@ def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_
     text = markdown({"f": {**run, "beyond_fixed": figures}}, "rollout bench --parts f", "today", "here")
     assert "| 341.7 s | 300 s ideal | 1.139 |" in text
     assert "| (f) the workers' memory (PSS) per session in flight | 0.25 MB |" in text
-    assert "26.2 ms: workers 26.2" in text
+    # (10 ms x 1,000 - 100 ms x 8) / 992 of it in the kernel.
+    assert "26.2 ms: workers 26.2 (in the kernel 9.3)" in text
 
 
 def test_the_scale_parts_sampler_reads_the_sandboxes_memory_once_their_count_stops_rising():

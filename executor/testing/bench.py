@@ -185,10 +185,12 @@ def _scale_rows(f: dict[str, Any] | None) -> list[str]:
         f"| {f['ideal_s']:.0f} s ideal | {f['sessions_span_s'] / f['ideal_s']:.3f} |"
     ]
     if per := (f.get("beyond_fixed") or {}).get("per_session_ms"):
+        from executor.testing.bench_scale import parts_text
+
         rows.append(
             f"| (f) CPU per session beyond the run's fixed costs, by part (the sandboxes' with the "
             f"commands they run: the null harness and the diff, ~9 ms) | {sum(per.values()):.1f} ms: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+            + parts_text(per, f["beyond_fixed"].get("kernel_per_session_ms") or {})
             + " | | |"
         )
         if (mb := f["beyond_fixed"].get("worker_mb_per_session")) is not None:

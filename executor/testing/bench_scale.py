@@ -280,6 +280,9 @@ class TreeCpu:
         self.group: Path | None = None
         self.seconds: float | None = None
         self.parts: dict[str, float] = {}  # seconds by part (PARTS), within ``seconds``
+        # Of each part's seconds, those its processes spent in the kernel (system calls, page faults):
+        # what no rewrite of our own code in another language would save.
+        self.kernel_parts: dict[str, float] = {}
         self.left: list[str] = []  # a part's group that still held a process at the end
         self._home: str | None = None
 
@@ -337,6 +340,9 @@ class TreeCpu:
         for part in self.PARTS:
             with contextlib.suppress(OSError, ValueError):
                 self.parts[part] = int((self.group / part / "cpuacct.usage").read_text()) / 1e9
+                share = kernel_share((self.group / part / "cpuacct.stat").read_text())
+                if share is not None:
+                    self.kernel_parts[part] = self.parts[part] * share
             if not _remove_group(self.group / part):
                 self.left.append(
                     f"{self.group / part}: {(self.group / part / 'cgroup.procs').read_text()[:200]}"
@@ -348,6 +354,21 @@ class TreeCpu:
             pass
         # Where a process of the cluster is left in it past the bound, it stays, to be looked at.
         _remove_group(self.group)
+
+
+def kernel_share(stat: str) -> float | None:
+    """The share of a CPU group's time spent in the kernel, from its ``cpuacct.stat`` (``user`` and
+    ``system`` in ticks: each tick charged to the mode it fell in, so a share over seconds of CPU, where
+    the exact total is ``cpuacct.usage``'s); None where it holds no tick or cannot be read."""
+    ticks: dict[str, int] = {}
+    for entry in stat.splitlines():
+        name, _, value = entry.partition(" ")
+        if value.strip().isdigit():
+            ticks[name] = int(value)
+    user, system = ticks.get("user"), ticks.get("system")
+    if user is None or system is None or user + system == 0:
+        return None
+    return system / (user + system)
 
 
 def _remove_group(group: Path, timeout_s: float = 15.0) -> bool:
@@ -451,6 +472,7 @@ def scale(
         statuses[key] = statuses.get(key, 0) + 1
     rows = max(len(starts), 1)
     parts_ms = {k: v / rows * 1000 for k, v in ours.parts.items()}
+    kernel_ms = {k: v / rows * 1000 for k, v in ours.kernel_parts.items()}
     if ours.seconds is not None and ours.parts:
         # What is neither a worker's nor a sandbox's: the driver, and Ray's own processes (GCS, raylets,
         # their agents, the `ray start` processes and the workers Ray starts idle).
@@ -486,6 +508,8 @@ def scale(
         # processes (fork server, supervisor servers, supervisors, inits, and the harness's commands),
         # the driver (this process less the sampler), and the cluster (Ray's processes).
         "parts_cpu_ms_per_rollout": parts_ms,
+        # Of the workers' and the sandboxes' part, what their processes spent in the kernel.
+        "parts_kernel_ms_per_rollout": kernel_ms,
         # What the harness's commands themselves take, by hand: to take from the sandboxes' part.
         "command_by_hand_cpu_ms": command_ms,
         "sampler_cpu_s": sampler_cpu,
@@ -512,13 +536,21 @@ def _left_behind(sandbox_root: Path) -> list[str]:
     )
 
 
+def parts_text(per: dict[str, float], kernel: dict[str, float], unit: str = "") -> str:
+    """CPU by part, each with what of it was spent in the kernel where that is known."""
+    return ", ".join(
+        f"{k} {v:.1f}{unit}" + (f" (in the kernel {kernel[k]:.1f})" if k in kernel else "")
+        for k, v in per.items()
+    )
+
+
 def line(f: dict[str, Any]) -> str:
     p = {k.removeprefix("peak_"): v for k, v in f.items() if k.startswith("peak_")}
     nodes = f" on {f['nodes']} raylets" if f.get("nodes") else ""
     parts = f.get("parts_cpu_ms_per_rollout") or {}
     by_part = (
         "CPU per rollout by part: "
-        + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items())
+        + parts_text(parts, f.get("parts_kernel_ms_per_rollout") or {}, " ms")
         + f" (the command alone, by hand, {f.get('command_by_hand_cpu_ms', 0):.1f} ms); "
         if parts
         else ""
@@ -588,9 +620,18 @@ def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     small_parts, big_parts = small["parts_cpu_ms_per_rollout"], big["parts_cpu_ms_per_rollout"]
     if rows <= 0 or not small_parts or not big_parts:
         return {}
-    per = {
-        part: (big_parts[part] * big["rows"] - small_parts[part] * small["rows"]) / rows for part in big_parts
-    }
+
+    def per_session(small_ms: dict[str, float], big_ms: dict[str, float]) -> dict[str, float]:
+        return {
+            part: (big_ms[part] * big["rows"] - small_ms[part] * small["rows"]) / rows
+            for part in big_ms
+            if part in small_ms
+        }
+
+    per = per_session(small_parts, big_parts)
+    kernel = per_session(
+        small.get("parts_kernel_ms_per_rollout") or {}, big.get("parts_kernel_ms_per_rollout") or {}
+    )
     fixed_s = {part: (small_parts[part] - per[part]) * small["rows"] / 1000 for part in per}
     # The workers' memory at their peak, every session in flight, beyond a run of one each: what a
     # session in flight holds in its worker (the sandbox's own processes not counted).
@@ -598,6 +639,7 @@ def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     in_flight = big.get("in_flight", big["sessions"]) - small.get("in_flight", small["sessions"])
     return {
         "per_session_ms": per,
+        "kernel_per_session_ms": kernel,  # of ``per_session_ms``, the kernel's (workers and sandboxes)
         "fixed_s": fixed_s,
         "small_rows": small["rows"],
         "worker_mb_per_session": pss / in_flight if in_flight > 0 else None,
@@ -609,7 +651,7 @@ def fixed_line(figures: dict[str, Any]) -> str:
     return (
         f"(f) beyond the run's fixed costs (the difference from a run of {figures['small_rows']} sessions): "
         f"{sum(per.values()):.1f} ms of CPU per session: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+        + parts_text(per, figures.get("kernel_per_session_ms") or {})
         + f" ms; fixed, once a run: {sum(fixed.values()):.1f} s: "
         + ", ".join(f"{k} {v:.1f}" for k, v in fixed.items())
         + " s"
