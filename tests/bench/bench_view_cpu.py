@@ -1,0 +1,105 @@
+"""What a sandbox's filesystem view costs the machine: ``--n`` views of a local sandbox's default steps
+(the system directories, /proc, /dev, /tmp and /dev/shm, its four writable directories, its passwd and
+group, the hidden paths) built by the native init's view mode (native_init.c), as a server builds one
+for each sandbox, all held, then all let go. Prints the CPU per view of this process (the server's
+part), of the builders, and of the machine (the kernel's workers too), for the build and the teardown.
+Root only. Asserts nothing.
+
+    .venv/bin/python tests/bench/bench_view_cpu.py [--n 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from sandboxes import fsview, native_init, supervisor_server, zygote  # noqa: E402
+
+SETTLE_S = 1.0  # after the last view is let go: the kernel's deferred teardown (its workers, RCU)
+
+
+def _cpu() -> tuple[float, float, float]:
+    """This process's CPU, its reaped children's, and the machine's (busy, from /proc/stat), in seconds."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, busy
+
+
+def measure(n: int, scratch: Path) -> dict[str, float]:
+    writable = [str(scratch / name) for name in ("work", "home", "tmp", "baseline.git")]
+    for path in writable:
+        os.mkdir(path)
+    files = {f"/etc/{name}": str(scratch / name) for name in ("passwd", "group")}
+    for source in files.values():
+        Path(source).write_text("root:x:0:0::/:/bin/sh\n")
+    steps = fsview.plan([str(Path.home())], ["/tmp", "/dev/shm"], [], writable, files, resolved=True)
+    base, proc = zygote._base_mounts(), fsview.detached_proc()
+    if base is None:
+        raise SystemExit("bench_view_cpu: no base mount namespace here (root only)")
+    views: list[tuple[int, int]] = []
+    try:
+        before = _cpu()
+        for _ in range(n):
+            view = supervisor_server._build_view_natively(steps, base, fsview.clone_mount(proc))
+            if view is None:
+                raise SystemExit("bench_view_cpu: the native init could not build the view")
+            views.append(view)
+        while True:  # the builders, each gone once its view was opened
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+        built = _cpu()
+        for fds in views:
+            for fd in fds:
+                os.close(fd)
+        views = []
+        time.sleep(SETTLE_S)  # a fixed settling time for the kernel's deferred work, not a wait on us
+        gone = _cpu()
+    finally:
+        for fds in views:
+            for fd in fds:
+                os.close(fd)
+        os.close(base)
+        os.close(proc)
+    return {
+        "steps": len(steps),
+        "build_server_ms": (built[0] - before[0]) / n * 1000,
+        "build_builder_ms": (built[1] - before[1]) / n * 1000,
+        "build_machine_ms": (built[2] - before[2]) / n * 1000,
+        "teardown_server_ms": (gone[0] - built[0]) / n * 1000,
+        "teardown_machine_ms": (gone[2] - built[2]) / n * 1000,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=300)
+    args = parser.parse_args()
+    if native_init.build() is None:
+        raise SystemExit("bench_view_cpu: no native init (no C compiler)")
+    scratch = Path(tempfile.mkdtemp(prefix="bench-view-cpu-", dir="/dev/shm"))
+    try:
+        f = measure(args.n, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"{args.n} views of {f['steps']} steps: built, {f['build_builder_ms']:.2f} ms of the builder's CPU "
+        f"and {f['build_server_ms']:.2f} ms of the server's a view ({f['build_machine_ms']:.2f} ms of the "
+        f"machine's); let go, {f['teardown_server_ms']:.2f} ms of the server's "
+        f"({f['teardown_machine_ms']:.2f} ms of the machine's, its other processes' over a second included)"
+    )
+
+
+if __name__ == "__main__":
+    main()
