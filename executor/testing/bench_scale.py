@@ -281,7 +281,7 @@ class TreeCpu:
         self.seconds: float | None = None
         self.parts: dict[str, float] = {}  # seconds by part (PARTS), within ``seconds``
         # Of each part's seconds, those its processes spent in the kernel (system calls, page faults):
-        # what no rewrite of our own code in another language would save.
+        # most of it what the sandboxes' isolation asks of the kernel, whatever language asks it.
         self.kernel_parts: dict[str, float] = {}
         self.left: list[str] = []  # a part's group that still held a process at the end
         self._home: str | None = None
