@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 
 from executor.local_ray import start_local_ray  # noqa: E402
+from executor.testing.bench_scale import _own_cpu_s  # noqa: E402
 
 ROW_BYTES = 3000  # a null session's row on the wire (executor.schema.batch_to_wire), about
 TASK_JSON = '{"id": "b000001", "prompt": "' + "p" * 200 + '"}'
@@ -37,23 +38,18 @@ class Echo:
         return usage.ru_utime, usage.ru_stime
 
 
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def measure(calls: int, at_once: int, sleep_s: float) -> dict[str, float]:
     actor = Echo.options(max_concurrency=at_once).remote()  # type: ignore[attr-defined]
     ray.get([actor.run.remote(TASK_JSON, i, 1, 0.0) for i in range(20)])  # its first calls' imports
     user0, system0 = ray.get(actor.cpu.remote())
-    own0, wall = _own_cpu(), time.monotonic()
+    own0, wall = _own_cpu_s(), time.monotonic()
     pending: list[ray.ObjectRef] = []
     for i in range(calls):
         if len(pending) >= at_once:
             _done, pending = ray.wait(pending, num_returns=1)
         pending.append(actor.run.remote(TASK_JSON, i, 1, sleep_s))
     ray.get(pending)
-    own, wall = _own_cpu() - own0, time.monotonic() - wall
+    own, wall = _own_cpu_s() - own0, time.monotonic() - wall
     user1, system1 = ray.get(actor.cpu.remote())
     return {
         "actor_user_ms": (user1 - user0) / calls * 1000,

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from executor.testing.bench_scale import _machine_cpu_s, _own_cpu_s  # noqa: E402
 from sandboxes import fsview, isolation, native_init, supervisor_server, zygote  # noqa: E402
 from sandboxes.cache_root import default_cache_root  # noqa: E402
 
@@ -30,11 +31,16 @@ SETTLE_S = 1.0  # after the last view is let go: the kernel's deferred teardown 
 
 
 def _cpu() -> tuple[float, float, float]:
-    """This process's CPU, its reaped children's, and the machine's (busy, from /proc/stat), in seconds."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, busy
+    """This process's CPU, its reaped children's, and the machine's, in seconds."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return _own_cpu_s(), children.ru_utime + children.ru_stime, _machine_cpu_s()
+
+
+def _let_go(views: list[tuple[int, int]]) -> None:
+    """Close each view's namespaces, and so end it (the last reference to each)."""
+    while views:
+        for fd in views.pop():
+            os.close(fd)
 
 
 def measure(n: int, scratch: Path) -> dict[str, float]:
@@ -66,16 +72,11 @@ def measure(n: int, scratch: Path) -> dict[str, float]:
             except ChildProcessError:
                 break
         built = _cpu()
-        for fds in views:
-            for fd in fds:
-                os.close(fd)
-        views = []
+        _let_go(views)
         time.sleep(SETTLE_S)  # a fixed settling time for the kernel's deferred work, not a wait on us
         gone = _cpu()
     finally:
-        for fds in views:
-            for fd in fds:
-                os.close(fd)
+        _let_go(views)
         os.close(base)
         os.close(proc)
     return {
