@@ -67,7 +67,8 @@ def attached_lease() -> warm.Lease | None:
 
 def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
     """Once the run's work is safe: stop the cluster we started, or let go of the warm executor (its
-    workers keep what they built, the next run gets them warm). A joined cluster is left as it is.
+    workers keep what they built, the next run gets them warm), or, on a cluster we joined, end the
+    run's workers once they have closed what they hold.
 
     ``exiting``: the process ends next (``rollout run``). An attached driver then leaves its connection
     for that end to close (``left_connected``): ``ray.shutdown()`` of a driver spends ~0.3 s waiting on
@@ -77,9 +78,11 @@ def leave_ray(own: bool, workers: list[Any], *, exiting: bool = False) -> None:
     global _warm_lease, _left_connected
     if own:
         stop_own_ray(workers)
-    elif _warm_lease is None and not exiting:
-        # A cluster we joined from a process that goes on (a trainer's): its job does not end, so the
-        # run's workers would outlive the run. They close what they hold, then go.
+    elif _warm_lease is None:
+        # A cluster we joined. From a process that goes on (a trainer's) its job does not end, so the
+        # run's workers would outlive the run; from one that ends (`ray job submit`'s entrypoint) the
+        # job's end kills them at once, with no time to remove their sandboxes' cgroups and their
+        # gateway's socket. Either way they close what they hold, then go.
         close_workers(workers)
     elif _warm_lease is not None:
         warm.release(workers)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from executor.cluster import RUNTIME_ENV_DIR, WORKING_DIR_FILES, check_out, cluster_address, ray_working_dir
+from executor.reaper import GATEWAY_SOCKET_PREFIX
 from executor.store import read_table
 from executor.tasks import InputError
 from tests.conftest import REPO, processes_under, rollout_run, sandbox_yaml
@@ -326,12 +327,33 @@ def test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one(tmp_pa
     assert not (tmp_path / "sandboxes").exists()
 
     shared = tmp_path / "shared"
+    before = _held_on_the_host()
     proc = _submit(head, job_dir, "absolute-out", "--out", str(shared), "--run-id", "demo-job")
     info = client.get_job_info("absolute-out")
     assert info.status == JobStatus.SUCCEEDED, (info, client.get_job_logs("absolute-out")[-3000:])
     assert proc.returncode == 0
     assert read_table(shared / "demo-job").column("reward").to_pylist() == [1.0]
     assert not processes_under(str(tmp_path / "sandboxes"))
+    # The job's end kills its worker at once: what the worker holds on the host (its sandboxes' caps,
+    # the servers kept for later sandboxes among them, and its gateway's socket) it gave back before.
+    assert _held_on_the_host() - before == set()
+
+
+def _held_on_the_host() -> set[str]:
+    """The sandboxes' cgroups no process is in and the gateway sockets whose worker is gone: what a
+    worker killed before it closed leaves behind (a live sandbox's cgroup holds its server)."""
+    groups = [
+        group
+        for controller in ("pids", "memory")
+        for group in Path(f"/sys/fs/cgroup/{controller}/rollout-executor").glob("*/")
+        if not (group / "cgroup.procs").read_text().strip()
+    ]
+    sockets = [
+        sock
+        for sock in Path(tempfile.gettempdir()).glob(f"{GATEWAY_SOCKET_PREFIX}*.sock")
+        if not Path(f"/proc/{sock.name.removeprefix(GATEWAY_SOCKET_PREFIX).split('-')[0]}").exists()
+    ]
+    return {str(path) for path in (*groups, *sockets)}
 
 
 @pytest.mark.integration
