@@ -143,18 +143,22 @@ def test_the_scale_part_reports_the_span_the_cpu_and_the_memory_a_session_costs_
         "parts_cpu_ms_per_rollout": {"workers": 500.0},
         "parts_kernel_ms_per_rollout": {"workers": 100.0},
         "peak_workers_pss_mb": 800,
+        "pages_per_rollout": 50_000.0,
     }
     big = {"rows": 1000, "sessions": 1000, "parts_cpu_ms_per_rollout": {"workers": 30.0}}
+    big["pages_per_rollout"] = 2_400.0
     big["parts_kernel_ms_per_rollout"] = {"workers": 10.0}
     big["peak_workers_pss_mb"] = 800 + 992 * 0.25
     figures = beyond_fixed(small, big)
     # (30 ms x 1,000 - 500 ms x 8) / 992 sessions; 0.25 MB a session in flight.
     assert round(figures["per_session_ms"]["workers"], 2) == round((30_000 - 4_000) / 992, 2)
     assert figures["worker_mb_per_session"] == 0.25
+    assert figures["pages_per_session"] == (2_400 * 1000 - 50_000 * 8) / 992
     run = {**big, "workers": 8, "nodes": 4, "sleep_s": 300, "sessions_span_s": 341.7, "ideal_s": 300}
     text = markdown({"f": {**run, "beyond_fixed": figures}}, "rollout bench --parts f", "today", "here")
     assert "| 341.7 s | 300 s ideal | 1.139 |" in text
     assert "| (f) the workers' memory (PSS) per session in flight | 0.25 MB |" in text
+    assert "per session beyond the fixed costs (4 KiB each) | 2,016 |" in text
     # (10 ms x 1,000 - 100 ms x 8) / 992 of it in the kernel.
     assert "26.2 ms: workers 26.2 (in the kernel 9.3)" in text
 

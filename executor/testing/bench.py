@@ -193,6 +193,11 @@ def _scale_rows(f: dict[str, Any] | None) -> list[str]:
             + parts_text(per, f["beyond_fixed"].get("kernel_per_session_ms") or {})
             + " | | |"
         )
+        if (pages := f["beyond_fixed"].get("pages_per_session")) is not None:
+            rows.append(
+                f"| (f) pages the machine allocated per session beyond the fixed costs (4 KiB each) "
+                f"| {pages:,.0f} | | |"
+            )
         if (mb := f["beyond_fixed"].get("worker_mb_per_session")) is not None:
             rows.append(f"| (f) the workers' memory (PSS) per session in flight | {mb:.2f} MB | | |")
     return rows

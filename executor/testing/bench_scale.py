@@ -56,6 +56,15 @@ def _machine_cpu_s() -> float:
     return busy / _TICK
 
 
+def _pages_allocated() -> int:
+    """Pages the machine's kernel has handed out since boot (/proc/vmstat's pgalloc_*, every zone)."""
+    return sum(
+        int(value)
+        for name, value in (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+        if name.startswith("pgalloc_")
+    )
+
+
 def _stat_fields(pids: Iterable[int] | None = None) -> Iterator[tuple[int, list[bytes]]]:
     """Each process's /proc stat fields after its command name (state first, its parent second), for
     every process of ``pids`` (default: the machine's) that is there to read."""
@@ -439,7 +448,7 @@ def scale(
     sandbox_root = scratch / "sb"
     command_ms = _command_by_hand_ms(command)
     cpu0, tree0, t0 = _machine_cpu_s(), _tree_cpu_s(), time.monotonic()
-    kernel0 = _kernel_threads()
+    kernel0, pages0 = _kernel_threads(), _pages_allocated()
     own0 = _own_cpu_s()
     with TreeCpu() as ours, Sampler(sandbox_root, ours, workers) as sampler:
         with contextlib.ExitStack() as stack:
@@ -452,7 +461,7 @@ def scale(
     # The driver is this process (its loop, its Ray client's threads), less the sampler's threads.
     driver_cpu = _own_cpu_s() - own0 - sampler_cpu
     cpu, tree = _machine_cpu_s() - cpu0, _tree_cpu_s() - tree0
-    kernel = _kernel_threads_cpu_s(kernel0)
+    kernel, pages = _kernel_threads_cpu_s(kernel0), _pages_allocated() - pages0
     left = _left_behind(sandbox_root) + ours.left
     phases = ["t_setup_s", "t_agent_s", "t_verify_s", "t_cleanup_s"]
     columns = ["started_at", "t_total_s", "status", "failure_kind", "worker_id", *phases]
@@ -501,6 +510,9 @@ def scale(
         },
         "machine_cpu_s": cpu,  # everything the machine did meanwhile
         "kernel_threads_cpu_s": kernel,  # of which the kernel's threads (those alive at the end)
+        # Pages the machine allocated meanwhile (each a page fault's or the kernel's own), per rollout: a
+        # count the hour does not move, where a new page's CPU does (docs/performance.md, "At scale").
+        "pages_per_rollout": pages / rows,
         # The driver, its cluster and every sandbox process: the run's whole cost (None: unmeasured).
         "run_cpu_s": ours.seconds,
         "run_cpu_ms_per_rollout": ours.seconds / rows * 1000 if ours.seconds else None,
@@ -564,7 +576,8 @@ def line(f: dict[str, Any]) -> str:
         f"{f['ideal_s']:.0f} s ideal (overhead {f['overhead_of_span']:.1%} of the span), whole run "
         f"{f['wall_s']:.1f} s; CPU of the driver and its cluster {f['tree_cpu_s']:.0f} s "
         f"({f['cpu_ms_per_rollout']:.0f} ms per rollout; the machine's {f['machine_cpu_s']:.0f} s, "
-        f"its kernel threads' {f.get('kernel_threads_cpu_s', 0):.0f} s of it); "
+        f"its kernel threads' {f.get('kernel_threads_cpu_s', 0):.0f} s of it; the pages it allocated, "
+        f"{f.get('pages_per_rollout', 0):,.0f} per rollout); "
         + (
             f"CPU of the run as a whole, its sandboxes included, {f['run_cpu_s']:.0f} s "
             f"({f['run_cpu_ms_per_rollout']:.0f} ms per rollout); "
@@ -637,12 +650,14 @@ def beyond_fixed(small: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     # session in flight holds in its worker (the sandbox's own processes not counted).
     pss = big.get("peak_workers_pss_mb", 0) - small.get("peak_workers_pss_mb", 0)
     in_flight = big.get("in_flight", big["sessions"]) - small.get("in_flight", small["sessions"])
+    pages = big.get("pages_per_rollout", 0) * big["rows"] - small.get("pages_per_rollout", 0) * small["rows"]
     return {
         "per_session_ms": per,
         "kernel_per_session_ms": kernel,  # of ``per_session_ms``, the kernel's (workers and sandboxes)
         "fixed_s": fixed_s,
         "small_rows": small["rows"],
         "worker_mb_per_session": pss / in_flight if in_flight > 0 else None,
+        "pages_per_session": pages / rows,  # the machine's, as ``per_session_ms``
     }
 
 
@@ -654,7 +669,7 @@ def fixed_line(figures: dict[str, Any]) -> str:
         + parts_text(per, figures.get("kernel_per_session_ms") or {})
         + f" ms; fixed, once a run: {sum(fixed.values()):.1f} s: "
         + ", ".join(f"{k} {v:.1f}" for k, v in fixed.items())
-        + " s"
+        + f" s; pages the machine allocated per session: {figures.get('pages_per_session', 0):,.0f}"
         + (
             f"; workers' memory (PSS) per session in flight: {mb:.2f} MB"
             if (mb := figures.get("worker_mb_per_session")) is not None
