@@ -342,12 +342,16 @@ def test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one(tmp_pa
 def _held_on_the_host() -> set[str]:
     """The sandboxes' cgroups no process is in and the gateway sockets whose worker is gone: what a
     worker killed before it closed leaves behind (a live sandbox's cgroup holds its server)."""
-    groups = [
-        group
-        for controller in ("pids", "memory")
-        for group in Path(f"/sys/fs/cgroup/{controller}/rollout-executor").glob("*/")
-        if not (group / "cgroup.procs").read_text().strip()
-    ]
+
+    def empty(group: Path) -> bool:
+        try:
+            return not (group / "cgroup.procs").read_text().strip()
+        except OSError:  # removed meanwhile (another run's sandbox stopping)
+            return False
+
+    # cgroup v1's two hierarchies, or v2's one.
+    parents = [Path("/sys/fs/cgroup", *under, "rollout-executor") for under in (["pids"], ["memory"], [])]
+    groups = [group for parent in parents for group in parent.glob("*/") if empty(group)]
     sockets = [
         sock
         for sock in Path(tempfile.gettempdir()).glob(f"{GATEWAY_SOCKET_PREFIX}*.sock")
