@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from executor.cluster import RUNTIME_ENV_DIR, WORKING_DIR_FILES, check_out, cluster_address, ray_working_dir
-from executor.reaper import GATEWAY_SOCKET_PREFIX
+from executor.reaper import GATEWAY_SOCKET_PREFIX, _answered
 from executor.store import read_table
 from executor.tasks import InputError
+from sandboxes import pidlimit
 from tests.conftest import REPO, processes_under, rollout_run, sandbox_yaml
 from tests.ports import free_ports
 
@@ -340,7 +341,7 @@ def test_ray_job_submit_refuses_a_relative_out_and_writes_an_absolute_one(tmp_pa
 
 
 def _held_on_the_host() -> set[str]:
-    """The sandboxes' cgroups no process is in and the gateway sockets whose worker is gone: what a
+    """The sandboxes' cgroups no process is in and the gateway sockets no worker answers on: what a
     worker killed before it closed leaves behind (a live sandbox's cgroup holds its server)."""
 
     def empty(group: Path) -> bool:
@@ -349,13 +350,16 @@ def _held_on_the_host() -> set[str]:
         except OSError:  # removed meanwhile (another run's sandbox stopping)
             return False
 
-    # cgroup v1's two hierarchies, or v2's one.
-    parents = [Path("/sys/fs/cgroup", *under, "rollout-executor") for under in (["pids"], ["memory"], [])]
-    groups = [group for parent in parents for group in parent.glob("*/") if empty(group)]
+    # Where the sandboxes' caps are made: v1's two hierarchies, or v2's one (both names the same).
+    parents = {
+        parent for c in (pidlimit.PIDS, pidlimit.MEMORY) if (parent := pidlimit._parent(c)) is not None
+    }
+    groups = [group for parent in parents for group in Path(parent).glob("*/") if empty(group)]
+    # A gateway socket nobody accepts on, as the reaper tells a dead worker's.
     sockets = [
         sock
         for sock in Path(tempfile.gettempdir()).glob(f"{GATEWAY_SOCKET_PREFIX}*.sock")
-        if not Path(f"/proc/{sock.name.removeprefix(GATEWAY_SOCKET_PREFIX).split('-')[0]}").exists()
+        if not _answered(sock)
     ]
     return {str(path) for path in (*groups, *sockets)}
 
